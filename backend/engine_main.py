@@ -1,0 +1,121 @@
+"""The engine process: `python -m ringserve.backend.engine_main`, started by the frontend (`ringserve serve`).
+
+It creates the step and result rings, starts the worker processes, and runs the C++ step loop
+(`ringserve._core.Engine.run`, GIL released) in a thread so the main thread stays free to handle signals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from types import FrameType
+
+from ringserve import _core
+from ringserve.backend.process import die_with_parent, stop_child
+from ringserve.backend.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
+
+log = logging.getLogger("ringserve.engine")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ringserve-engine", description="RingServe engine process (started by `ringserve serve`).")
+    p.add_argument("--request-ring", required=True, help="shm name of the request ring (created by the frontend)")
+    p.add_argument("--event-ring", required=True, help="shm name of the event ring (created by the frontend)")
+    p.add_argument("--model", required=True, help="path of the model (GGUF file or Hugging Face folder)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--eos-token-ids", type=int, nargs="*", default=[])
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size in blocks")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache budget when not given in blocks")
+    p.add_argument("--worker-start-timeout", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_ring: str) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "ringserve.workers.worker_main",
+        "--rank", str(rank), "--world-size", str(args.tensor_parallel_size),
+        "--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
+        "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+        "--step-ring", step_ring, "--result-ring", result_ring, "--parent-pid", str(os.getpid()),
+    ]  # fmt: skip
+    if args.num_kv_blocks is not None:
+        cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return cmd
+
+
+def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
+    config = _core.EngineConfig()
+    config.block_size = args.block_size
+    config.max_num_seqs = args.max_num_seqs
+    config.max_num_batched_tokens = args.max_num_batched_tokens
+    config.max_model_len = args.max_model_len
+    config.eos_token_ids = list(args.eos_token_ids)
+    if args.num_kv_blocks is not None:
+        config.num_blocks = args.num_kv_blocks
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    die_with_parent()
+    if args.tensor_parallel_size != 1:
+        log.error("--tensor-parallel-size %d is not supported yet: use 1", args.tensor_parallel_size)
+        return 2
+
+    step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, args.tensor_parallel_size)
+    result_ring = _core.ShmRing.create(new_segment_name("res"), RESULT_RING_BYTES, 1)
+    workers: list[subprocess.Popen[bytes]] = []
+    engine: _core.Engine | None = None
+    failure: list[BaseException] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping the engine", signum)
+        if engine is not None:
+            engine.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for rank in range(args.tensor_parallel_size):
+            workers.append(subprocess.Popen(worker_command(args, rank, step_ring.name, result_ring.name)))
+        engine = _core.Engine(
+            engine_config(args), args.request_ring, args.event_ring, step_ring.name, result_ring.name,
+            [w.pid for w in workers],
+        )  # fmt: skip
+
+        def run_loop() -> None:
+            try:
+                engine.run()
+            except BaseException as exc:  # reported by the main thread
+                failure.append(exc)
+
+        loop_thread = threading.Thread(target=run_loop, name="engine-loop")
+        loop_thread.start()
+        while loop_thread.is_alive():
+            loop_thread.join(timeout=0.5)  # short joins keep Python signal handlers running
+        if failure:
+            log.error("engine loop failed: %s", failure[0])
+            return 1
+        return 0
+    finally:
+        for w in workers:
+            code = stop_child(w, timeout_s=10.0)
+            if code not in (0, -signal.SIGTERM):
+                log.warning("worker pid %d exited with %d", w.pid, code)
+        step_ring.unlink()
+        result_ring.unlink()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

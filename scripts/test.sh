@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One command: set up (with test dependencies), then run every test: ruff, the C++ unit tests
+# (plain, AddressSanitizer+UndefinedBehaviorSanitizer, ThreadSanitizer for the rings) and pytest.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --test
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+echo "==> ruff"
+ruff check .
+
+echo "==> C++ unit tests (ctest)"
+pybind_dir=$(python -m pybind11 --cmakedir)
+cxx_tests() {  # build dir, then extra cmake flags
+  local dir=$1; shift
+  cmake -S csrc -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -Dpybind11_DIR="$pybind_dir" \
+    -DRINGSERVE_BUILD_PYTHON_MODULE=OFF "$@" >/dev/null
+  cmake --build "$dir" -j2
+}
+cxx_tests build/ctest
+ctest --test-dir build/ctest --output-on-failure
+cxx_tests build/ctest-asan -DRINGSERVE_SANITIZE=address,undefined
+ctest --test-dir build/ctest-asan --output-on-failure
+cxx_tests build/ctest-tsan -DRINGSERVE_SANITIZE=thread
+ctest --test-dir build/ctest-tsan --output-on-failure -L ring
+
+echo "==> Python tests (pytest)"
+RINGSERVE_TEST_GGUF=${RINGSERVE_TEST_GGUF:-$(python -c \
+  "from ringserve.frontend.model_source import embedded_model_path; print(embedded_model_path())")}
+export RINGSERVE_TEST_GGUF
+python -m pytest "$@"

@@ -1,0 +1,182 @@
+"""GGUF loading: config from metadata, Q/K un-permuted from llama.cpp's layout, every listed tensor type.
+
+Synthetic files are written with gguf.GGUFWriter from tiny random HF models, permuting Q/K exactly as
+llama.cpp's converter does, so these tests need no real checkpoint. The real SmolLM2 file is compared
+against transformers when RINGSERVE_TEST_GGUF names it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+from ringserve.workers.loader import load_gguf_model, load_model
+from ringserve.workers.loader.weight_names import expand_names
+from ringserve.workers.model_runner import ModelRunner
+from transformers import LlamaConfig as HfLlamaConfig
+from transformers import LlamaForCausalLM as HfLlamaForCausalLM
+from workers_testkit import TINY, NewRequest, bind_cache, forward_packed, hf_logits, ids, plan
+
+BLOCK = 4
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What convert_hf_to_gguf.py does to llama Q/K rows for ggml's interleaved RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def k_quant_bytes(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
+    """Random but finite Q4_K / Q6_K blocks (gguf-py can only dequantize these, not quantize)."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin are the first two f16 values
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:  # Q6_K: d is the trailing f16
+        raw[..., -2:] = scale
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(
+    path: Path,
+    hf: torch.nn.Module,
+    types: dict[str, Q] | None = None,
+    drop: tuple[str, ...] = (),
+    raw: dict[str, np.ndarray] | None = None,
+) -> None:
+    """HF state dict -> llama GGUF. types: gguf name -> storage type (default F32); raw: pre-quantized bytes."""
+    cfg = hf.config
+    types, raw = types or {}, raw or {}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_eos_token_id(2)
+    state = hf.state_dict()
+    for name, ours in expand_names(cfg.num_hidden_layers, "gguf").items():
+        if name in drop or ours not in state or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if name in raw:
+            writer.add_tensor(name, raw[name], raw_dtype=types[name])
+            continue
+        w = state[ours].float().numpy()
+        if name.endswith("attn_q.weight"):
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        qtype = types.get(name, Q.F32)
+        if qtype == Q.F32:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+        elif qtype == Q.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tiny_hf(seed: int = 0, **overrides: object) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return HfLlamaForCausalLM(HfLlamaConfig(**{**TINY, **overrides})).eval()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_float32_gguf_with_llama_cpp_qk_layout_matches_transformers(tmp_path, tied):
+    hf = tiny_hf(tie_word_embeddings=tied)
+    write_gguf(tmp_path / "tiny.gguf", hf)
+    ours = load_model(tmp_path / "tiny.gguf")
+    assert ours.config.tie_word_embeddings is tied
+    assert (ours.config.num_heads, ours.config.num_kv_heads, ours.config.head_dim) == (4, 2, 16)
+    assert ours.config.eos_token_ids == [2]
+    bind_cache(ours, num_blocks=16, block_size=BLOCK)
+    seqs = [list(range(3, 40, 2)), [7, 1, 200, 31, 9]]
+    logits = forward_packed(ours, [(seqs[0], 0, [9, 2, 4, 11, 0]), (seqs[1], 0, [5, 3])], BLOCK)
+    for seq, got in zip(seqs, logits, strict=True):
+        torch.testing.assert_close(got, hf_logits(hf, seq), atol=1e-4, rtol=0)
+
+
+def test_every_listed_tensor_type_dequantizes_to_the_stored_weights(tmp_path):
+    # hidden 256 so every matrix row is a whole number of 256-wide K-quant super-blocks.
+    hf = tiny_hf(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    types = {
+        "token_embd.weight": Q.Q8_0,
+        "output.weight": Q.BF16,
+        "blk.0.attn_q.weight": Q.Q4_0,
+        "blk.0.attn_k.weight": Q.Q4_1,
+        "blk.0.attn_v.weight": Q.F16,
+        "blk.0.ffn_gate.weight": Q.Q4_K,
+        "blk.0.ffn_down.weight": Q.Q6_K,
+    }
+    raw = {
+        "blk.0.ffn_gate.weight": k_quant_bytes(256, 256, Q.Q4_K, seed=1),
+        "blk.0.ffn_down.weight": k_quant_bytes(256, 256, Q.Q6_K, seed=2),
+    }
+    write_gguf(tmp_path / "mixed.gguf", hf, types=types, raw=raw)
+    ours = dict(load_gguf_model(tmp_path / "mixed.gguf", torch.float32).named_parameters())
+    state = hf.state_dict()
+    names = expand_names(2, "gguf")
+    for gguf_name, qtype in types.items():
+        if gguf_name in raw:
+            expected = quants.dequantize(raw[gguf_name], qtype)
+        elif qtype == Q.F16:
+            expected = state[names[gguf_name]].numpy().astype(np.float16).astype(np.float32)
+        else:
+            # Block quantization runs along rows, so it commutes with the Q/K row permutation.
+            expected = quants.dequantize(quants.quantize(state[names[gguf_name]].numpy(), qtype), qtype)
+        got = ours[names[gguf_name]].detach().numpy()
+        np.testing.assert_array_equal(got, expected, err_msg=f"{gguf_name} stored as {qtype.name}")
+    assert (
+        np.abs(
+            ours["model.layers.0.mlp.up_proj.weight"].detach().numpy()
+            - state["model.layers.0.mlp.up_proj.weight"].numpy()
+        ).max()
+        == 0
+    )
+
+
+def test_missing_gguf_tensor_is_named_in_the_error(tmp_path):
+    write_gguf(tmp_path / "broken.gguf", tiny_hf(), drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight"):
+        load_gguf_model(tmp_path / "broken.gguf", torch.float32)
+
+
+GGUF_ENV = "RINGSERVE_TEST_GGUF"
+PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+
+
+@pytest.mark.skipif(not os.environ.get(GGUF_ENV), reason=f"set {GGUF_ENV} to a llama .gguf file")
+def test_real_gguf_greedy_tokens_equal_transformers():
+    from transformers import AutoModelForCausalLM
+
+    path = Path(os.environ[GGUF_ENV])
+    ours = load_gguf_model(path, torch.float32)
+    runner = ModelRunner(ours, block_size=16, num_kv_blocks=4)
+    new = NewRequest(slot=0, token_ids=ids(*PROMPT), block_ids=ids(3, 1))
+    out = runner.execute(plan(0, [(0, 0, len(PROMPT), True)], new_requests=[new]))
+    generated = [int(out.token_ids[0])]
+    for step in range(1, 16):
+        pos = len(PROMPT) + step - 1
+        generated.append(int(runner.execute(plan(step, [(0, pos, 1, True)])).token_ids[0]))
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)[0, len(PROMPT) :].tolist()
+    assert generated == ref
+    if path.name.startswith("SmolLM2-135M-Instruct"):
+        assert generated[:7] == [7042, 30, 198, 198, 504, 2988, 314]

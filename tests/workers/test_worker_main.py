@@ -1,0 +1,126 @@
+"""worker_main: flag checks, the step loop against fake rings, and (when `_core` is built) a real-process smoke test."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from ringserve.workers.loader import load_hf_model
+from ringserve.workers.model_runner import ModelRunner
+from ringserve.workers.worker_main import parse_args, serve_steps
+from workers_testkit import NewRequest, ids, plan, save_tiny_hf_model
+
+BASE_FLAGS = ["--model", "m", "--step-ring", "/s", "--result-ring", "/r"]
+
+
+def test_world_size_above_one_is_refused_with_a_clear_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*BASE_FLAGS, "--world-size", "2"])
+    assert exit_info.value.code == 2
+    assert "--world-size 1" in capsys.readouterr().err
+
+
+def test_flags_have_the_documented_defaults():
+    args = parse_args(BASE_FLAGS)
+    assert (args.rank, args.world_size, args.dtype, args.block_size) == (0, 1, "float32", 16)
+    assert args.num_kv_blocks is None and args.kv_cache_memory_gib == 1.0
+
+
+class WorkerShutdown:
+    pass
+
+
+class FakeReader:
+    def __init__(self, records: list[object]) -> None:
+        self.records = list(records)
+
+    def read(self, timeout_s: float) -> object | None:
+        return self.records.pop(0) if self.records else None
+
+
+class FakeWriter:
+    def __init__(self, full_times: int = 0) -> None:
+        self.records: list[object] = []
+        self.full_times = full_times
+
+    def write(self, record: object, timeout_s: float) -> bool:
+        if self.full_times:
+            self.full_times -= 1
+            return False
+        self.records.append(record)
+        return True
+
+
+FAKE_CORE = SimpleNamespace(
+    decode_worker_command=lambda record: record,  # the fake ring already carries decoded objects
+    WorkerShutdown=WorkerShutdown,
+    encode_step_result=lambda step_id, slots, tokens, logprobs: (step_id, slots.tolist(), tokens.tolist(), logprobs),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    save_tiny_hf_model("llama", folder)
+    return folder
+
+
+def test_step_loop_answers_each_plan_and_exits_cleanly_on_shutdown(tiny_folder):
+    runner = ModelRunner(load_hf_model(tiny_folder, torch.float32), block_size=4, num_kv_blocks=8)
+    reader = FakeReader(
+        [
+            None,  # idle read timeout
+            plan(0, [(1, 0, 3, True)], new_requests=[NewRequest(1, ids(4, 5, 6), ids(2))]),
+            plan(1, [(1, 3, 1, True)]),
+            WorkerShutdown(),
+        ]
+    )
+    writer = FakeWriter(full_times=2)  # a full result ring is waited out, not dropped
+    assert serve_steps(FAKE_CORE, reader, writer, runner, rank=0, keep_running=lambda: True) == 0
+    assert [(r[0], r[1]) for r in writer.records] == [(0, [1]), (1, [1])]
+    assert runner.slots[1].token_ids[3:] == [writer.records[0][2][0], writer.records[1][2][0]]
+    assert all(isinstance(r[3], np.ndarray) and r[3].dtype == np.float32 for r in writer.records)
+
+
+def test_step_loop_exits_when_the_parent_is_gone(tiny_folder):
+    runner = ModelRunner(load_hf_model(tiny_folder, torch.float32), block_size=4, num_kv_blocks=8)
+    assert serve_steps(FAKE_CORE, FakeReader([]), FakeWriter(), runner, rank=0, keep_running=lambda: False) == 1
+
+
+def test_a_bad_plan_raises_for_the_caller_to_report(tiny_folder):
+    runner = ModelRunner(load_hf_model(tiny_folder, torch.float32), block_size=4, num_kv_blocks=8)
+    reader = FakeReader([plan(0, [(3, 0, 1, True)])])  # slot 3 was never added
+    with pytest.raises(ValueError, match="slot 3"):
+        serve_steps(FAKE_CORE, reader, FakeWriter(), runner, rank=0, keep_running=lambda: True)
+
+
+def test_worker_process_attaches_to_real_rings_and_announces_ready(tiny_folder):
+    core = pytest.importorskip("ringserve._core")
+    token = secrets.token_hex(8)
+    step = core.ShmRing.create(f"/ringserve-{os.getpid()}-{token}-step", 1 << 20, 1)
+    result = core.ShmRing.create(f"/ringserve-{os.getpid()}-{token}-res", 1 << 20, 1)
+    command = [sys.executable, "-m", "ringserve.workers.worker_main", "--model", str(tiny_folder)]
+    command += ["--block-size", "4", "--num-kv-blocks", "16", "--num-threads", "1", "--parent-pid", str(os.getpid())]
+    command += ["--step-ring", step.name, "--result-ring", result.name]
+    proc = subprocess.Popen(command)
+    try:
+        record = core.RingReader(result).read(120.0)
+        assert record is not None, "worker never wrote WorkerReady"
+        if hasattr(core, "decode_worker_result"):
+            ready = core.decode_worker_result(record)
+            assert type(ready).__name__ == "WorkerReady" and ready.num_kv_blocks == 16
+        if hasattr(core, "encode_worker_shutdown"):
+            assert core.RingWriter(step).write(core.encode_worker_shutdown(), 5.0)
+            assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        step.unlink()
+        result.unlink()

@@ -1,0 +1,137 @@
+"""Stand-ins for the `_core` StepPlan records and tiny random Hugging Face models for worker tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.model import KVCache, LlamaForCausalLM
+from transformers import LlamaConfig as HfLlamaConfig
+from transformers import LlamaForCausalLM as HfLlamaForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+@dataclass
+class NewRequest:
+    slot: int
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    num_computed_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    has_seed: bool = False
+
+
+@dataclass
+class BlockAppend:
+    slot: int
+    block_ids: np.ndarray
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    block_appends: list[BlockAppend] = field(default_factory=list)
+    sched_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+def plan(step_id: int, sched: list[tuple[int, int, int, bool]], **deltas: object) -> StepPlan:
+    """sched: (slot, start, len, sample) per scheduled request."""
+    cols = list(zip(*sched, strict=True)) if sched else [[], [], [], []]
+    return StepPlan(
+        step_id=step_id,
+        sched_slots=np.asarray(cols[0], np.int32),
+        sched_start=np.asarray(cols[1], np.int32),
+        sched_len=np.asarray(cols[2], np.int32),
+        sched_sample=np.asarray(cols[3], bool),
+        **deltas,  # type: ignore[arg-type]
+    )
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.asarray(values, np.int32)
+
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+VARIANTS = {
+    "llama": lambda: HfLlamaForCausalLM(HfLlamaConfig(**TINY, rope_theta=10000.0)),
+    "llama_tied": lambda: HfLlamaForCausalLM(HfLlamaConfig(**TINY, tie_word_embeddings=True)),
+    "llama3_rope_scaling": lambda: HfLlamaForCausalLM(
+        HfLlamaConfig(
+            **TINY,
+            rope_scaling={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    ),
+    "qwen2_attention_bias": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=False)),
+}
+
+
+def save_tiny_hf_model(variant: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """Random-init tiny model saved as safetensors; returns the HF model (float32, eval) as the reference."""
+    torch.manual_seed(seed)
+    hf = VARIANTS[variant]().eval()
+    if variant == "qwen2_attention_bias":
+        with torch.no_grad():  # HF zero-inits biases; make them matter
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    hf.save_pretrained(folder)
+    return hf
+
+
+def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def forward_packed(
+    model: LlamaForCausalLM,
+    chunks: list[tuple[list[int], int, list[int]]],
+    block_size: int,
+) -> list[torch.Tensor]:
+    """One packed step. chunks: (new tokens, start position, block table). Returns each chunk's logits rows."""
+    tokens = [t for chunk, _, _ in chunks for t in chunk]
+    positions = [p for chunk, start, _ in chunks for p in range(start, start + len(chunk))]
+    metadata = AttentionMetadata.build(
+        query_lens=[len(c) for c, _, _ in chunks],
+        seq_lens=[start + len(c) for c, start, _ in chunks],
+        block_tables=[blocks for _, _, blocks in chunks],
+        block_size=block_size,
+        logits_indices=None,
+    )
+    with torch.inference_mode(), attention_metadata_scope(metadata):
+        logits = model(torch.tensor(tokens), torch.tensor(positions))
+    return list(logits.split([len(c) for c, _, _ in chunks]))
+
+
+def bind_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> KVCache:
+    cache = KVCache.allocate(model.config, num_blocks, block_size, torch.float32, "cpu")
+    model.bind_kv_cache(cache)
+    return cache

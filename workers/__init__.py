@@ -1,0 +1,1 @@
+"""RingServe workers: model shards, paged KV tensors, the persistent batch and the sampler."""

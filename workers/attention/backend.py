@@ -1,0 +1,48 @@
+"""The one interface every attention backend implements, and how a backend is chosen.
+
+The model only computes q/k/v and calls `backend.forward`; writing the cache and reading it through block
+tables is the backend's job, so a CUDA paged kernel can replace the gather path without touching the model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from ringserve.workers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], RoPE applied
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Writes this step's k/v into the cache through the slot mapping, then attends over each context."""
+        ...
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatters new keys/values into their flat cache slots (block_id * block_size + offset)."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """`auto` picks the best backend for the device; only the gather + SDPA backend exists today."""
+    from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
+
+    if name in ("auto", TorchSdpaBackend.name):
+        return TorchSdpaBackend()
+    # Seam: a "cuda_paged" backend (flash-attn / paged kernel reading block tables directly) registers here.
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, {TorchSdpaBackend.name}")

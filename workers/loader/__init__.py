@@ -1,0 +1,37 @@
+"""Weight loaders (GGUF, Hugging Face safetensors folders) that build a ready LlamaForCausalLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from ringserve.workers.loader.gguf_loader import load_gguf_model
+from ringserve.workers.loader.hf_loader import load_hf_model
+from ringserve.workers.model import LlamaForCausalLM
+
+__all__ = ["load_gguf_model", "load_hf_model", "load_model", "parse_dtype"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LlamaForCausalLM:
+    """A .gguf file, a folder holding exactly one .gguf, or a Hugging Face folder with config.json."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf_model(path, dtype, device)
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return load_hf_model(path, dtype, device)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return load_gguf_model(ggufs[0], dtype, device)
+    raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json (or a single .gguf)")

@@ -1,0 +1,106 @@
+"""GGUF loader: llama config from the file's metadata, tensors dequantized to float with the `gguf` package.
+
+llama.cpp's converter permutes the rows of Q and K so its interleaved ("GPT-J") RoPE sees each head's pairs
+as (2j, 2j+1). Our model uses HF's rotate_half RoPE (pairs (j, j + head_dim/2)), so Q and K are un-permuted
+on load, exactly as transformers does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from ringserve.workers.loader.weight_names import expand_names
+from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
+from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from tqdm import tqdm
+
+# Architectures whose llama.cpp conversion permutes Q/K rows (qwen2 keeps HF's NeoX order).
+_PERMUTED_QK = {"llama": True, "qwen2": False}
+_IGNORED_TENSORS = ("rope_freqs.weight",)  # consumed separately as RoPE frequency factors
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_gguf_config(reader: GGUFReader, path: str) -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _PERMUTED_QK:
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {sorted(_PERMUTED_QK)})")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: partial rotary (rope dims {rope_dim} of head_dim {head_dim}) is not supported")
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
+    rope_scaling: dict[str, Any] | None = None
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling_type not in ("none", None):
+        raise ValueError(f"{path}: rope scaling {scaling_type!r} is not supported (supported: none, linear, llama3)")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return LlamaConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # ggml order: [hidden, vocab]
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows (head, pair, 2) back to (head, 2, pair)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    path = str(path)
+    reader = GGUFReader(path)
+    config = read_gguf_config(reader, path)
+    arch = _field(reader, "general.architecture")
+    model = build_empty_model(config, dtype, device)
+    names = expand_names(config.num_layers, "gguf")
+    sink = WeightSink(model)
+    for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor", file=sys.stderr):
+        if tensor.name in _IGNORED_TENSORS:
+            factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+            model.model.rotary.set_freq_factors(torch.from_numpy(np.ascontiguousarray(factors)))
+            continue
+        ours = names.get(tensor.name)
+        if ours is None:
+            raise KeyError(f"unexpected tensor {tensor.name!r} in {path}; it maps to no llama parameter")
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
+        # GGUF lists dims fastest-first; numpy's (and torch's) order is the reverse.
+        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if _PERMUTED_QK[arch] and ours.endswith(("q_proj.weight", "q_proj.bias")):
+            array = unpermute_qk(array, config.num_heads)
+        elif _PERMUTED_QK[arch] and ours.endswith(("k_proj.weight", "k_proj.bias")):
+            array = unpermute_qk(array, config.num_kv_heads)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
+            array = array.copy()
+        sink.assign(ours, torch.from_numpy(array), tensor.name)
+    sink.finish(path, names)
+    return model

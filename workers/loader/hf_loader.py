@@ -1,0 +1,65 @@
+"""Hugging Face folder loader: config.json + model.safetensors (or shards listed in model.safetensors.index.json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from ringserve.workers.loader.weight_names import expand_names
+from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
+from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from safetensors import safe_open
+from tqdm import tqdm
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(folder: Path) -> LlamaConfig:
+    raw = json.loads((folder / "config.json").read_text())
+    model_type = raw.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{folder}/config.json has model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    return LlamaConfig.from_hf_dict(raw)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no .safetensors weights in {folder}")
+    return found
+
+
+def load_hf_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    folder = Path(folder)
+    config = read_hf_config(folder)
+    model = build_empty_model(config, dtype, device)
+    names = expand_names(config.num_layers, "hf")
+    sink = WeightSink(model)
+    files = safetensors_files(folder)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]  # memory-mapped
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc=f"Loading {folder.name}", unit="tensor", file=sys.stderr) as bar:
+        for handle in handles:
+            for key in handle.keys():
+                bar.update(1)
+                if key.endswith(_IGNORED_SUFFIXES):
+                    continue
+                ours = names.get(key)
+                if ours is None:
+                    raise KeyError(f"unexpected tensor {key!r} in {folder}; it maps to no llama parameter")
+                if not sink.wants(ours) and ours == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # tied checkpoints sometimes save the head anyway; the embedding wins
+                sink.assign(ours, handle.get_tensor(key), key)
+    sink.finish(str(folder), names)
+    return model

@@ -1,0 +1,49 @@
+"""Fills a model's parameters from named tensors, checking shapes and that nothing is left unset."""
+
+from __future__ import annotations
+
+import torch
+from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+
+
+def build_empty_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    """Allocates the model without random init (meta construction), since every weight is loaded next."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        # to_empty replaces each module's parameter separately, which unties shared weights.
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+class WeightSink:
+    """Receives (our name, tensor) pairs for one model; `finish` raises if any parameter never arrived."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+        self.loaded: set[str] = set()
+
+    def wants(self, name: str) -> bool:
+        return name in self.params
+
+    @torch.no_grad()
+    def assign(self, name: str, tensor: torch.Tensor, source_name: str) -> None:
+        param = self.params.get(name)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {source_name!r} maps to {name!r}, which this model does not have")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"checkpoint tensor {source_name!r} has shape {tuple(tensor.shape)}, "
+                f"but {name!r} expects {tuple(param.shape)}"
+            )
+        param.copy_(tensor.to(param.dtype))
+        self.loaded.add(name)
+
+    def finish(self, source: str, source_names: dict[str, str]) -> None:
+        """source_names: checkpoint name -> our name, used to name what is missing in the file's own terms."""
+        missing = sorted(set(self.params) - self.loaded)
+        if missing:
+            theirs = {ours: name for name, ours in source_names.items()}
+            listed = ", ".join(f"{theirs.get(m, m)} (for {m})" for m in missing)
+            raise ValueError(f"{source} is missing weights: {listed}")

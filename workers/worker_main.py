@@ -1,0 +1,134 @@
+"""Worker process entry point: `python -m ringserve.workers.worker_main --step-ring ... --result-ring ...`.
+
+Reads StepPlans from the step ring, runs them on the persistent batch, and (rank 0) writes StepResults to the
+result ring. Records are the typed binary layouts of `ringserve._core`; nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from ringserve.workers.loader import load_model, parse_dtype
+from ringserve.workers.model_runner import ModelRunner
+
+_READ_TIMEOUT_S = 0.5  # how often an idle worker checks that its parent is alive
+_WRITE_TIMEOUT_S = 0.5
+_PR_SET_PDEATHSIG = 1
+_MAX_FAILURE_MESSAGE = 4000  # keep WorkerFailed well under any ring's max_record_size
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ringserve.workers.worker_main", description=__doc__)
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size (only 1 is supported)")
+    p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face folder (config.json + safetensors)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and KV cache dtype")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must equal the engine's)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (overrides the budget)")
+    p.add_argument(
+        "--kv-cache-memory-gib", type=float, default=1.0, help="KV cache budget when --num-kv-blocks is unset"
+    )
+    p.add_argument("--step-ring", required=True, help="shared-memory name of the step ring (engine -> workers)")
+    p.add_argument("--result-ring", required=True, help="shared-memory name of the result ring (rank 0 -> engine)")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the engine) is gone")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: usable CPUs)")
+    args = p.parse_args(argv)
+    if args.world_size != 1:
+        p.error(f"--world-size {args.world_size}: tensor parallelism is not implemented yet; run with --world-size 1")
+    if not 0 <= args.rank < args.world_size:
+        p.error(f"--rank {args.rank} is outside [0, --world-size {args.world_size})")
+    if args.block_size < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
+        p.error("--block-size and --num-kv-blocks must be positive")
+    return args
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """PR_SET_PDEATHSIG(SIGTERM), then close the race where the parent died before the prctl."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent_pid is not None and os.getppid() != parent_pid:
+        sys.exit(1)
+
+
+def parent_alive(parent_pid: int | None) -> bool:
+    return parent_pid is None or os.getppid() == parent_pid
+
+
+def write_until_accepted(writer: Any, record: bytes, keep_waiting: Callable[[], bool]) -> bool:
+    """A full result ring is backpressure from the engine: wait, but give up if the engine is gone."""
+    while not writer.write(record, _WRITE_TIMEOUT_S):
+        if not keep_waiting():
+            return False
+    return True
+
+
+def serve_steps(
+    core: ModuleType, reader: Any, writer: Any, runner: Any, rank: int, keep_running: Callable[[], bool]
+) -> int:
+    """The step loop; returns the exit code. Raises on a failed step (the caller reports WorkerFailed)."""
+    while True:
+        record = reader.read(_READ_TIMEOUT_S)
+        if record is None:
+            if not keep_running():
+                return 1
+            continue
+        command = core.decode_worker_command(record)
+        if isinstance(command, core.WorkerShutdown):
+            return 0
+        out = runner.execute(command)
+        if rank == 0:
+            result = core.encode_step_result(out.step_id, out.slots, out.token_ids, out.logprobs)
+            if not write_until_accepted(writer, result, keep_running):
+                return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    die_with_parent(args.parent_pid)
+    from ringserve import _core as core  # built from csrc/; imported here so the rest of workers/ needs no build
+
+    writer = core.RingWriter(core.ShmRing.attach(args.result_ring))
+    reader = core.RingReader(core.ShmRing.attach(args.step_ring), args.rank)
+
+    def keep_running() -> bool:
+        return parent_alive(args.parent_pid)
+
+    try:
+        threads = args.num_threads or max(1, len(os.sched_getaffinity(0)) // args.world_size)
+        torch.set_num_threads(threads)
+        model = load_model(args.model, parse_dtype(args.dtype))
+        runner = ModelRunner(
+            model,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            seed=args.seed,
+        )
+        print(
+            f"worker {args.rank}: {args.model} ({args.dtype}), {runner.num_kv_blocks} KV blocks of {args.block_size}, "
+            f"{threads} threads",
+            file=sys.stderr,
+            flush=True,
+        )
+        write_until_accepted(writer, core.encode_worker_ready(args.rank, runner.num_kv_blocks), keep_running)
+        return serve_steps(core, reader, writer, runner, args.rank, keep_running)
+    except Exception as exc:
+        traceback.print_exc(file=sys.stderr)
+        message = f"worker {args.rank}: {type(exc).__name__}: {exc}"[:_MAX_FAILURE_MESSAGE]
+        write_until_accepted(writer, core.encode_worker_failed(args.rank, message), keep_running)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
