@@ -23,7 +23,9 @@ log = logging.getLogger("ringserve.engine")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ringserve-engine", description="RingServe engine process (started by `ringserve serve`).")
+    p = argparse.ArgumentParser(
+        prog="python -m ringserve.backend.engine_main", description="RingServe engine process (started by serve)."
+    )
     p.add_argument("--request-ring", required=True, help="shm name of the request ring (created by the frontend)")
     p.add_argument("--event-ring", required=True, help="shm name of the event ring (created by the frontend)")
     p.add_argument("--model", required=True, help="path of the model (GGUF file or Hugging Face folder)")
@@ -60,8 +62,8 @@ def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
     config.max_num_batched_tokens = args.max_num_batched_tokens
     config.max_model_len = args.max_model_len
     config.eos_token_ids = list(args.eos_token_ids)
-    if args.num_kv_blocks is not None:
-        config.num_blocks = args.num_kv_blocks
+    # num_blocks stays 0: the engine then sizes its pool from the workers' WorkerReady (the blocks they really
+    # allocated) and reports ready only once every worker has loaded the model.
     return config
 
 

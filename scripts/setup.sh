@@ -24,6 +24,13 @@ fi
 
 echo "==> installing build tools"
 "${PIP[@]}" install -q "scikit-build-core>=0.10" "pybind11>=2.13" "grpcio-tools>=1.66"
+# CMake >= 3.20 and Ninja come from the system when present, else from PyPI.
+if ! command -v ninja >/dev/null || ! cmake -P /dev/stdin <<<'if(CMAKE_VERSION VERSION_LESS 3.20)
+message(FATAL_ERROR "old")
+endif()' >/dev/null 2>&1; then
+  "${PIP[@]}" install -q "cmake>=3.20" ninja
+  export PATH="$PWD/.venv/bin:$PATH"
+fi
 
 echo "==> building and installing ringserve${extras}"
 "${PIP[@]}" install -q --no-build-isolation ".${extras}"

@@ -1,0 +1,107 @@
+#include "ringserve/block_pool.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace ringserve {
+
+BlockPool::BlockPool(int32_t num_blocks) {
+  if (num_blocks < 0) throw std::invalid_argument("num_blocks must be >= 0");
+  blocks_.resize(static_cast<size_t>(num_blocks));
+  for (int32_t id = 0; id < num_blocks; ++id) push_back_free(id);
+}
+
+void BlockPool::check_id(int32_t id) const {
+  if (id < 0 || id >= num_blocks()) throw std::logic_error("block id " + std::to_string(id) + " out of range");
+}
+
+void BlockPool::push_back_free(int32_t id) {
+  Block& b = blocks_[static_cast<size_t>(id)];
+  b.prev = tail_;
+  b.next = kNone;
+  if (tail_ != kNone) {
+    blocks_[static_cast<size_t>(tail_)].next = id;
+  } else {
+    head_ = id;
+  }
+  tail_ = id;
+  ++num_free_;
+}
+
+void BlockPool::unlink_free(int32_t id) {
+  Block& b = blocks_[static_cast<size_t>(id)];
+  if (b.prev != kNone) {
+    blocks_[static_cast<size_t>(b.prev)].next = b.next;
+  } else {
+    head_ = b.next;
+  }
+  if (b.next != kNone) {
+    blocks_[static_cast<size_t>(b.next)].prev = b.prev;
+  } else {
+    tail_ = b.prev;
+  }
+  b.prev = b.next = kNone;
+  --num_free_;
+}
+
+bool BlockPool::allocate(int32_t n, std::vector<int32_t>& out) {
+  if (n < 0) throw std::invalid_argument("cannot allocate a negative number of blocks");
+  if (n > num_free_) return false;  // all or nothing: decide before touching anything
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t id = head_;
+    unlink_free(id);
+    blocks_[static_cast<size_t>(id)].ref_count = 1;
+    out.push_back(id);
+  }
+  return true;
+}
+
+void BlockPool::free(std::span<const int32_t> block_ids) {
+  // Validate first so a bad id or an already-free block leaves the pool unchanged. (The same id listed more often
+  // than its ref_count is still caught below, after the earlier entries were released.)
+  for (const int32_t id : block_ids) {
+    check_id(id);
+    if (blocks_[static_cast<size_t>(id)].ref_count <= 0) {
+      throw std::logic_error("double free of block " + std::to_string(id));
+    }
+  }
+  for (const int32_t id : block_ids) {
+    Block& b = blocks_[static_cast<size_t>(id)];
+    if (b.ref_count <= 0) throw std::logic_error("double free of block " + std::to_string(id));
+    if (--b.ref_count == 0) push_back_free(id);
+  }
+}
+
+void BlockPool::add_ref(int32_t block_id) {
+  check_id(block_id);
+  Block& b = blocks_[static_cast<size_t>(block_id)];
+  if (b.ref_count <= 0) throw std::logic_error("add_ref on free block " + std::to_string(block_id));
+  ++b.ref_count;
+}
+
+int32_t BlockPool::ref_count(int32_t block_id) const {
+  check_id(block_id);
+  return blocks_[static_cast<size_t>(block_id)].ref_count;
+}
+
+void BlockPool::check_invariants() const {
+  auto fail = [](const std::string& what) { throw std::logic_error("BlockPool invariant broken: " + what); };
+  int32_t listed = 0;
+  int32_t prev = kNone;
+  for (int32_t id = head_; id != kNone; id = blocks_[static_cast<size_t>(id)].next) {
+    const Block& b = blocks_[static_cast<size_t>(id)];
+    if (b.ref_count != 0) fail("referenced block " + std::to_string(id) + " on the free list");
+    if (b.prev != prev) fail("broken prev link at block " + std::to_string(id));
+    prev = id;
+    if (++listed > num_blocks()) fail("free list has a cycle");
+  }
+  if (prev != tail_) fail("tail does not end the free list");
+  int32_t unreferenced = 0;
+  for (const Block& b : blocks_) {
+    if (b.ref_count < 0) fail("negative ref_count");
+    unreferenced += b.ref_count == 0 ? 1 : 0;
+  }
+  if (listed != num_free_ || unreferenced != num_free_) fail("num_free does not match the free list");
+}
+
+}  // namespace ringserve

@@ -1,0 +1,251 @@
+#include "ringserve/engine.h"
+
+#include <time.h>
+
+#include <cstdio>
+#include <variant>
+
+#include "ringserve/process.h"
+
+namespace ringserve {
+namespace {
+
+using namespace std::chrono_literals;
+
+// How long a blocking wait lasts before the loop re-checks the stop flag and worker liveness.
+constexpr auto kPollInterval = 100ms;
+constexpr size_t kMaxFailureMessage = 1024;
+
+}  // namespace
+
+int64_t realtime_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+
+Engine::Engine(EngineConfig config, const std::string& request_ring, const std::string& event_ring,
+               const std::string& step_ring, const std::string& result_ring, std::vector<pid_t> worker_pids)
+    : config_(std::move(config)),
+      worker_pids_(std::move(worker_pids)),
+      requests_(ShmRing::attach(request_ring), 0),
+      events_(ShmRing::attach(event_ring)),
+      steps_(ShmRing::attach(step_ring)),
+      results_(ShmRing::attach(result_ring), 0) {
+  if (config_.block_size <= 0 || config_.max_num_seqs <= 0 || config_.max_num_batched_tokens <= 0 ||
+      config_.num_blocks < 0 || config_.max_model_len < 0) {
+    throw std::invalid_argument("EngineConfig: block_size, max_num_seqs and max_num_batched_tokens must be > 0");
+  }
+}
+
+void Engine::stop() noexcept {
+  // release: a waiter that observes a bumped futex word (acquire) then sees this flag.
+  stop_.store(true, std::memory_order_release);
+  requests_.ring()->wake_readers();
+  results_.ring()->wake_readers();
+  events_.ring()->wake_writer();
+  steps_.ring()->wake_writer();
+}
+
+void Engine::housekeeping(bool force) {
+  const auto now = std::chrono::steady_clock::now();
+  if (!force && now - last_housekeeping_ < kPollInterval) return;
+  last_housekeeping_ = now;
+  for (const pid_t pid : worker_pids_) {
+    if (!is_process_alive(pid)) throw WorkerFailure("worker process " + std::to_string(pid) + " died");
+  }
+  if (interrupt_check_ && interrupt_check_()) stop();
+}
+
+void Engine::emit(const ByteBuffer& record) {
+  // Never drop: wait for the frontend to make room, unless we are shutting down anyway.
+  while (!events_.write(record, kPollInterval, &stop_)) {
+    if (stopping()) return;
+    housekeeping(false);
+  }
+}
+
+void Engine::send_worker_shutdown() noexcept {
+  try {
+    encode(WorkerShutdown{}, plan_buffer_);
+    // No cancel flag: stop() has usually been called, and the workers must still hear about it.
+    steps_.write(plan_buffer_, 1s);
+  } catch (...) {  // best effort: the workers may be gone already
+  }
+}
+
+namespace {
+
+WorkerResult decode_from_worker(const ByteBuffer& record) {
+  try {
+    return decode_worker_result(record);
+  } catch (const RecordError& e) {
+    throw WorkerFailure(std::string("malformed record on the result ring: ") + e.what());
+  }
+}
+
+[[noreturn]] void throw_worker_failed(const WorkerFailed& f) {
+  throw WorkerFailure("worker rank " + std::to_string(f.rank) + " failed: " + f.message);
+}
+
+}  // namespace
+
+bool Engine::await_workers_ready() {
+  int64_t num_blocks = config_.num_blocks;  // the host may size the pool itself
+  while (num_blocks <= 0) {
+    if (results_.read(in_buffer_, kPollInterval, &stop_)) {
+      const WorkerResult record = decode_from_worker(in_buffer_);
+      if (const auto* ready = std::get_if<WorkerReady>(&record)) {
+        if (ready->num_kv_blocks == 0) throw WorkerFailure("worker reported 0 KV blocks");
+        num_blocks = ready->num_kv_blocks;
+      } else if (const auto* failed = std::get_if<WorkerFailed>(&record)) {
+        throw_worker_failed(*failed);
+      } else {
+        throw WorkerFailure("StepResult received before WorkerReady");
+      }
+      continue;
+    }
+    if (stopping()) return false;
+    housekeeping(true);
+  }
+  EngineConfig config = config_;
+  config.num_blocks = static_cast<int32_t>(num_blocks);
+  scheduler_.emplace(std::move(config), steps_.ring()->max_record_size());
+  return true;
+}
+
+bool Engine::handle_request(const ByteBuffer& record) {
+  RequestRecord request;
+  try {
+    request = decode_request_record(record);
+  } catch (const RecordError& e) {
+    // Reported to the sender, never a crash; request id 0 because the id could not be read.
+    std::fprintf(stderr, "ringserve engine: dropped malformed request record: %s\n", e.what());
+    emit_record(RequestRejected{0, kStatusInvalidArgument, std::string("malformed request record: ") + e.what()});
+    return true;
+  }
+  if (auto* add = std::get_if<AddRequest>(&request)) {
+    if (auto rejected = scheduler_->add_request(*add, realtime_ns())) emit_record(*rejected);
+  } else if (const auto* abort = std::get_if<AbortRequest>(&request)) {
+    scheduler_->abort_request(abort->request_id);  // unknown id: already finished, nothing to do
+  } else if (const auto* query = std::get_if<StatsQuery>(&request)) {
+    emit_record(scheduler_->stats(query->query_id));
+  } else {
+    return false;  // Shutdown
+  }
+  return true;
+}
+
+bool Engine::drain_requests() {
+  while (!stopping() && requests_.try_read(in_buffer_)) {
+    if (!handle_request(in_buffer_)) return false;
+  }
+  housekeeping(false);
+  return !stopping();
+}
+
+void Engine::check_result_ring_while_idle() {
+  while (results_.try_read(in_buffer_)) {
+    const WorkerResult record = decode_from_worker(in_buffer_);
+    if (const auto* failed = std::get_if<WorkerFailed>(&record)) throw_worker_failed(*failed);
+    if (std::holds_alternative<StepResult>(record)) throw WorkerFailure("StepResult received with no step in flight");
+  }
+}
+
+bool Engine::wait_for_requests() {
+  // Idle: no step to run, so sleep on the request ring's futex (no CPU) and wake up every 100 ms to check liveness.
+  while (true) {
+    if (requests_.read(in_buffer_, kPollInterval, &stop_)) return handle_request(in_buffer_);
+    if (stopping()) return false;
+    check_result_ring_while_idle();
+    housekeeping(false);
+  }
+}
+
+bool Engine::await_result(StepResult& result) {
+  while (true) {
+    if (results_.read(in_buffer_, kPollInterval, &stop_)) {
+      WorkerResult record = decode_from_worker(in_buffer_);
+      if (auto* step = std::get_if<StepResult>(&record)) {
+        result = std::move(*step);
+        return true;
+      }
+      if (const auto* failed = std::get_if<WorkerFailed>(&record)) throw_worker_failed(*failed);
+      continue;  // a late WorkerReady carries nothing for a running engine
+    }
+    if (stopping()) return false;
+    housekeeping(false);
+  }
+}
+
+void Engine::flush_outputs() {
+  scheduler_->take_outputs(outputs_);
+  if (outputs_.empty()) return;
+  // One StepEvents per step; split only if it would not fit in one ring record.
+  const size_t limit = events_.ring()->max_record_size();
+  constexpr size_t kFixedBytes = 32;
+  events_record_.step_id = scheduler_->num_steps();
+  events_record_.emit_time_ns = realtime_ns();
+  events_record_.outputs.clear();
+  size_t bytes = kFixedBytes;
+  for (RequestOutput& o : outputs_) {
+    const size_t b = encoded_size_bound(o);
+    if (!events_record_.outputs.empty() && bytes + b > limit) {
+      emit_record(events_record_);
+      events_record_.outputs.clear();
+      bytes = kFixedBytes;
+    }
+    events_record_.outputs.push_back(std::move(o));
+    bytes += b;
+  }
+  emit_record(events_record_);
+  events_record_.outputs.clear();
+}
+
+void Engine::run() {
+  try {
+    if (await_workers_ready()) {
+      const EngineConfig& c = scheduler_->config();
+      emit_record(EngineReady{static_cast<uint32_t>(c.num_blocks), static_cast<uint32_t>(c.block_size),
+                              static_cast<uint32_t>(c.max_model_len)});
+      StepResult result;
+      while (drain_requests()) {
+        if (!scheduler_->schedule(plan_, realtime_ns())) {
+          flush_outputs();  // e.g. aborts while nothing runs
+          if (!wait_for_requests()) break;
+          continue;
+        }
+        encode(plan_, plan_buffer_);
+        bool sent = true;
+        while (!steps_.write(plan_buffer_, kPollInterval, &stop_)) {
+          if (stopping()) {
+            sent = false;
+            break;
+          }
+          housekeeping(false);
+        }
+        if (!sent || !await_result(result)) break;
+        try {
+          scheduler_->update(result, realtime_ns());
+        } catch (const std::runtime_error& e) {
+          throw WorkerFailure(std::string("worker broke the step protocol: ") + e.what());
+        }
+        flush_outputs();
+      }
+    }
+  } catch (const std::exception& e) {
+    // Fatal: tell the frontend so it fails every in-flight request, stop the workers, then surface the error.
+    std::string message = e.what();
+    if (message.size() > kMaxFailureMessage) message.resize(kMaxFailureMessage);
+    try {
+      encode(EngineFailed{message}, event_buffer_);
+      events_.write(event_buffer_, 1s);  // best effort: the frontend may be gone too
+    } catch (...) {
+    }
+    send_worker_shutdown();
+    throw;
+  }
+  send_worker_shutdown();
+}
+
+}  // namespace ringserve

@@ -1,0 +1,25 @@
+#include "ringserve/process.h"
+
+#include <cerrno>
+#include <csignal>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+namespace ringserve {
+
+bool is_process_alive(pid_t pid) {
+  if (pid <= 0) return false;
+  // EPERM means it exists but belongs to someone else: alive.
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;  // no procfs: kill() is all we know
+  const std::string line((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // The command name may contain spaces and parentheses; the state follows the last ')'.
+  const auto close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return true;
+  const char state = line[close + 2];
+  return state != 'Z' && state != 'X' && state != 'x';
+}
+
+}  // namespace ringserve

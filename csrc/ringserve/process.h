@@ -1,0 +1,12 @@
+// Process liveness checks used to turn a dead peer into a clean failure instead of a hang.
+#pragma once
+
+#include <sys/types.h>
+
+namespace ringserve {
+
+// False when `pid` does not exist or is a zombie/dead task (its /proc/<pid>/stat state is Z or X).
+// A pid reused by an unrelated process reads as alive; callers accept that rare false positive.
+bool is_process_alive(pid_t pid);
+
+}  // namespace ringserve

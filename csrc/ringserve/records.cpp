@@ -1,0 +1,536 @@
+#include "ringserve/records.h"
+
+#include <cstring>
+#include <limits>
+#include <string_view>
+#include <type_traits>
+
+namespace ringserve {
+namespace {
+
+constexpr size_t align_up(size_t n) { return (n + kRecordAlign - 1) & ~(kRecordAlign - 1); }
+
+// Appends little-endian fields after a header placeholder; finish() pads and fills in the header.
+class PayloadWriter {
+ public:
+  PayloadWriter(ByteBuffer& out, RecordType type) : out_(out), type_(type) {
+    out_.clear();
+    out_.resize(sizeof(RecordHeader));
+  }
+
+  template <class T>
+    requires std::is_arithmetic_v<T> || std::is_enum_v<T>
+  void put(T value) {
+    const size_t at = out_.size();
+    out_.resize(at + sizeof(T));
+    std::memcpy(out_.data() + at, &value, sizeof(T));
+  }
+
+  void put_bool(bool value) { put<uint8_t>(value ? 1 : 0); }
+
+  template <class T>
+  void put_array(std::span<const T> values) {
+    put<uint32_t>(checked_count(values.size()));
+    const size_t at = out_.size();
+    out_.resize(at + values.size_bytes());
+    if (!values.empty()) std::memcpy(out_.data() + at, values.data(), values.size_bytes());
+  }
+
+  template <class T>
+  void put_array(const std::vector<T>& values) {
+    put_array(std::span<const T>(values));
+  }
+
+  void put_string(std::string_view s) {
+    put_array(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
+  }
+
+  template <size_t N>
+  void put_bytes(const std::array<uint8_t, N>& bytes) {
+    const size_t at = out_.size();
+    out_.resize(at + N);
+    std::memcpy(out_.data() + at, bytes.data(), N);
+  }
+
+  void finish() {
+    out_.resize(align_up(out_.size()), 0);
+    if (out_.size() > std::numeric_limits<uint32_t>::max()) throw RecordError("record larger than 4 GiB");
+    const RecordHeader header{static_cast<uint32_t>(out_.size()), static_cast<uint16_t>(type_), kLayoutVersion};
+    std::memcpy(out_.data(), &header, sizeof(header));
+  }
+
+  static uint32_t checked_count(size_t n) {
+    if (n > std::numeric_limits<uint32_t>::max()) throw RecordError("array longer than 2^32-1 elements");
+    return static_cast<uint32_t>(n);
+  }
+
+ private:
+  ByteBuffer& out_;
+  RecordType type_;
+};
+
+// Reads fields in order; every read is checked against the record's end, so a malformed record cannot make it read
+// out of bounds.
+class PayloadReader {
+ public:
+  explicit PayloadReader(std::span<const uint8_t> bytes) : bytes_(bytes), pos_(sizeof(RecordHeader)) {}
+
+  template <class T>
+    requires std::is_arithmetic_v<T>
+  T get(const char* what) {
+    need(sizeof(T), what);
+    T value;
+    std::memcpy(&value, bytes_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return value;
+  }
+
+  bool get_bool(const char* what) {
+    const auto v = get<uint8_t>(what);
+    if (v > 1) throw RecordError(std::string("field ") + what + " is not a bool (" + std::to_string(v) + ")");
+    return v == 1;
+  }
+
+  FinishReason get_finish_reason() {
+    const auto v = get<uint8_t>("finish_reason");
+    if (v > static_cast<uint8_t>(FinishReason::kAbort)) {
+      throw RecordError("unknown finish_reason " + std::to_string(v));
+    }
+    return static_cast<FinishReason>(v);
+  }
+
+  template <class T>
+  void get_array(std::vector<T>& out, const char* what) {
+    const auto count = get<uint32_t>(what);
+    // Divide instead of multiply so a huge count cannot overflow the comparison.
+    if (count > (bytes_.size() - pos_) / sizeof(T)) {
+      throw RecordError(std::string("truncated array ") + what + ": " + std::to_string(count) + " elements declared, " +
+                        std::to_string(bytes_.size() - pos_) + " bytes left");
+    }
+    out.resize(count);
+    if (count != 0) std::memcpy(out.data(), bytes_.data() + pos_, count * sizeof(T));
+    pos_ += count * sizeof(T);
+  }
+
+  std::string get_string(const char* what) {
+    std::vector<uint8_t> raw;
+    get_array(raw, what);
+    return std::string(raw.begin(), raw.end());
+  }
+
+  template <size_t N>
+  void get_bytes(std::array<uint8_t, N>& out, const char* what) {
+    need(N, what);
+    std::memcpy(out.data(), bytes_.data() + pos_, N);
+    pos_ += N;
+  }
+
+  // Only zero padding to the 8-byte boundary may follow the last field.
+  void finish() {
+    if (align_up(pos_) != bytes_.size()) {
+      throw RecordError("record has " + std::to_string(bytes_.size() - pos_) + " unexpected trailing bytes");
+    }
+    for (size_t i = pos_; i < bytes_.size(); ++i) {
+      if (bytes_[i] != 0) throw RecordError("non-zero record padding");
+    }
+  }
+
+  // A count of nested structs: each one takes at least `min_bytes`, which bounds the count before we reserve.
+  uint32_t get_struct_count(size_t min_bytes, const char* what) {
+    const auto count = get<uint32_t>(what);
+    if (count > (bytes_.size() - pos_) / min_bytes) {
+      throw RecordError(std::string("truncated array ") + what + ": " + std::to_string(count) + " entries declared");
+    }
+    return count;
+  }
+
+ private:
+  void need(size_t n, const char* what) const {
+    if (n > bytes_.size() - pos_) throw RecordError(std::string("record truncated in field ") + what);
+  }
+
+  std::span<const uint8_t> bytes_;
+  size_t pos_;
+};
+
+RecordHeader check_header(std::span<const uint8_t> bytes) {
+  if (bytes.size() < sizeof(RecordHeader)) {
+    throw RecordError("record of " + std::to_string(bytes.size()) + " bytes is shorter than its 8-byte header");
+  }
+  RecordHeader h;
+  std::memcpy(&h, bytes.data(), sizeof(h));
+  if (h.length != bytes.size()) {
+    throw RecordError("record length field says " + std::to_string(h.length) + " bytes but the record has " +
+                      std::to_string(bytes.size()));
+  }
+  if (h.length % kRecordAlign != 0) throw RecordError("record length " + std::to_string(h.length) + " not 8-aligned");
+  if (h.layout_version != kLayoutVersion) {
+    throw RecordError("record layout version " + std::to_string(h.layout_version) + " is not the supported version " +
+                      std::to_string(kLayoutVersion));
+  }
+  return h;
+}
+
+[[noreturn]] void unknown_type(uint16_t type, const char* ring) {
+  throw RecordError("unknown record type " + std::to_string(type) + " on the " + ring + " ring");
+}
+
+// Minimum encoded sizes of nested structs (fixed fields + array counts), used to bound declared counts.
+constexpr size_t kMinRequestOutputBytes = 8 + 1 + 4 + 4 + 8 + 8 + 8 + 4 + 4;
+constexpr size_t kMinNewRequestBytes = 4 + 4 + 4 + 4 + 4 + 8 + 1 + 4 + 4;
+constexpr size_t kMinBlockAppendBytes = 4 + 4;
+
+}  // namespace
+
+void encode(const AddRequest& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.request_id);
+  w.put(r.max_tokens);
+  w.put(r.temperature);
+  w.put(r.top_p);
+  w.put(r.top_k);
+  w.put(r.seed);
+  w.put_bool(r.has_seed);
+  w.put_bool(r.ignore_eos);
+  w.put(r.priority);
+  w.put(r.arrival_time_ns);
+  w.put_bytes(r.trace_id);
+  w.put_bytes(r.span_id);
+  w.put(r.trace_flags);
+  w.put_array(r.prompt_token_ids);
+  w.put_array(r.stop_token_ids);
+  w.finish();
+}
+
+void encode(const AbortRequest& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.request_id);
+  w.finish();
+}
+
+void encode(const StatsQuery& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.query_id);
+  w.finish();
+}
+
+void encode(const Shutdown& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.finish();
+}
+
+void encode(const StepEvents& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.step_id);
+  w.put(r.emit_time_ns);
+  w.put<uint32_t>(PayloadWriter::checked_count(r.outputs.size()));
+  for (const RequestOutput& o : r.outputs) {
+    w.put(o.request_id);
+    w.put(static_cast<uint8_t>(o.finish_reason));
+    w.put(o.num_prompt_tokens);
+    w.put(o.num_cached_tokens);
+    w.put(o.arrival_time_ns);
+    w.put(o.first_scheduled_time_ns);
+    w.put(o.first_token_time_ns);
+    w.put_array(o.new_token_ids);
+    w.put_array(o.logprobs);
+  }
+  w.finish();
+}
+
+void encode(const EngineStats& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.query_id);
+  w.put(r.num_running);
+  w.put(r.num_waiting);
+  w.put(r.num_total_blocks);
+  w.put(r.num_free_blocks);
+  w.put(r.block_size);
+  w.put(r.num_steps);
+  w.put(r.num_preemptions);
+  w.finish();
+}
+
+void encode(const RequestRejected& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.request_id);
+  w.put(r.status_code);
+  w.put_string(r.message);
+  w.finish();
+}
+
+void encode(const EngineReady& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.num_total_blocks);
+  w.put(r.block_size);
+  w.put(r.max_model_len);
+  w.finish();
+}
+
+void encode(const EngineFailed& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put_string(r.message);
+  w.finish();
+}
+
+void encode(const StepPlan& r, ByteBuffer& out) {
+  const size_t n = r.sched_slots.size();
+  if (r.sched_start.size() != n || r.sched_len.size() != n || r.sched_sample.size() != n) {
+    throw RecordError("StepPlan sched_slots/sched_start/sched_len/sched_sample must have equal lengths");
+  }
+  PayloadWriter w(out, r.kType);
+  w.put(r.step_id);
+  w.put<uint32_t>(PayloadWriter::checked_count(r.new_requests.size()));
+  for (const NewRequestData& nr : r.new_requests) {
+    w.put(nr.slot);
+    w.put(nr.num_computed_tokens);
+    w.put(nr.temperature);
+    w.put(nr.top_p);
+    w.put(nr.top_k);
+    w.put(nr.seed);
+    w.put_bool(nr.has_seed);
+    w.put_array(nr.token_ids);
+    w.put_array(nr.block_ids);
+  }
+  w.put<uint32_t>(PayloadWriter::checked_count(r.block_appends.size()));
+  for (const BlockAppend& ba : r.block_appends) {
+    w.put(ba.slot);
+    w.put_array(ba.block_ids);
+  }
+  w.put_array(r.sched_slots);
+  w.put_array(r.sched_start);
+  w.put_array(r.sched_len);
+  w.put_array(r.sched_sample);
+  w.put_array(r.finished_slots);
+  w.finish();
+}
+
+void encode(const WorkerShutdown& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.finish();
+}
+
+void encode(const StepResult& r, ByteBuffer& out) {
+  if (r.token_ids.size() != r.slots.size() || r.logprobs.size() != r.slots.size()) {
+    throw RecordError("StepResult slots, token_ids and logprobs must have equal lengths");
+  }
+  PayloadWriter w(out, r.kType);
+  w.put(r.step_id);
+  w.put_array(r.slots);
+  w.put_array(r.token_ids);
+  w.put_array(r.logprobs);
+  w.finish();
+}
+
+void encode(const WorkerReady& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.rank);
+  w.put(r.num_kv_blocks);
+  w.finish();
+}
+
+void encode(const WorkerFailed& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.rank);
+  w.put_string(r.message);
+  w.finish();
+}
+
+RequestRecord decode_request_record(std::span<const uint8_t> bytes) {
+  const RecordHeader h = check_header(bytes);
+  PayloadReader rd(bytes);
+  switch (static_cast<RecordType>(h.type)) {
+    case RecordType::kAddRequest: {
+      AddRequest r;
+      r.request_id = rd.get<uint64_t>("request_id");
+      r.max_tokens = rd.get<int32_t>("max_tokens");
+      r.temperature = rd.get<float>("temperature");
+      r.top_p = rd.get<float>("top_p");
+      r.top_k = rd.get<int32_t>("top_k");
+      r.seed = rd.get<uint64_t>("seed");
+      r.has_seed = rd.get_bool("has_seed");
+      r.ignore_eos = rd.get_bool("ignore_eos");
+      r.priority = rd.get<int32_t>("priority");
+      r.arrival_time_ns = rd.get<int64_t>("arrival_time_ns");
+      rd.get_bytes(r.trace_id, "trace_id");
+      rd.get_bytes(r.span_id, "span_id");
+      r.trace_flags = rd.get<uint8_t>("trace_flags");
+      rd.get_array(r.prompt_token_ids, "prompt_token_ids");
+      rd.get_array(r.stop_token_ids, "stop_token_ids");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kAbortRequest: {
+      AbortRequest r;
+      r.request_id = rd.get<uint64_t>("request_id");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kStatsQuery: {
+      StatsQuery r;
+      r.query_id = rd.get<uint64_t>("query_id");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kShutdown:
+      rd.finish();
+      return Shutdown{};
+    default:
+      unknown_type(h.type, "request");
+  }
+}
+
+EngineEvent decode_engine_event(std::span<const uint8_t> bytes) {
+  const RecordHeader h = check_header(bytes);
+  PayloadReader rd(bytes);
+  switch (static_cast<RecordType>(h.type)) {
+    case RecordType::kStepEvents: {
+      StepEvents r;
+      r.step_id = rd.get<uint64_t>("step_id");
+      r.emit_time_ns = rd.get<int64_t>("emit_time_ns");
+      r.outputs.resize(rd.get_struct_count(kMinRequestOutputBytes, "outputs"));
+      for (RequestOutput& o : r.outputs) {
+        o.request_id = rd.get<uint64_t>("request_id");
+        o.finish_reason = rd.get_finish_reason();
+        o.num_prompt_tokens = rd.get<uint32_t>("num_prompt_tokens");
+        o.num_cached_tokens = rd.get<uint32_t>("num_cached_tokens");
+        o.arrival_time_ns = rd.get<int64_t>("arrival_time_ns");
+        o.first_scheduled_time_ns = rd.get<int64_t>("first_scheduled_time_ns");
+        o.first_token_time_ns = rd.get<int64_t>("first_token_time_ns");
+        rd.get_array(o.new_token_ids, "new_token_ids");
+        rd.get_array(o.logprobs, "logprobs");
+      }
+      rd.finish();
+      return r;
+    }
+    case RecordType::kEngineStats: {
+      EngineStats r;
+      r.query_id = rd.get<uint64_t>("query_id");
+      r.num_running = rd.get<uint32_t>("num_running");
+      r.num_waiting = rd.get<uint32_t>("num_waiting");
+      r.num_total_blocks = rd.get<uint32_t>("num_total_blocks");
+      r.num_free_blocks = rd.get<uint32_t>("num_free_blocks");
+      r.block_size = rd.get<uint32_t>("block_size");
+      r.num_steps = rd.get<uint64_t>("num_steps");
+      r.num_preemptions = rd.get<uint64_t>("num_preemptions");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kRequestRejected: {
+      RequestRejected r;
+      r.request_id = rd.get<uint64_t>("request_id");
+      r.status_code = rd.get<uint32_t>("status_code");
+      r.message = rd.get_string("message");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kEngineReady: {
+      EngineReady r;
+      r.num_total_blocks = rd.get<uint32_t>("num_total_blocks");
+      r.block_size = rd.get<uint32_t>("block_size");
+      r.max_model_len = rd.get<uint32_t>("max_model_len");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kEngineFailed: {
+      EngineFailed r;
+      r.message = rd.get_string("message");
+      rd.finish();
+      return r;
+    }
+    default:
+      unknown_type(h.type, "event");
+  }
+}
+
+WorkerCommand decode_worker_command(std::span<const uint8_t> bytes) {
+  const RecordHeader h = check_header(bytes);
+  PayloadReader rd(bytes);
+  switch (static_cast<RecordType>(h.type)) {
+    case RecordType::kStepPlan: {
+      StepPlan r;
+      r.step_id = rd.get<uint64_t>("step_id");
+      r.new_requests.resize(rd.get_struct_count(kMinNewRequestBytes, "new_requests"));
+      for (NewRequestData& nr : r.new_requests) {
+        nr.slot = rd.get<int32_t>("slot");
+        nr.num_computed_tokens = rd.get<int32_t>("num_computed_tokens");
+        nr.temperature = rd.get<float>("temperature");
+        nr.top_p = rd.get<float>("top_p");
+        nr.top_k = rd.get<int32_t>("top_k");
+        nr.seed = rd.get<uint64_t>("seed");
+        nr.has_seed = rd.get_bool("has_seed");
+        rd.get_array(nr.token_ids, "token_ids");
+        rd.get_array(nr.block_ids, "block_ids");
+      }
+      r.block_appends.resize(rd.get_struct_count(kMinBlockAppendBytes, "block_appends"));
+      for (BlockAppend& ba : r.block_appends) {
+        ba.slot = rd.get<int32_t>("slot");
+        rd.get_array(ba.block_ids, "block_ids");
+      }
+      rd.get_array(r.sched_slots, "sched_slots");
+      rd.get_array(r.sched_start, "sched_start");
+      rd.get_array(r.sched_len, "sched_len");
+      rd.get_array(r.sched_sample, "sched_sample");
+      rd.get_array(r.finished_slots, "finished_slots");
+      rd.finish();
+      const size_t n = r.sched_slots.size();
+      if (r.sched_start.size() != n || r.sched_len.size() != n || r.sched_sample.size() != n) {
+        throw RecordError("StepPlan scheduled arrays have different lengths");
+      }
+      for (uint8_t s : r.sched_sample) {
+        if (s > 1) throw RecordError("StepPlan sched_sample holds a non-bool");
+      }
+      return r;
+    }
+    case RecordType::kWorkerShutdown:
+      rd.finish();
+      return WorkerShutdown{};
+    default:
+      unknown_type(h.type, "step");
+  }
+}
+
+WorkerResult decode_worker_result(std::span<const uint8_t> bytes) {
+  const RecordHeader h = check_header(bytes);
+  PayloadReader rd(bytes);
+  switch (static_cast<RecordType>(h.type)) {
+    case RecordType::kStepResult: {
+      StepResult r;
+      r.step_id = rd.get<uint64_t>("step_id");
+      rd.get_array(r.slots, "slots");
+      rd.get_array(r.token_ids, "token_ids");
+      rd.get_array(r.logprobs, "logprobs");
+      rd.finish();
+      if (r.token_ids.size() != r.slots.size() || r.logprobs.size() != r.slots.size()) {
+        throw RecordError("StepResult slots, token_ids and logprobs have different lengths");
+      }
+      return r;
+    }
+    case RecordType::kWorkerReady: {
+      WorkerReady r;
+      r.rank = rd.get<uint32_t>("rank");
+      r.num_kv_blocks = rd.get<uint32_t>("num_kv_blocks");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kWorkerFailed: {
+      WorkerFailed r;
+      r.rank = rd.get<uint32_t>("rank");
+      r.message = rd.get_string("message");
+      rd.finish();
+      return r;
+    }
+    default:
+      unknown_type(h.type, "result");
+  }
+}
+
+size_t encoded_size_bound(const RequestOutput& o) {
+  return kMinRequestOutputBytes + o.new_token_ids.size() * sizeof(int32_t) + o.logprobs.size() * sizeof(float);
+}
+
+size_t encoded_size_bound(const NewRequestData& n) {
+  return kMinNewRequestBytes + (n.token_ids.size() + n.block_ids.size()) * sizeof(int32_t);
+}
+
+}  // namespace ringserve

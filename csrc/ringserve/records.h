@@ -1,0 +1,259 @@
+// The one versioned definition of every record that crosses a RingServe ring.
+//
+// Wire format: RecordHeader{u32 length, u16 type, u16 layout_version} followed by a little-endian payload: the
+// record's fixed fields in declaration order, then its arrays, each array as u32 count + elements, strings as
+// u32 byte count + bytes, bools as one byte (0/1). The whole record is zero-padded to a multiple of 8 bytes and
+// `length` counts the padding, so records stay 8-byte aligned inside a ring.
+//
+// Any change to a payload bumps kLayoutVersion; decoders reject every other version.
+#pragma once
+
+#include <array>
+#include <bit>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace ringserve {
+
+static_assert(std::endian::native == std::endian::little, "ring records are little-endian; add byte swaps here");
+
+inline constexpr uint16_t kLayoutVersion = 1;
+inline constexpr size_t kRecordAlign = 8;
+
+enum class RecordType : uint16_t {
+  // request ring: frontend -> engine
+  kAddRequest = 1,
+  kAbortRequest = 2,
+  kStatsQuery = 3,
+  kShutdown = 4,
+  // event ring: engine -> frontend
+  kStepEvents = 16,
+  kEngineStats = 17,
+  kRequestRejected = 18,
+  kEngineReady = 19,
+  kEngineFailed = 20,
+  // step ring: engine -> workers (broadcast)
+  kStepPlan = 32,
+  kWorkerShutdown = 33,
+  // result ring: worker rank 0 -> engine
+  kStepResult = 48,
+  kWorkerReady = 49,
+  kWorkerFailed = 50,
+};
+
+struct RecordHeader {
+  uint32_t length;  // whole record in bytes, padding included
+  uint16_t type;    // a RecordType
+  uint16_t layout_version;
+};
+static_assert(sizeof(RecordHeader) == 8);
+
+// Thrown by every decoder on malformed input; the binding maps it to _core.RecordError (a ValueError).
+class RecordError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class FinishReason : uint8_t { kNone = 0, kStop = 1, kLength = 2, kAbort = 3 };
+
+// gRPC status codes the engine uses in RequestRejected.
+inline constexpr uint32_t kStatusInvalidArgument = 3;
+inline constexpr uint32_t kStatusResourceExhausted = 8;
+
+// ---- request ring -------------------------------------------------------------------------------------------------
+struct AddRequest {
+  static constexpr RecordType kType = RecordType::kAddRequest;
+  uint64_t request_id = 0;
+  int32_t max_tokens = 16;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;  // 0 = off
+  uint64_t seed = 0;
+  bool has_seed = false;
+  bool ignore_eos = false;
+  int32_t priority = 0;
+  int64_t arrival_time_ns = 0;
+  std::array<uint8_t, 16> trace_id{};  // all zero = no trace
+  std::array<uint8_t, 8> span_id{};
+  uint8_t trace_flags = 0;
+  std::vector<int32_t> prompt_token_ids;
+  std::vector<int32_t> stop_token_ids;
+};
+
+struct AbortRequest {
+  static constexpr RecordType kType = RecordType::kAbortRequest;
+  uint64_t request_id = 0;
+};
+
+struct StatsQuery {
+  static constexpr RecordType kType = RecordType::kStatsQuery;
+  uint64_t query_id = 0;
+};
+
+struct Shutdown {
+  static constexpr RecordType kType = RecordType::kShutdown;
+};
+
+// ---- event ring ---------------------------------------------------------------------------------------------------
+struct RequestOutput {
+  uint64_t request_id = 0;
+  FinishReason finish_reason = FinishReason::kNone;
+  uint32_t num_prompt_tokens = 0;
+  uint32_t num_cached_tokens = 0;
+  int64_t arrival_time_ns = 0;  // engine receive time, CLOCK_REALTIME
+  int64_t first_scheduled_time_ns = 0;
+  int64_t first_token_time_ns = 0;
+  std::vector<int32_t> new_token_ids;
+  std::vector<float> logprobs;
+};
+
+struct StepEvents {
+  static constexpr RecordType kType = RecordType::kStepEvents;
+  uint64_t step_id = 0;
+  int64_t emit_time_ns = 0;
+  std::vector<RequestOutput> outputs;
+};
+
+struct EngineStats {
+  static constexpr RecordType kType = RecordType::kEngineStats;
+  uint64_t query_id = 0;  // 0 = unsolicited
+  uint32_t num_running = 0;
+  uint32_t num_waiting = 0;
+  uint32_t num_total_blocks = 0;
+  uint32_t num_free_blocks = 0;
+  uint32_t block_size = 0;
+  uint64_t num_steps = 0;
+  uint64_t num_preemptions = 0;
+};
+
+struct RequestRejected {
+  static constexpr RecordType kType = RecordType::kRequestRejected;
+  uint64_t request_id = 0;
+  uint32_t status_code = 0;
+  std::string message;
+};
+
+struct EngineReady {
+  static constexpr RecordType kType = RecordType::kEngineReady;
+  uint32_t num_total_blocks = 0;
+  uint32_t block_size = 0;
+  uint32_t max_model_len = 0;
+};
+
+struct EngineFailed {
+  static constexpr RecordType kType = RecordType::kEngineFailed;
+  std::string message;
+};
+
+// ---- step ring ----------------------------------------------------------------------------------------------------
+struct NewRequestData {
+  int32_t slot = 0;
+  int32_t num_computed_tokens = 0;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  uint64_t seed = 0;
+  bool has_seed = false;
+  std::vector<int32_t> token_ids;  // every known token: prompt, plus outputs when resumed after preemption
+  std::vector<int32_t> block_ids;
+};
+
+struct BlockAppend {
+  int32_t slot = 0;
+  std::vector<int32_t> block_ids;
+};
+
+struct StepPlan {
+  static constexpr RecordType kType = RecordType::kStepPlan;
+  uint64_t step_id = 0;
+  std::vector<NewRequestData> new_requests;
+  std::vector<BlockAppend> block_appends;
+  std::vector<int32_t> sched_slots;
+  std::vector<int32_t> sched_start;
+  std::vector<int32_t> sched_len;
+  std::vector<uint8_t> sched_sample;  // 0/1
+  std::vector<int32_t> finished_slots;
+
+  void clear() {
+    step_id = 0;
+    new_requests.clear();
+    block_appends.clear();
+    sched_slots.clear();
+    sched_start.clear();
+    sched_len.clear();
+    sched_sample.clear();
+    finished_slots.clear();
+  }
+};
+
+struct WorkerShutdown {
+  static constexpr RecordType kType = RecordType::kWorkerShutdown;
+};
+
+// ---- result ring --------------------------------------------------------------------------------------------------
+struct StepResult {
+  static constexpr RecordType kType = RecordType::kStepResult;
+  uint64_t step_id = 0;
+  std::vector<int32_t> slots;      // the slots whose sched_sample was true
+  std::vector<int32_t> token_ids;  // same length as slots
+  std::vector<float> logprobs;     // same length as slots
+};
+
+struct WorkerReady {
+  static constexpr RecordType kType = RecordType::kWorkerReady;
+  uint32_t rank = 0;
+  uint32_t num_kv_blocks = 0;
+};
+
+struct WorkerFailed {
+  static constexpr RecordType kType = RecordType::kWorkerFailed;
+  uint32_t rank = 0;
+  std::string message;
+};
+
+using ByteBuffer = std::vector<uint8_t>;
+using RequestRecord = std::variant<AddRequest, AbortRequest, StatsQuery, Shutdown>;
+using EngineEvent = std::variant<StepEvents, EngineStats, RequestRejected, EngineReady, EngineFailed>;
+using WorkerCommand = std::variant<StepPlan, WorkerShutdown>;
+using WorkerResult = std::variant<StepResult, WorkerReady, WorkerFailed>;
+
+// Encoders replace the contents of `out` (reusing its capacity, so hot paths do not allocate per record).
+// They throw RecordError only when a record would not fit the u32 length / count fields.
+void encode(const AddRequest& r, ByteBuffer& out);
+void encode(const AbortRequest& r, ByteBuffer& out);
+void encode(const StatsQuery& r, ByteBuffer& out);
+void encode(const Shutdown& r, ByteBuffer& out);
+void encode(const StepEvents& r, ByteBuffer& out);
+void encode(const EngineStats& r, ByteBuffer& out);
+void encode(const RequestRejected& r, ByteBuffer& out);
+void encode(const EngineReady& r, ByteBuffer& out);
+void encode(const EngineFailed& r, ByteBuffer& out);
+void encode(const StepPlan& r, ByteBuffer& out);
+void encode(const WorkerShutdown& r, ByteBuffer& out);
+void encode(const StepResult& r, ByteBuffer& out);
+void encode(const WorkerReady& r, ByteBuffer& out);
+void encode(const WorkerFailed& r, ByteBuffer& out);
+
+template <class Record>
+ByteBuffer encode_to_bytes(const Record& r) {
+  ByteBuffer out;
+  encode(r, out);
+  return out;
+}
+
+// Bounds-checked decoders, one per ring. Each rejects (RecordError) a record of another ring's type.
+RequestRecord decode_request_record(std::span<const uint8_t> bytes);
+EngineEvent decode_engine_event(std::span<const uint8_t> bytes);
+WorkerCommand decode_worker_command(std::span<const uint8_t> bytes);
+WorkerResult decode_worker_result(std::span<const uint8_t> bytes);
+
+// Upper bound of the encoded size of one RequestOutput inside a StepEvents record (used to split large steps).
+size_t encoded_size_bound(const RequestOutput& o);
+// Upper bound of the encoded size a NewRequestData adds to a StepPlan.
+size_t encoded_size_bound(const NewRequestData& n);
+
+}  // namespace ringserve

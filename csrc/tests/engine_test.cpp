@@ -1,0 +1,147 @@
+#include <unistd.h>
+
+#include <atomic>
+#include <map>
+#include <thread>
+
+#include "check.h"
+#include "ringserve/engine.h"
+
+using namespace ringserve;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Rings {
+  std::map<std::string, std::shared_ptr<ShmRing>> by_role;
+  Rings() {
+    static int counter = 0;
+    for (const char* role : {"req", "evt", "step", "res"}) {
+      const std::string name =
+          "/ringserve-test-" + std::to_string(::getpid()) + "-eng" + std::to_string(counter) + "-" + role;
+      by_role[role] = ShmRing::create(name, 1 << 14);
+    }
+    ++counter;
+  }
+  ~Rings() {
+    for (auto& [role, ring] : by_role) ring->unlink();
+  }
+  const std::string& name(const char* role) { return by_role.at(role)->name(); }
+};
+
+// Answers every plan; samples token 7 (or EOS for slot 0's third token, so stop rules run too).
+void fake_worker(Rings& rings, std::atomic<bool>& saw_shutdown) {
+  RingReader steps(rings.by_role["step"], 0);
+  RingWriter results(rings.by_role["res"]);
+  ByteBuffer buf;
+  encode(WorkerReady{0, 32}, buf);
+  results.write(buf, 10s);
+  while (true) {
+    if (!steps.read(buf, 10s)) return;
+    auto command = decode_worker_command(buf);
+    if (std::holds_alternative<WorkerShutdown>(command)) {
+      saw_shutdown = true;
+      return;
+    }
+    const auto& plan = std::get<StepPlan>(command);
+    StepResult result;
+    result.step_id = plan.step_id;
+    for (size_t i = 0; i < plan.sched_slots.size(); ++i) {
+      if (plan.sched_sample[i] == 0) continue;
+      result.slots.push_back(plan.sched_slots[i]);
+      result.token_ids.push_back(7);
+      result.logprobs.push_back(0.0f);
+    }
+    encode(result, buf);
+    results.write(buf, 10s);
+  }
+}
+
+EngineConfig small_config() {
+  EngineConfig c;
+  c.max_num_seqs = 2;
+  c.max_num_batched_tokens = 16;
+  c.eos_token_ids = {2};
+  return c;
+}
+
+}  // namespace
+
+TEST(engine_serves_requests_until_shutdown) {
+  Rings rings;
+  std::atomic<bool> saw_shutdown{false};
+  std::thread worker(fake_worker, std::ref(rings), std::ref(saw_shutdown));
+  Engine engine(small_config(), rings.name("req"), rings.name("evt"), rings.name("step"), rings.name("res"), {});
+  std::thread loop([&] { engine.run(); });
+
+  RingWriter requests(rings.by_role["req"]);
+  RingReader events(rings.by_role["evt"], 0);
+  ByteBuffer buf;
+  for (uint64_t id = 1; id <= 4; ++id) {
+    AddRequest r;
+    r.request_id = id;
+    r.prompt_token_ids.assign(20 + id, 5);
+    r.max_tokens = 3;
+    encode(r, buf);
+    CHECK(requests.write(buf, 10s));
+  }
+  std::map<uint64_t, std::vector<int32_t>> tokens;
+  int finished = 0;
+  bool ready = false;
+  while (finished < 4 && events.read(buf, 10s)) {
+    auto event = decode_engine_event(buf);
+    ready |= std::holds_alternative<EngineReady>(event);
+    if (const auto* step = std::get_if<StepEvents>(&event)) {
+      for (const RequestOutput& o : step->outputs) {
+        tokens[o.request_id].insert(tokens[o.request_id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+        finished += o.finish_reason == FinishReason::kLength ? 1 : 0;
+      }
+    }
+  }
+  CHECK(ready && finished == 4);
+  for (uint64_t id = 1; id <= 4; ++id) CHECK((tokens[id] == std::vector<int32_t>{7, 7, 7}));
+
+  encode(StatsQuery{9}, buf);
+  CHECK(requests.write(buf, 10s));
+  CHECK(events.read(buf, 10s));
+  const auto stats = std::get<EngineStats>(decode_engine_event(buf));
+  CHECK(stats.query_id == 9 && stats.num_free_blocks == 32 && stats.num_running == 0);
+
+  encode(Shutdown{}, buf);
+  CHECK(requests.write(buf, 10s));
+  loop.join();
+  worker.join();
+  CHECK(saw_shutdown.load());
+}
+
+TEST(stop_from_another_thread_ends_an_idle_engine) {
+  Rings rings;
+  std::atomic<bool> saw_shutdown{false};
+  std::thread worker(fake_worker, std::ref(rings), std::ref(saw_shutdown));
+  Engine engine(small_config(), rings.name("req"), rings.name("evt"), rings.name("step"), rings.name("res"), {});
+  std::thread loop([&] { engine.run(); });
+  RingReader events(rings.by_role["evt"], 0);
+  ByteBuffer buf;
+  CHECK(events.read(buf, 10s) && std::holds_alternative<EngineReady>(decode_engine_event(buf)));
+  std::this_thread::sleep_for(50ms);  // let it go idle on the request ring's futex
+  engine.stop();
+  loop.join();
+  worker.join();
+  CHECK(saw_shutdown.load());
+}
+
+TEST(worker_failure_is_reported_and_thrown) {
+  Rings rings;
+  Engine engine(small_config(), rings.name("req"), rings.name("evt"), rings.name("step"), rings.name("res"), {});
+  RingWriter results(rings.by_role["res"]);
+  ByteBuffer buf;
+  encode(WorkerFailed{0, "out of memory"}, buf);
+  CHECK(results.write(buf, 1s));
+  CHECK_THROWS(WorkerFailure, engine.run());
+  RingReader events(rings.by_role["evt"], 0);
+  CHECK(events.read(buf, 1s));
+  const auto failed = std::get<EngineFailed>(decode_engine_event(buf));
+  CHECK(failed.message.find("out of memory") != std::string::npos);
+}
+
+TEST_MAIN()

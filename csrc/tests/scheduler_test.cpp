@@ -1,0 +1,320 @@
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "check.h"
+#include "ringserve/scheduler.h"
+
+using namespace ringserve;
+
+namespace {
+
+constexpr int32_t kEos = 2;
+
+EngineConfig make_config(int32_t num_blocks, int32_t max_seqs = 8, int32_t budget = 64, int32_t block_size = 4) {
+  EngineConfig c;
+  c.block_size = block_size;
+  c.num_blocks = num_blocks;
+  c.max_num_seqs = max_seqs;
+  c.max_num_batched_tokens = budget;
+  c.eos_token_ids = {kEos};
+  return c;
+}
+
+AddRequest make_request(uint64_t id, int32_t prompt_len, int32_t max_tokens) {
+  AddRequest r;
+  r.request_id = id;
+  r.max_tokens = max_tokens;
+  for (int32_t i = 0; i < prompt_len; ++i) r.prompt_token_ids.push_back(100 + i);
+  return r;
+}
+
+// Plays the workers: keeps a persistent batch from the plan deltas and checks that every plan is consistent with it.
+class FakeWorker {
+ public:
+  explicit FakeWorker(const EngineConfig& c) : config_(c), slots_(static_cast<size_t>(c.max_num_seqs)) {}
+
+  // token_for(slot state tokens) -> sampled token
+  StepResult execute(const StepPlan& plan, const std::function<int32_t(int32_t slot)>& token_for) {
+    for (int32_t s : plan.finished_slots) slots_.at(static_cast<size_t>(s)).live = false;
+    for (const NewRequestData& nr : plan.new_requests) {
+      Slot& s = slots_.at(static_cast<size_t>(nr.slot));
+      CHECK(!s.live);
+      s = Slot{true, nr.token_ids, nr.block_ids, nr.num_computed_tokens};
+    }
+    for (const BlockAppend& ba : plan.block_appends) {
+      Slot& s = slots_.at(static_cast<size_t>(ba.slot));
+      CHECK(s.live);
+      s.blocks.insert(s.blocks.end(), ba.block_ids.begin(), ba.block_ids.end());
+    }
+    std::set<int32_t> used_blocks;  // no block may back two live slots
+    for (const Slot& s : slots_) {
+      if (!s.live) continue;
+      for (int32_t b : s.blocks) CHECK(used_blocks.insert(b).second);
+    }
+    StepResult result;
+    result.step_id = plan.step_id;
+    for (size_t i = 0; i < plan.sched_slots.size(); ++i) {
+      Slot& s = slots_.at(static_cast<size_t>(plan.sched_slots[i]));
+      CHECK(s.live);
+      CHECK(plan.sched_start[i] == s.computed);
+      s.computed += plan.sched_len[i];
+      CHECK(s.computed <= static_cast<int32_t>(s.tokens.size()));
+      CHECK(static_cast<int32_t>(s.blocks.size()) * config_.block_size >= s.computed);
+      CHECK((plan.sched_sample[i] != 0) == (s.computed == static_cast<int32_t>(s.tokens.size())));
+      if (plan.sched_sample[i] != 0) {
+        const int32_t token = token_for(plan.sched_slots[i]);
+        s.tokens.push_back(token);
+        result.slots.push_back(plan.sched_slots[i]);
+        result.token_ids.push_back(token);
+        result.logprobs.push_back(-0.5f);
+      }
+    }
+    return result;
+  }
+
+ private:
+  struct Slot {
+    bool live = false;
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> blocks;
+    int32_t computed = 0;
+  };
+  EngineConfig config_;
+  std::vector<Slot> slots_;
+};
+
+struct Harness {
+  EngineConfig config;
+  Scheduler scheduler;
+  FakeWorker worker;
+  StepPlan plan;
+  std::vector<RequestOutput> outputs;
+  std::map<uint64_t, std::vector<int32_t>> tokens;  // request -> emitted tokens
+  std::map<uint64_t, FinishReason> finished;
+  int64_t now = 1000;
+
+  explicit Harness(EngineConfig c) : config(c), scheduler(c), worker(c) {}
+
+  bool add(const AddRequest& r) { return !scheduler.add_request(r, ++now).has_value(); }
+
+  // One engine iteration; returns false when nothing was scheduled.
+  bool step(const std::function<int32_t(int32_t)>& token_for = [](int32_t) { return 7; }) {
+    const bool scheduled = scheduler.schedule(plan, ++now);
+    if (scheduled) {
+      const int32_t total = std::accumulate(plan.sched_len.begin(), plan.sched_len.end(), 0);
+      CHECK(total <= config.max_num_batched_tokens);
+      CHECK(scheduler.num_running() <= config.max_num_seqs);
+      for (int32_t s : plan.sched_slots) CHECK(s >= 0 && s < config.max_num_seqs);
+      scheduler.update(worker.execute(plan, token_for), ++now);
+    }
+    collect();
+    scheduler.check_invariants();
+    return scheduled;
+  }
+
+  void collect() {
+    scheduler.take_outputs(outputs);
+    for (const RequestOutput& o : outputs) {
+      CHECK(!finished.contains(o.request_id));  // nothing after the final output
+      auto& t = tokens[o.request_id];
+      t.insert(t.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      if (o.finish_reason != FinishReason::kNone) finished[o.request_id] = o.finish_reason;
+    }
+  }
+
+  void run_to_completion(int max_steps = 10000) {
+    while (scheduler.has_unfinished() && max_steps-- > 0) step();
+    CHECK(!scheduler.has_unfinished());
+  }
+};
+
+}  // namespace
+
+TEST(long_prompts_are_chunked_within_the_budget) {
+  Harness h(make_config(64, 8, 32));
+  CHECK(h.add(make_request(1, 100, 3)));
+  std::vector<int32_t> lens, starts, samples;
+  for (int i = 0; i < 4; ++i) {
+    CHECK(h.step());
+    lens.push_back(h.plan.sched_len[0]);
+    starts.push_back(h.plan.sched_start[0]);
+    samples.push_back(h.plan.sched_sample[0]);
+  }
+  CHECK((lens == std::vector<int32_t>{32, 32, 32, 4}));
+  CHECK((starts == std::vector<int32_t>{0, 32, 64, 96}));
+  CHECK((samples == std::vector<int32_t>{0, 0, 0, 1}));
+  CHECK(h.tokens[1].size() == 1);
+  h.run_to_completion();
+  CHECK(h.tokens[1].size() == 3 && h.finished[1] == FinishReason::kLength);
+}
+
+TEST(running_requests_are_served_before_new_prompts) {
+  Harness h(make_config(64, 8, 16));
+  CHECK(h.add(make_request(1, 4, 10)));
+  CHECK(h.step());                         // prefill of 1, samples its first token
+  CHECK(h.add(make_request(2, 40, 2)));
+  CHECK(h.step());
+  CHECK(h.plan.sched_len.size() == 2);
+  CHECK(h.plan.sched_len[0] == 1);         // the decode of request 1 first
+  CHECK(h.plan.sched_len[1] == 15);        // the rest of the budget chunks request 2's prompt
+  CHECK(h.plan.new_requests.size() == 1 && h.plan.new_requests[0].token_ids.size() == 40);
+}
+
+TEST(max_num_seqs_caps_the_running_set_and_admission_is_fcfs) {
+  Harness h(make_config(64, 2, 64));
+  for (uint64_t id = 1; id <= 5; ++id) CHECK(h.add(make_request(id, 3, 2)));
+  std::vector<uint64_t> first_token_order;
+  while (h.scheduler.has_unfinished()) {
+    h.step();
+    for (const RequestOutput& o : h.outputs) {
+      if (h.tokens[o.request_id].size() == 1 && !o.new_token_ids.empty()) first_token_order.push_back(o.request_id);
+    }
+  }
+  CHECK((first_token_order == std::vector<uint64_t>{1, 2, 3, 4, 5}));
+  CHECK(h.finished.size() == 5);
+}
+
+TEST(stop_rules_end_requests_with_the_right_reason) {
+  Harness h(make_config(64));
+  AddRequest eos = make_request(1, 3, 10);
+  AddRequest ignore = make_request(2, 3, 4);
+  ignore.ignore_eos = true;
+  AddRequest stop_token = make_request(3, 3, 10);
+  stop_token.stop_token_ids = {9};
+  AddRequest length = make_request(4, 3, 2);
+  for (const auto& r : {eos, ignore, stop_token, length}) CHECK(h.add(r));
+  int step = 0;
+  while (h.scheduler.has_unfinished()) {
+    ++step;
+    // Step 3 samples EOS for everybody, step 4 the stop token; other steps a plain token.
+    h.step([&](int32_t) { return step == 3 ? kEos : step == 4 ? 9 : 7; });
+  }
+  CHECK(h.finished[1] == FinishReason::kStop && h.tokens[1].size() == 3 && h.tokens[1].back() == kEos);
+  CHECK(h.finished[2] == FinishReason::kLength && h.tokens[2].size() == 4);  // EOS ignored
+  CHECK(h.finished[3] == FinishReason::kStop && h.tokens[3].size() == 3);    // EOS also stops it
+  CHECK(h.finished[4] == FinishReason::kLength && h.tokens[4].size() == 2);
+  CHECK(h.scheduler.block_pool().num_free() == 64);
+}
+
+TEST(stop_token_ids_stop_requests) {
+  Harness h(make_config(64));
+  AddRequest r = make_request(1, 3, 10);
+  r.stop_token_ids = {9};
+  CHECK(h.add(r));
+  int step = 0;
+  while (h.scheduler.has_unfinished()) {
+    ++step;
+    h.step([&](int32_t) { return step == 2 ? 9 : 7; });
+  }
+  CHECK(h.finished[1] == FinishReason::kStop && (h.tokens[1] == std::vector<int32_t>{7, 9}));
+}
+
+TEST(requests_that_can_never_fit_are_rejected) {
+  EngineConfig c = make_config(8);  // 32 tokens of KV
+  c.max_model_len = 24;
+  Scheduler s(c);
+  auto too_long = s.add_request(make_request(1, 20, 10), 0);
+  CHECK(too_long && too_long->status_code == kStatusResourceExhausted);
+  CHECK(too_long->message.find("30 tokens") != std::string::npos);
+  Scheduler roomy([&] {
+    EngineConfig big = c;
+    big.max_model_len = 1000;
+    return big;
+  }());
+  auto no_kv = roomy.add_request(make_request(2, 30, 10), 0);
+  CHECK(no_kv && no_kv->status_code == kStatusResourceExhausted && no_kv->message.find("40 tokens") != std::string::npos);
+  auto empty = s.add_request(make_request(3, 0, 10), 0);
+  CHECK(empty && empty->status_code == kStatusInvalidArgument);
+  AddRequest negative = make_request(4, 3, 3);
+  negative.prompt_token_ids[1] = -5;
+  CHECK(s.add_request(negative, 0)->status_code == kStatusInvalidArgument);
+  CHECK(!s.add_request(make_request(5, 3, 3), 0));
+  CHECK(s.add_request(make_request(5, 3, 3), 0)->status_code == kStatusInvalidArgument);  // duplicate id
+  CHECK(s.add_request(make_request(6, 3, 0), 0)->status_code == kStatusInvalidArgument);  // max_tokens 0
+  s.check_invariants();
+}
+
+TEST(abort_frees_blocks_and_lists_the_slot_as_finished) {
+  Harness h(make_config(32));
+  CHECK(h.add(make_request(1, 10, 50)));
+  CHECK(h.add(make_request(2, 10, 50)));
+  CHECK(h.add(make_request(3, 10, 50)));
+  h.step();
+  h.step();
+  const int32_t free_before = h.scheduler.block_pool().num_free();
+  CHECK(h.scheduler.abort_request(2));
+  CHECK(!h.scheduler.abort_request(2));  // unknown now
+  CHECK(h.scheduler.block_pool().num_free() > free_before);
+  h.collect();
+  CHECK(h.finished[2] == FinishReason::kAbort);
+  h.step();
+  CHECK(h.plan.finished_slots.size() == 1);
+  CHECK(h.scheduler.abort_request(1));
+  CHECK(h.scheduler.abort_request(3));
+  h.collect();
+  CHECK(h.scheduler.block_pool().num_free() == 32 && !h.scheduler.has_unfinished());
+  h.scheduler.check_invariants();
+}
+
+TEST(aborting_a_waiting_request_emits_abort) {
+  Harness h(make_config(32, 1));
+  CHECK(h.add(make_request(1, 4, 5)));
+  CHECK(h.add(make_request(2, 4, 5)));
+  h.step();
+  CHECK(h.scheduler.num_waiting() == 1);
+  CHECK(h.scheduler.abort_request(2));
+  h.collect();
+  CHECK(h.finished[2] == FinishReason::kAbort && h.tokens[2].empty());
+  h.run_to_completion();
+  CHECK(h.finished[1] == FinishReason::kLength);
+}
+
+TEST(running_out_of_blocks_preempts_the_latest_request_by_recompute) {
+  // 6 blocks of 4 tokens: two requests that each need 5 blocks cannot both finish without preemption.
+  Harness h(make_config(6, 4, 64));
+  CHECK(h.add(make_request(1, 6, 14)));
+  CHECK(h.add(make_request(2, 6, 14)));
+  bool resent_with_outputs = false;
+  int steps = 0;
+  while (h.scheduler.has_unfinished() && steps++ < 1000) {
+    h.step();
+    for (const NewRequestData& nr : h.plan.new_requests) resent_with_outputs |= nr.token_ids.size() > 6;
+  }
+  CHECK(h.scheduler.num_preemptions() > 0);
+  CHECK(resent_with_outputs);  // re-sent as a new request with prompt + generated tokens
+  CHECK(h.finished[1] == FinishReason::kLength && h.tokens[1].size() == 14);
+  CHECK(h.finished[2] == FinishReason::kLength && h.tokens[2].size() == 14);
+  CHECK(h.scheduler.block_pool().num_free() == 6);
+}
+
+TEST(random_workloads_finish_every_request_and_return_every_block) {
+  for (uint32_t seed = 0; seed < 20; ++seed) {
+    std::mt19937 rng(seed);
+    const int32_t num_blocks = 8 + static_cast<int32_t>(rng() % 40);
+    Harness h(make_config(num_blocks, 1 + static_cast<int32_t>(rng() % 6), 8 + static_cast<int32_t>(rng() % 60)));
+    std::set<uint64_t> accepted;
+    uint64_t next_id = 1;
+    for (int iter = 0; iter < 400 || h.scheduler.has_unfinished(); ++iter) {
+      CHECK(iter < 100000);
+      if (iter >= 100000) break;
+      if (iter < 400 && rng() % 3 == 0) {
+        const auto prompt = 1 + static_cast<int32_t>(rng() % 40);
+        const auto max_tokens = 1 + static_cast<int32_t>(rng() % 30);
+        if (h.add(make_request(next_id, prompt, max_tokens))) accepted.insert(next_id);
+        ++next_id;
+      }
+      if (iter < 400 && rng() % 25 == 0 && next_id > 1) h.scheduler.abort_request(1 + rng() % (next_id - 1));
+      h.step([&](int32_t) { return rng() % 20 == 0 ? kEos : 5 + static_cast<int32_t>(rng() % 50); });
+    }
+    CHECK(h.finished.size() == accepted.size());
+    for (uint64_t id : accepted) CHECK(h.finished.contains(id));
+    CHECK(h.scheduler.block_pool().num_free() == num_blocks);
+    h.scheduler.check_invariants();
+  }
+}
+
+TEST_MAIN()

@@ -1,0 +1,1 @@
+"""RingServe frontend: gRPC servicers, tokenizer, chat template, incremental detokenizer and the engine client."""

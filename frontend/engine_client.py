@@ -1,0 +1,365 @@
+"""The frontend's side of the engine rings: submit requests, route the engine's events to per-request streams.
+
+The request ring is written without ever blocking (a full ring is backpressure the caller sees as
+RESOURCE_EXHAUSTED). The event ring is drained by `_core.RingNotifier`'s native thread, which signals an eventfd
+that the asyncio loop watches, so the loop never waits on the ring itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# How long an abort or other control record waits before retrying when the request ring is full.
+_CONTROL_RETRY_S = 0.005
+
+
+class EngineError(Exception):
+    """A request failure carrying the gRPC status the servicer answers with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class EngineBusyError(EngineError):
+    """The request ring is full: the engine is not keeping up."""
+
+    def __init__(self, message: str = "the engine's request queue is full; retry later") -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+class EngineUnavailableError(EngineError):
+    """The engine failed or the client was closed; every in-flight stream ends with this."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+class RequestRejectedError(EngineError):
+    """The engine refused one request (e.g. it can never fit in the KV cache)."""
+
+
+def status_code_from_number(number: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated per-request sampling, as the engine's AddRequest record carries it."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    trace_id: bytes = bytes(16)  # zero = no trace context
+    span_id: bytes = bytes(8)
+    trace_flags: int = 0
+
+
+class GenerationEngine(Protocol):
+    """What the servicer needs from an engine; `EngineClient` is the real one, tests use a scripted fake.
+
+    `generate` yields objects shaped like `_core.RequestOutput` (`new_token_ids`, `logprobs`,
+    `finish_reason` with a `.name` of NONE/STOP/LENGTH/ABORT, `num_prompt_tokens`, `num_cached_tokens`).
+    """
+
+    @property
+    def failure(self) -> str | None: ...
+
+    def allocate_request_id(self) -> int: ...
+
+    def generate(self, request_id: int, prompt_ids: Sequence[int], params: SamplingOptions) -> AsyncIterator[Any]: ...
+
+    async def get_stats(self, timeout: float = 5.0) -> Any: ...
+
+    async def wait_ready(self, timeout: float | None = None) -> Any: ...
+
+    def add_failure_listener(self, callback: Callable[[str], None]) -> None: ...
+
+
+class EngineClient:
+    """Talks to one engine over a request ring (we write) and an event ring (we read).
+
+    Construct with ring names (attached here) or `_core.ShmRing` objects, then call `start()` from inside the
+    running event loop (or use `async with`). Request ids are u64s from `allocate_request_id()`.
+    """
+
+    def __init__(self, request_ring: Any, event_ring: Any, *, event_reader_index: int = 0, core: Any = None) -> None:
+        if core is None:
+            # Imported here so the servicer and its tests work without the native extension.
+            from ringserve import _core as core
+        self._core = core
+        self._request_ring = core.ShmRing.attach(request_ring) if isinstance(request_ring, str) else request_ring
+        self._event_ring = core.ShmRing.attach(event_ring) if isinstance(event_ring, str) else event_ring
+        self._event_reader_index = event_reader_index
+        self._writer = core.RingWriter(self._request_ring)
+        self._notifier: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._request_ids = itertools.count(1)
+        self._query_ids = itertools.count(1)
+        self._streams: dict[int, asyncio.Queue[Any]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[Any]] = {}
+        self._ready: Any = None
+        self._ready_waiters: list[asyncio.Future[Any]] = []
+        self._failure: str | None = None
+        self._failure_listeners: list[Callable[[str], None]] = []
+        # Control records (aborts) must never be dropped: they wait here while the request ring is full.
+        self._pending_control: collections.deque[bytes] = collections.deque()
+        self._control_retry: asyncio.TimerHandle | None = None
+        self.latest_stats: Any = None  # the last unsolicited EngineStats, if the engine sends any
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start consuming the event ring on the running loop."""
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._notifier = self._core.RingNotifier(self._event_ring, self._event_reader_index)
+        self._loop.add_reader(self._notifier.fileno(), self._on_events_ready)
+        self._on_events_ready()  # events that arrived before we watched the fd
+
+    async def close(self, reason: str = "the server is shutting down") -> None:
+        """Stop reading events; every stream still open ends with UNAVAILABLE."""
+        if self._loop is not None and self._notifier is not None:
+            self._loop.remove_reader(self._notifier.fileno())
+            self._notifier.close()
+            self._notifier = None
+        if self._control_retry is not None:
+            self._control_retry.cancel()
+            self._control_retry = None
+        if self._failure is None:
+            self.fail(reason, notify=False)
+
+    async def __aenter__(self) -> EngineClient:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def ready(self) -> Any:
+        """The engine's EngineReady event, or None until it arrives."""
+        return self._ready
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine is unusable, or None while it is healthy."""
+        return self._failure
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def add_failure_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(message)` runs once, on the loop, when the engine fails (EngineFailed or `fail()`)."""
+        self._failure_listeners.append(callback)
+
+    def fail(self, message: str, notify: bool = True) -> None:
+        """Mark the engine dead (e.g. its process exited): every stream and waiter fails with UNAVAILABLE."""
+        if self._failure is not None:
+            return
+        self._failure = message
+        for queue in self._streams.values():
+            queue.put_nowait(EngineUnavailableError(f"engine failed: {message}"))
+        for future in [*self._stats_waiters.values(), *self._ready_waiters]:
+            if not future.done():
+                future.set_exception(EngineUnavailableError(f"engine failed: {message}"))
+        self._ready_waiters.clear()
+        if notify:
+            for callback in self._failure_listeners:
+                try:
+                    callback(message)
+                except Exception:
+                    log.exception("engine failure listener raised")
+
+    async def wait_ready(self, timeout: float | None = None) -> Any:
+        """The engine's EngineReady; raises TimeoutError, or EngineUnavailableError if the engine failed first."""
+        if self._ready is not None:
+            return self._ready
+        self._raise_if_failed()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._ready_waiters.append(future)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the engine did not report ready within {timeout} s") from None
+        finally:
+            if future in self._ready_waiters:
+                self._ready_waiters.remove(future)
+
+    async def shutdown_engine(self, timeout: float = 5.0) -> bool:
+        """Ask the engine to exit (Shutdown record); False if the ring stayed full for `timeout` seconds."""
+        record = self._core.encode_shutdown()
+        deadline = time.monotonic() + timeout
+        while not self._writer.try_write(record):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_CONTROL_RETRY_S)
+        return True
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def allocate_request_id(self) -> int:
+        return next(self._request_ids)
+
+    async def generate(self, request_id: int, prompt_ids: Sequence[int],
+                       params: SamplingOptions) -> AsyncIterator[Any]:
+        """Submit the request and yield its `RequestOutput`s until one has a finish reason.
+
+        Stopping early (break, aclose, cancellation) aborts the request in the engine, so its KV blocks are freed.
+        """
+        self._raise_if_failed()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id} is already in flight")
+        record = self._core.encode_add_request(self._add_request(request_id, prompt_ids, params))
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = queue
+        submitted = finished = False
+        try:
+            try:
+                written = self._writer.try_write(record)
+            except ValueError as exc:  # larger than the ring's largest record
+                message = f"the prompt of {len(prompt_ids)} tokens is too large for the request ring: {exc}"
+                raise EngineError(grpc.StatusCode.INVALID_ARGUMENT, message) from exc
+            if not written:
+                raise EngineBusyError()
+            submitted = True
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason.name != "NONE"
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if submitted and not finished and self._failure is None:
+                self._send_control(self._core.encode_abort_request(request_id))
+
+    async def abort(self, request_id: int) -> None:
+        """Abort a request by id (its stream then ends with an ABORT output)."""
+        self._send_control(self._core.encode_abort_request(request_id))
+
+    async def get_stats(self, timeout: float = 5.0) -> Any:
+        """Ask the engine for its counters and wait for the matching EngineStats reply."""
+        self._raise_if_failed()
+        query_id = next(self._query_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[query_id] = future
+        try:
+            if not self._writer.try_write(self._core.encode_stats_query(query_id)):
+                raise EngineBusyError()
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(f"the engine did not answer a stats query within {timeout} s") from None
+        finally:
+            self._stats_waiters.pop(query_id, None)
+
+    # -- internals ------------------------------------------------------------------------------------------
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise EngineUnavailableError(f"engine failed: {self._failure}")
+
+    def _add_request(self, request_id: int, prompt_ids: Sequence[int], params: SamplingOptions) -> Any:
+        record = self._core.AddRequest()
+        record.request_id = request_id
+        record.prompt_token_ids = list(prompt_ids)
+        record.max_tokens = params.max_tokens
+        record.temperature = params.temperature
+        record.top_p = params.top_p
+        record.top_k = params.top_k
+        record.seed = params.seed if params.seed is not None else 0
+        record.has_seed = params.seed is not None
+        record.ignore_eos = params.ignore_eos
+        record.stop_token_ids = list(params.stop_token_ids)
+        record.priority = params.priority
+        record.arrival_time_ns = time.time_ns()  # wall clock, comparable with trace timestamps
+        record.trace_id = params.trace_id
+        record.span_id = params.span_id
+        record.trace_flags = params.trace_flags
+        return record
+
+    def _send_control(self, record: bytes) -> None:
+        # Keep order: once anything is pending, later records queue behind it.
+        if not self._pending_control and self._writer.try_write(record):
+            return
+        self._pending_control.append(record)
+        self._schedule_control_retry()
+
+    def _flush_control(self) -> None:
+        self._control_retry = None
+        while self._pending_control and self._writer.try_write(self._pending_control[0]):
+            self._pending_control.popleft()
+        if self._pending_control:
+            self._schedule_control_retry()
+
+    def _schedule_control_retry(self) -> None:
+        if self._control_retry is None and self._loop is not None and self._notifier is not None:
+            self._control_retry = self._loop.call_later(_CONTROL_RETRY_S, self._flush_control)
+
+    def _on_events_ready(self) -> None:
+        if self._notifier is None:
+            return
+        for raw in self._notifier.drain():
+            try:
+                event = self._core.decode_engine_event(raw)
+            except self._core.RecordError as exc:
+                # The engine's bug, not ours to crash on: report it and keep serving the other requests.
+                log.error("dropping a malformed engine event (%d bytes): %s", len(raw), exc)
+                continue
+            self._dispatch(event)
+        if self._pending_control:
+            self._flush_control()
+
+    def _dispatch(self, event: Any) -> None:
+        core = self._core
+        if isinstance(event, core.StepEvents):
+            for output in event.outputs:
+                queue = self._streams.get(output.request_id)
+                if queue is not None:  # outputs of streams already closed (e.g. the final ABORT) are dropped
+                    queue.put_nowait(output)
+        elif isinstance(event, core.RequestRejected):
+            queue = self._streams.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(RequestRejectedError(status_code_from_number(event.status_code), event.message))
+        elif isinstance(event, core.EngineStats):
+            future = self._stats_waiters.get(event.query_id)
+            if future is not None and not future.done():
+                future.set_result(event)
+            elif event.query_id == 0:
+                self.latest_stats = event
+        elif isinstance(event, core.EngineReady):
+            self._ready = event
+            for future in self._ready_waiters:
+                if not future.done():
+                    future.set_result(event)
+            self._ready_waiters.clear()
+        elif isinstance(event, core.EngineFailed):
+            log.error("engine failed: %s", event.message)
+            self.fail(event.message)
+        else:
+            log.error("ignoring an unknown engine event %r", type(event).__name__)

@@ -1,0 +1,183 @@
+"""`ringserve serve`: this process is the frontend; it creates the request/event rings, starts the engine process
+(which starts the workers), serves gRPC until SIGTERM/SIGINT, then stops everything and removes every segment."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+from ringserve.backend.process import stop_child
+from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
+from ringserve.frontend.cli_env import env_default, env_help
+from ringserve.frontend.engine_client import EngineClient
+from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
+from ringserve.frontend.server import build_server, describe_model
+from ringserve.frontend.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
+
+log = logging.getLogger("ringserve.serve")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags follow vLLM's names where vLLM has the same knob; each also reads RINGSERVE_<FLAG>."""
+
+    def flag(name: str, default: object, type_: type, help_: str, **kw: object) -> None:
+        p.add_argument(name, default=env_default(name, default, type_), type=type_,
+                       help=f"{help_} {env_help(name)}", **kw)  # type: ignore[arg-type]  # fmt: skip
+
+    flag("--host", "127.0.0.1", str, "address to listen on (default %(default)s)")
+    flag("--port", 50051, int, "gRPC port (default %(default)s)")
+    flag("--model", EMBEDDED_MODEL_NAME, str,
+         "a .gguf file, a Hugging Face folder, or the embedded model's name (default %(default)s)")
+    flag("--served-model-name", "", str, "name clients use in GenerateRequest.model (default: from --model)")
+    flag("--dtype", "auto", str, "weights and activations dtype (default %(default)s = float32 on CPU)",
+         choices=["auto", "float32", "bfloat16", "float16"])
+    flag("--tensor-parallel-size", 1, int, "worker processes the model is split across (only 1 for now)")
+    flag("--max-num-seqs", 256, int, "most sequences running in one step (default %(default)s)")
+    flag("--max-num-batched-tokens", 2048, int, "token budget of one engine step (default %(default)s)")
+    flag("--max-model-len", 0, int, "context length limit (default: the model's)")
+    flag("--block-size", 16, int, "tokens per KV cache block (default %(default)s)")
+    flag("--num-kv-blocks", 0, int, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
+    flag("--kv-cache-memory-gib", 1.0, float, "KV cache memory budget per worker in GiB (default %(default)s)")
+    flag("--engine-start-timeout", 600.0, float, "seconds to wait for the model to load (default %(default)s)")
+    flag("--shutdown-grace", 5.0, float, "seconds in-flight streams get to finish on SIGTERM (default %(default)s)")
+    flag("--log-level", "INFO", str, "logging level (default %(default)s)")
+
+
+def model_metadata(source: ModelSource) -> tuple[str, int, ModelTokenizer]:
+    """(architecture, context length, tokenizer) from the model's own files; one GGUF read serves both."""
+    if source.path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(source.path))
+        arch_field = reader.get_field("general.architecture")
+        if arch_field is None:
+            raise ModelNotFoundError(f"{source.path}: no general.architecture in the GGUF metadata")
+        arch = str(arch_field.contents())
+        ctx_field = reader.get_field(f"{arch}.context_length")
+        context_length = int(ctx_field.contents()) if ctx_field is not None else 2048
+        return arch, context_length, tokenizer_from_gguf(reader)
+    config = json.loads((source.path / "config.json").read_text())
+    arch = str((config.get("architectures") or [config.get("model_type", "llama")])[0])
+    return arch, int(config.get("max_position_embeddings", 2048)), load_tokenizer(source.path)
+
+
+def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, max_model_len: int,
+                   eos_token_ids: list[int], request_ring: str, event_ring: str) -> list[str]:  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "ringserve.backend.engine_main",
+        "--request-ring", request_ring, "--event-ring", event_ring, "--model", str(source.path), "--dtype", dtype,
+        "--tensor-parallel-size", str(args.tensor_parallel_size), "--block-size", str(args.block_size),
+        "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-model-len", str(max_model_len), "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+        "--eos-token-ids", *map(str, eos_token_ids),
+    ]  # fmt: skip
+    if args.num_kv_blocks > 0:
+        cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return cmd
+
+
+def check_serve_arguments(args: argparse.Namespace) -> str | None:
+    """An error message saying what to change, or None."""
+    if args.tensor_parallel_size != 1:
+        return f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported so far"
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})"
+    if args.max_model_len < 0 or args.num_kv_blocks < 0 or args.kv_cache_memory_gib <= 0:
+        return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
+    return None
+
+
+async def watch_engine(engine: subprocess.Popen[bytes]) -> int:
+    """Completes when the engine process exits: a pidfd turns readable then, so nothing polls."""
+    exited = asyncio.Event()
+    pidfd = os.pidfd_open(engine.pid)
+    loop = asyncio.get_running_loop()
+    loop.add_reader(pidfd, exited.set)
+    try:
+        await exited.wait()
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return engine.wait()
+
+
+async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dtype: str, arch: str,
+                              tokenizer: ModelTokenizer, client: EngineClient,
+                              engine: subprocess.Popen[bytes]) -> int:  # fmt: skip
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine_exit = asyncio.create_task(watch_engine(engine))
+    stop_wait = asyncio.create_task(stop.wait())
+    client.start()
+    try:
+        ready_task = asyncio.create_task(client.wait_ready(args.engine_start_timeout))
+        await asyncio.wait({ready_task, engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready_task.done():
+            ready_task.cancel()
+            if engine_exit.done():
+                log.error("the engine exited with code %s while loading the model", engine_exit.result())
+                return 1
+            return 0  # stopped by a signal while loading
+        ready = ready_task.result()
+        info = describe_model(source.name, arch, dtype, args.tensor_parallel_size, ready, tokenizer)
+        server = build_server(client, tokenizer, info, args.host, args.port)
+        await server.start()
+        log.info("serving %s on %s:%d (%d KV blocks of %d tokens)", source.name, args.host, server.port,
+                 ready.num_total_blocks, ready.block_size)  # fmt: skip
+        await asyncio.wait({engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if engine_exit.done():
+            client.fail(f"engine process exited with code {engine_exit.result()}")
+            await server.stop(0)
+            log.error("the engine exited with code %s", engine_exit.result())
+            return 1
+        log.info("stopping: draining in-flight streams for up to %.1f s", args.shutdown_grace)
+        await server.stop(args.shutdown_grace)
+        await client.shutdown_engine(timeout=5.0)
+        return 0
+    finally:
+        stop_wait.cancel()
+        engine_exit.cancel()
+        await client.close()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (error := check_serve_arguments(args)) is not None:
+        print(f"ringserve serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        source = resolve_model(args.model, args.served_model_name or None)
+        arch, context_length, tokenizer = model_metadata(source)
+    except (ModelNotFoundError, OSError, ValueError) as exc:
+        print(f"ringserve serve: {exc}", file=sys.stderr)
+        return 2
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    max_model_len = min(args.max_model_len or context_length, context_length)
+
+    from ringserve import _core
+
+    for name in _core.reclaim_stale_segments():
+        log.info("removed stale shared-memory segment %s left by a dead process", name)
+    request_ring = _core.ShmRing.create(new_segment_name("req"), REQUEST_RING_BYTES, 1)
+    event_ring = _core.ShmRing.create(new_segment_name("evt"), EVENT_RING_BYTES, 1)
+    engine: subprocess.Popen[bytes] | None = None
+    try:
+        cmd = engine_command(args, source, dtype, max_model_len, tokenizer.eos_token_ids,
+                             request_ring.name, event_ring.name)  # fmt: skip
+        engine = subprocess.Popen(cmd, env={**os.environ, "RINGSERVE_LOG_LEVEL": args.log_level.upper()})
+        client = EngineClient(request_ring, event_ring)
+        return asyncio.run(serve_until_stopped(args, source, dtype, arch, tokenizer, client, engine))
+    finally:
+        if engine is not None:
+            stop_child(engine, timeout_s=15.0)
+        request_ring.unlink()
+        event_ring.unlink()

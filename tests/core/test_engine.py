@@ -1,0 +1,374 @@
+"""The C++ engine driven end to end from Python with a fake worker.
+
+The fake worker keeps a persistent batch from the StepPlan deltas exactly like a real worker, checks every plan
+against it, and "samples" next = last token + 1, so every request's output is predictable.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from conftest import segment_name
+from ringserve import _core
+
+pytestmark = pytest.mark.timeout(60)
+
+EOS = 2
+BLOCK_SIZE = 16
+RING_BYTES = 1 << 16
+
+
+@dataclass
+class SlotState:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int
+
+
+class FakeWorker(threading.Thread):
+    """Rank 0 of a fake TP=1 world: reads plans from the step ring and answers StepResults."""
+
+    def __init__(self, step_ring: str, result_ring: str, num_kv_blocks: int, step_delay_s: float = 0.0) -> None:
+        super().__init__(daemon=True)
+        self.reader = _core.RingReader(_core.ShmRing.attach(step_ring))
+        self.writer = _core.RingWriter(_core.ShmRing.attach(result_ring))
+        self.num_kv_blocks = num_kv_blocks
+        self.step_delay_s = step_delay_s
+        self.plans: list[_core.StepPlan] = []
+        self.slots: dict[int, SlotState] = {}
+        self.errors: list[str] = []
+        self.saw_shutdown = threading.Event()
+        self.quit = threading.Event()
+
+    def run(self) -> None:
+        assert self.writer.write(_core.encode_worker_ready(0, self.num_kv_blocks), 10.0)
+        while not self.quit.is_set():
+            record = self.reader.read(0.05)
+            if record is None:
+                continue
+            command = _core.decode_worker_command(record)
+            if isinstance(command, _core.WorkerShutdown):
+                self.saw_shutdown.set()
+                return
+            try:
+                slots, tokens = self.execute(command)
+            except AssertionError as e:  # reported by the test, not swallowed by the thread
+                self.errors.append(f"step {command.step_id}: {e!r}")
+                return
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            result = _core.encode_step_result(
+                command.step_id,
+                np.array(slots, np.int32),
+                np.array(tokens, np.int32),
+                np.full(len(slots), -0.5, np.float32),
+            )
+            assert self.writer.write(result, 10.0)
+
+    def execute(self, plan: _core.StepPlan) -> tuple[list[int], list[int]]:
+        self.plans.append(plan)
+        for slot in plan.finished_slots.tolist():
+            self.slots.pop(slot, None)
+        for new in plan.new_requests:
+            assert new.slot not in self.slots, f"slot {new.slot} reused before it was finished"
+            self.slots[new.slot] = SlotState(new.token_ids.tolist(), new.block_ids.tolist(), new.num_computed_tokens)
+        for append in plan.block_appends:
+            self.slots[append.slot].blocks.extend(append.block_ids.tolist())
+        all_blocks = [b for s in self.slots.values() for b in s.blocks]
+        assert len(all_blocks) == len(set(all_blocks)), "a KV block backs two live slots"
+        sampled_slots, sampled_tokens = [], []
+        for slot, start, length, sample in zip(
+            plan.sched_slots.tolist(),
+            plan.sched_start.tolist(),
+            plan.sched_len.tolist(),
+            plan.sched_sample.tolist(),
+            strict=True,
+        ):
+            state = self.slots[slot]
+            assert start == state.computed, "plan start is not the slot's computed count"
+            state.computed += length
+            assert state.computed <= len(state.tokens)
+            assert len(state.blocks) * BLOCK_SIZE >= state.computed, "too few blocks for the computed tokens"
+            assert sample == (state.computed == len(state.tokens))
+            if sample:
+                token = state.tokens[-1] + 1
+                state.tokens.append(token)
+                sampled_slots.append(slot)
+                sampled_tokens.append(token)
+        return sampled_slots, sampled_tokens
+
+
+@dataclass
+class RequestLog:
+    tokens: list[int] = field(default_factory=list)
+    outputs: list[_core.RequestOutput] = field(default_factory=list)
+    finish: _core.FinishReason | None = None
+
+
+class Frontend:
+    """The frontend side of the request and event rings, plus the engine thread."""
+
+    def __init__(self, config: _core.EngineConfig, num_kv_blocks: int, worker_pids: list[int], delay: float) -> None:
+        self.rings = {
+            role: _core.ShmRing.create(segment_name(role), RING_BYTES) for role in ("req", "evt", "step", "res")
+        }
+        self.requests = _core.RingWriter(self.rings["req"])
+        self.events = _core.RingReader(self.rings["evt"])
+        self.worker = FakeWorker(self.rings["step"].name, self.rings["res"].name, num_kv_blocks, delay)
+        self.engine = _core.Engine(config, *(self.rings[r].name for r in ("req", "evt", "step", "res")), worker_pids)
+        self.run_error: BaseException | None = None
+        self.engine_thread = threading.Thread(target=self._run_engine, daemon=True)
+        self.log: dict[int, RequestLog] = {}
+        self.other_events: list[object] = []
+
+    def _run_engine(self) -> None:
+        try:
+            self.engine.run()
+        except BaseException as e:  # surfaced to the test through run_error
+            self.run_error = e
+
+    def start(self) -> _core.EngineReady:
+        self.worker.start()
+        self.engine_thread.start()
+        ready = self.next_event()
+        assert isinstance(ready, _core.EngineReady)
+        return ready
+
+    def add(self, request_id: int, prompt: list[int], max_tokens: int, **params: object) -> None:
+        r = _core.AddRequest()
+        r.request_id = request_id
+        r.prompt_token_ids = prompt
+        r.max_tokens = max_tokens
+        for name, value in params.items():
+            setattr(r, name, value)
+        assert self.requests.write(_core.encode_add_request(r), 5.0)
+
+    def send(self, record: bytes) -> None:
+        assert self.requests.write(record, 5.0)
+
+    def next_event(self, timeout_s: float = 10.0) -> object:
+        record = self.events.read(timeout_s)
+        assert record is not None, "no event from the engine"
+        event = _core.decode_engine_event(record)
+        if isinstance(event, _core.StepEvents):
+            for out in event.outputs:
+                log = self.log.setdefault(out.request_id, RequestLog())
+                assert log.finish is None, "output after the final output"
+                log.tokens.extend(out.new_token_ids)
+                log.outputs.append(out)
+                if out.finish_reason != _core.FinishReason.NONE:
+                    log.finish = out.finish_reason
+        else:
+            self.other_events.append(event)
+        return event
+
+    def wait_finished(self, request_ids: list[int]) -> None:
+        while not all(rid in self.log and self.log[rid].finish is not None for rid in request_ids):
+            self.next_event()
+
+    def stats(self, query_id: int) -> _core.EngineStats:
+        self.send(_core.encode_stats_query(query_id))
+        while True:
+            event = self.next_event()
+            if isinstance(event, _core.EngineStats) and event.query_id == query_id:
+                return event
+
+    def shutdown(self) -> None:
+        self.send(_core.encode_shutdown())
+        self.engine_thread.join(10)
+        assert not self.engine_thread.is_alive(), "run() did not return after Shutdown"
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.engine_thread.join(10)
+        self.worker.quit.set()
+        self.worker.join(10)
+        for ring in self.rings.values():
+            ring.unlink()
+
+
+def make_config(**overrides: object) -> _core.EngineConfig:
+    config = _core.EngineConfig()
+    config.block_size = BLOCK_SIZE
+    config.max_num_seqs = 4
+    config.max_num_batched_tokens = 64
+    config.eos_token_ids = [EOS]
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.fixture
+def frontend_factory() -> Iterator[Callable[..., Frontend]]:
+    made: list[Frontend] = []
+
+    def make(
+        num_kv_blocks: int = 64, worker_pids: list[int] | None = None, delay: float = 0.0, **config: object
+    ) -> Frontend:
+        f = Frontend(make_config(**config), num_kv_blocks, worker_pids or [], delay)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+        assert not f.worker.errors, f.worker.errors
+
+
+def prompt_ending_at(last: int, length: int) -> list[int]:
+    return [1000 + i for i in range(length - 1)] + [last]
+
+
+FrontendFactory = Callable[..., Frontend]
+
+
+def test_continuous_batching_with_stop_rules_and_chunked_prefill(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory()
+    f.add(1, prompt_ending_at(100, 40), max_tokens=5)  # LENGTH: 101..105
+    f.add(2, prompt_ending_at(0, 8), max_tokens=10)  # EOS: 1, 2
+    f.add(3, prompt_ending_at(10, 8), max_tokens=10, stop_token_ids=[13])  # stop token: 11, 12, 13
+    f.add(4, prompt_ending_at(500, 150), max_tokens=2)  # longer than the budget: chunked
+    f.add(5, prompt_ending_at(0, 8), max_tokens=3, ignore_eos=True)  # EOS ignored: 1, 2, 3
+    ready = f.start()
+    assert (ready.num_total_blocks, ready.block_size, ready.max_model_len) == (64, BLOCK_SIZE, 64 * BLOCK_SIZE)
+    f.wait_finished([1, 2, 3, 4, 5])
+
+    assert f.log[1].tokens == [101, 102, 103, 104, 105] and f.log[1].finish == _core.FinishReason.LENGTH
+    assert f.log[2].tokens == [1, 2] and f.log[2].finish == _core.FinishReason.STOP
+    assert f.log[3].tokens == [11, 12, 13] and f.log[3].finish == _core.FinishReason.STOP
+    assert f.log[4].tokens == [501, 502] and f.log[4].finish == _core.FinishReason.LENGTH
+    assert f.log[5].tokens == [1, 2, 3] and f.log[5].finish == _core.FinishReason.LENGTH
+
+    plans = f.worker.plans
+    assert all(int(p.sched_len.sum()) <= 64 for p in plans), "a step exceeded max_num_batched_tokens"
+    assert all(len(p.sched_slots) <= 4 for p in plans), "more than max_num_seqs scheduled"
+    assert any(len(p.sched_slots) >= 3 for p in plans), "requests were not batched together"
+    # Request 4's 150-token prompt went out once, then in chunks whose lengths add up to 150.
+    (new4,) = [n for p in plans for n in p.new_requests if len(n.token_ids) == 150]
+    chunks = [
+        (p.sched_len[i], p.sched_sample[i])
+        for p in plans
+        if p.step_id >= plans[0].step_id
+        for i in range(len(p.sched_slots))
+        if p.sched_slots[i] == new4.slot and p.sched_start[i] < 150
+    ]
+    assert len(chunks) > 1 and sum(n for n, _ in chunks) == 150
+    assert [s for _, s in chunks] == [False] * (len(chunks) - 1) + [True]
+    # Decodes of running requests are planned before new prompts in the same step.
+    for p in plans:
+        new_slots = {n.slot for n in p.new_requests}
+        positions = [i for i, s in enumerate(p.sched_slots.tolist()) if s in new_slots]
+        assert positions == list(range(len(p.sched_slots) - len(positions), len(p.sched_slots)))
+
+    first = f.log[1].outputs[0]
+    assert first.num_prompt_tokens == 40 and first.num_cached_tokens == 0
+    assert 0 < first.arrival_time_ns <= first.first_scheduled_time_ns <= first.first_token_time_ns
+
+    stats = f.stats(7)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks == 64
+    assert stats.num_steps == len(plans)
+    f.shutdown()
+    assert f.worker.saw_shutdown.wait(5), "WorkerShutdown was not sent"
+    assert f.run_error is None
+
+
+def test_abort_frees_all_blocks_and_emits_a_final_abort(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory(delay=0.002)
+    f.start()
+    f.add(1, prompt_ending_at(100, 30), max_tokens=500)
+    f.add(2, prompt_ending_at(300, 30), max_tokens=500)
+    while not (f.log.get(1) and f.log.get(2)):
+        f.next_event()
+    f.send(_core.encode_abort_request(1))
+    f.wait_finished([1])
+    assert f.log[1].finish == _core.FinishReason.ABORT and f.log[1].outputs[-1].new_token_ids == []
+    f.send(_core.encode_abort_request(2))
+    f.wait_finished([2])
+    assert f.log[2].finish == _core.FinishReason.ABORT
+    stats = f.stats(1)
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+    # Later plans tell the worker to drop both aborted slots.
+    aborted_slots = {n.slot for p in f.worker.plans for n in p.new_requests}
+    f.add(3, prompt_ending_at(7, 4), max_tokens=1)
+    f.wait_finished([3])
+    assert f.log[3].tokens == [8]
+    dropped = {s for p in f.worker.plans for s in p.finished_slots.tolist()}
+    assert dropped == aborted_slots
+    f.shutdown()
+
+
+def test_requests_that_can_never_run_are_rejected(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory(num_kv_blocks=8, max_model_len=100)
+    f.start()
+    f.add(1, list(range(3, 93)), max_tokens=20)
+    f.add(2, [], max_tokens=5)
+    f.add(3, [5, 6], max_tokens=2)
+    f.wait_finished([3])
+    while len([e for e in f.other_events if isinstance(e, _core.RequestRejected)]) < 2:
+        f.next_event()
+    rejected = {e.request_id: e for e in f.other_events if isinstance(e, _core.RequestRejected)}
+    assert rejected[1].status_code == 8 and "110 tokens" in rejected[1].message
+    assert rejected[2].status_code == 3
+    assert f.log[3].tokens == [7, 8]
+    f.shutdown()
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(frontend_factory: FrontendFactory) -> None:
+    # 6 blocks of 16 tokens; each request needs 5 blocks by the end, so one must be preempted and recomputed.
+    f = frontend_factory(num_kv_blocks=6)
+    f.add(1, prompt_ending_at(100, 20), max_tokens=60)
+    f.add(2, prompt_ending_at(1000, 20), max_tokens=60)
+    f.start()
+    f.wait_finished([1, 2])
+    assert f.log[1].tokens == list(range(101, 161))
+    assert f.log[2].tokens == list(range(1001, 1061))
+    stats = f.stats(3)
+    assert stats.num_preemptions >= 1 and stats.num_free_blocks == 6
+    resent = [n for p in f.worker.plans for n in p.new_requests if len(n.token_ids) > 20]
+    assert resent, "a preempted request was not re-sent with its generated tokens"
+    f.shutdown()
+
+
+def test_stop_returns_from_run_and_shuts_the_worker_down(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory()
+    f.start()
+    f.engine.stop()
+    f.engine_thread.join(10)
+    assert not f.engine_thread.is_alive() and f.run_error is None
+    assert f.worker.saw_shutdown.wait(5)
+
+
+def test_a_dead_worker_fails_the_engine(frontend_factory: FrontendFactory) -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    f = frontend_factory(worker_pids=[sleeper.pid])
+    f.start()
+    f.add(1, [5, 6, 7], max_tokens=3)
+    f.wait_finished([1])
+    sleeper.kill()
+    sleeper.wait()
+    while not any(isinstance(e, _core.EngineFailed) for e in f.other_events):
+        f.next_event()
+    f.engine_thread.join(10)
+    assert isinstance(f.run_error, RuntimeError) and str(sleeper.pid) in str(f.run_error)
+
+
+def test_worker_failed_record_fails_the_engine(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory()
+    f.start()
+    f.worker.quit.set()
+    f.worker.join(5)
+    assert f.worker.writer.write(_core.encode_worker_failed(0, "CUDA error: out of memory"), 5.0)
+    f.add(1, [5, 6, 7], max_tokens=3)  # the engine now waits for a result that never comes
+    while not any(isinstance(e, _core.EngineFailed) for e in f.other_events):
+        f.next_event()
+    failed = next(e for e in f.other_events if isinstance(e, _core.EngineFailed))
+    assert "out of memory" in failed.message
+    f.engine_thread.join(10)
+    assert isinstance(f.run_error, RuntimeError)

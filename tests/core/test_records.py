@@ -1,0 +1,181 @@
+"""Ring records through the binding: every record round-trips, malformed bytes raise RecordError."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from ringserve import _core
+
+
+def make_add_request() -> _core.AddRequest:
+    r = _core.AddRequest()
+    r.request_id = 2**63 + 5
+    r.prompt_token_ids = [1, 2, 3, 49151]
+    r.max_tokens = 32
+    r.temperature = 0.5
+    r.top_p = 0.75
+    r.top_k = 20
+    r.seed = 7
+    r.has_seed = True
+    r.ignore_eos = True
+    r.stop_token_ids = [9, 10]
+    r.priority = 2
+    r.arrival_time_ns = 1_700_000_000_123_456_789
+    r.trace_id = bytes(range(16))
+    r.span_id = bytes(range(8))
+    r.trace_flags = 1
+    return r
+
+
+def test_record_error_is_a_value_error() -> None:
+    assert issubclass(_core.RecordError, ValueError)
+
+
+def test_add_request_round_trips_every_field() -> None:
+    data = _core.encode_add_request(make_add_request())
+    assert isinstance(data, bytes) and len(data) % 8 == 0
+    r = _core.decode_request_record(data)
+    assert isinstance(r, _core.AddRequest)
+    assert r.request_id == 2**63 + 5
+    assert r.prompt_token_ids == [1, 2, 3, 49151]
+    assert (r.max_tokens, r.top_k, r.seed, r.priority) == (32, 20, 7, 2)
+    assert r.temperature == pytest.approx(0.5) and r.top_p == pytest.approx(0.75)
+    assert r.has_seed and r.ignore_eos
+    assert r.stop_token_ids == [9, 10]
+    assert r.arrival_time_ns == 1_700_000_000_123_456_789
+    assert r.trace_id == bytes(range(16)) and r.span_id == bytes(range(8)) and r.trace_flags == 1
+
+
+def test_trace_ids_must_have_their_exact_size() -> None:
+    r = _core.AddRequest()
+    assert r.trace_id == bytes(16)
+    with pytest.raises(ValueError):
+        r.trace_id = b"short"
+
+
+def test_small_request_records_round_trip() -> None:
+    assert _core.decode_request_record(_core.encode_abort_request(11)).request_id == 11
+    assert _core.decode_request_record(_core.encode_stats_query(12)).query_id == 12
+    assert isinstance(_core.decode_request_record(_core.encode_shutdown()), _core.Shutdown)
+
+
+def test_engine_events_round_trip() -> None:
+    out = _core.RequestOutput()
+    out.request_id = 3
+    out.new_token_ids = [5, 6]
+    out.logprobs = [-0.5, -1.5]
+    out.finish_reason = _core.FinishReason.STOP
+    out.num_prompt_tokens = 4
+    out.first_token_time_ns = 99
+    ev = _core.StepEvents()
+    ev.step_id = 8
+    ev.emit_time_ns = 100
+    ev.outputs = [out]
+    got = _core.decode_engine_event(_core.encode_record(ev))
+    assert isinstance(got, _core.StepEvents)
+    assert got.step_id == 8 and got.emit_time_ns == 100
+    (o,) = got.outputs
+    assert o.new_token_ids == [5, 6] and o.logprobs == [-0.5, -1.5]
+    assert o.finish_reason == _core.FinishReason.STOP and o.num_prompt_tokens == 4 and o.first_token_time_ns == 99
+
+    rejected = _core.RequestRejected()
+    rejected.request_id, rejected.status_code, rejected.message = 4, 8, "needs 9000 tokens"
+    got = _core.decode_engine_event(_core.encode_record(rejected))
+    assert (got.request_id, got.status_code, got.message) == (4, 8, "needs 9000 tokens")
+    failed = _core.EngineFailed()
+    failed.message = "worker died"
+    assert _core.decode_engine_event(_core.encode_record(failed)).message == "worker died"
+
+
+def test_step_plan_round_trips_with_numpy_arrays() -> None:
+    nr = _core.NewRequestData()
+    nr.slot = 2
+    nr.token_ids = np.arange(5, dtype=np.int32)
+    nr.block_ids = [7, 8]
+    ba = _core.BlockAppend()
+    ba.slot = 1
+    ba.block_ids = [9]
+    plan = _core.StepPlan()
+    plan.step_id = 77
+    plan.new_requests = [nr]
+    plan.block_appends = [ba]
+    plan.sched_slots = [1, 2]
+    plan.sched_start = [30, 0]
+    plan.sched_len = [1, 5]
+    plan.sched_sample = [True, False]
+    plan.finished_slots = [0]
+    got = _core.decode_worker_command(_core.encode_record(plan))
+    assert isinstance(got, _core.StepPlan) and got.step_id == 77
+    assert got.sched_slots.dtype == np.int32 and got.sched_sample.dtype == np.bool_
+    assert got.sched_slots.tolist() == [1, 2] and got.sched_start.tolist() == [30, 0]
+    assert got.sched_len.tolist() == [1, 5] and got.sched_sample.tolist() == [True, False]
+    assert got.finished_slots.tolist() == [0]
+    assert got.new_requests[0].token_ids.tolist() == [0, 1, 2, 3, 4]
+    assert got.new_requests[0].block_ids.tolist() == [7, 8]
+    assert got.block_appends[0].slot == 1 and got.block_appends[0].block_ids.tolist() == [9]
+    assert isinstance(_core.decode_worker_command(_core.encode_record(_core.WorkerShutdown())), _core.WorkerShutdown)
+
+
+def test_worker_results_round_trip() -> None:
+    data = _core.encode_step_result(
+        5, np.array([0, 3], np.int32), np.array([11, 12], np.int32), np.array([-0.25, -2.0], np.float32)
+    )
+    r = _core.decode_worker_result(data)
+    assert r.step_id == 5 and r.slots.tolist() == [0, 3] and r.token_ids.tolist() == [11, 12]
+    assert r.logprobs.tolist() == [-0.25, -2.0]
+    ready = _core.decode_worker_result(_core.encode_worker_ready(0, 1234))
+    assert isinstance(ready, _core.WorkerReady) and ready.num_kv_blocks == 1234
+    failed = _core.decode_worker_result(_core.encode_worker_failed(1, "OOM"))
+    assert isinstance(failed, _core.WorkerFailed) and failed.rank == 1 and failed.message == "OOM"
+
+
+def test_step_result_arrays_must_match() -> None:
+    with pytest.raises(_core.RecordError):
+        _core.encode_step_result(1, np.array([0, 1], np.int32), np.array([5], np.int32), np.zeros(2, np.float32))
+
+
+def with_u32(data: bytes, offset: int, value: int) -> bytes:
+    return data[:offset] + struct.pack("<I", value) + data[offset + 4 :]
+
+
+def with_u16(data: bytes, offset: int, value: int) -> bytes:
+    return data[:offset] + struct.pack("<H", value) + data[offset + 2 :]
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda d: d[:4], id="shorter-than-header"),
+        pytest.param(lambda d: with_u32(d, 0, len(d) + 8), id="length-field-too-long"),
+        pytest.param(lambda d: with_u32(d + bytes(3), 0, len(d) + 3), id="misaligned"),
+        pytest.param(lambda d: with_u16(d, 6, _core.LAYOUT_VERSION + 1), id="wrong-version"),
+        pytest.param(lambda d: with_u16(d, 4, 999), id="unknown-type"),
+        pytest.param(lambda d: with_u32(d, 79, 1 << 30), id="truncated-prompt-array"),
+        pytest.param(lambda d: with_u32(d[:88], 0, 88), id="truncated-record"),
+        pytest.param(lambda d: with_u32(d + bytes(8), 0, len(d) + 8), id="trailing-bytes"),
+    ],
+)
+def test_malformed_request_records_are_rejected(corrupt: Callable[[bytes], bytes]) -> None:
+    data = _core.encode_add_request(make_add_request())
+    with pytest.raises(_core.RecordError):
+        _core.decode_request_record(corrupt(data))
+
+
+def test_a_record_of_another_ring_is_rejected() -> None:
+    with pytest.raises(_core.RecordError, match="unknown record type"):
+        _core.decode_engine_event(_core.encode_shutdown())
+    with pytest.raises(_core.RecordError):
+        _core.decode_worker_command(_core.encode_worker_ready(0, 1))
+
+
+def test_every_truncation_is_rejected() -> None:
+    data = _core.encode_add_request(make_add_request())
+    for cut in range(len(data)):
+        prefix = data[:cut]
+        if cut >= 4:
+            prefix = with_u32(prefix, 0, cut)
+        with pytest.raises(_core.RecordError):
+            _core.decode_request_record(prefix)

@@ -1,0 +1,196 @@
+"""Test helpers for the frontend: the real GGUF path (from RINGSERVE_TEST_GGUF), a tiny byte-level tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from ringserve.frontend.engine_client import EngineError, SamplingOptions
+from ringserve.frontend.server import FrontendServer, build_server
+from ringserve.frontend.tokenizer import ModelTokenizer, byte_alphabet
+from ringserve.v1 import generation_pb2 as pb
+from ringserve.v1 import generation_pb2_grpc as pb_grpc
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def real_gguf_path() -> Path | None:
+    value = os.environ.get("RINGSERVE_TEST_GGUF")
+    return Path(value) if value else None
+
+
+requires_real_gguf = pytest.mark.skipif(real_gguf_path() is None, reason="set RINGSERVE_TEST_GGUF to a .gguf file")
+
+
+def build_tiny_tokenizer() -> ModelTokenizer:
+    """A byte-level BPE over the 256 byte symbols plus a few merges (some forming multi-byte UTF-8 pieces)."""
+    alphabet = byte_alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(alphabet[b] for b in range(256))}
+    merges: list[tuple[str, str]] = []
+
+    def add_merge(left: str, right: str) -> None:
+        merges.append((left, right))
+        vocab.setdefault(left + right, len(vocab))
+
+    add_merge("h", "e")
+    add_merge("he", "l")
+    add_merge("Ġ", "w")
+    euro = "".join(alphabet[b] for b in "€".encode())  # 3 bytes: the merge leaves a 2-byte partial token
+    add_merge(euro[0], euro[1])
+    smile = "".join(alphabet[b] for b in "😀".encode())  # 4 bytes
+    add_merge(smile[0], smile[1])
+    add_merge(smile[2], smile[3])
+    backend = Tokenizer(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix=""))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    eos_id = backend.token_to_id("<|im_end|>")
+    return ModelTokenizer(backend=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                          unk_token="<|endoftext|>", pad_token="<|im_end|>",
+                          chat_template_source=TINY_CHAT_TEMPLATE, eos_token_ids=[eos_id])
+
+
+class FakeFinishReason(enum.Enum):
+    """Mirrors `_core.FinishReason` by name."""
+
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+@dataclass
+class FakeRequestOutput:
+    request_id: int
+    new_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FakeFinishReason = FakeFinishReason.NONE
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class FakeEngineStats:
+    query_id: int = 1
+    num_running: int = 2
+    num_waiting: int = 1
+    num_total_blocks: int = 100
+    num_free_blocks: int = 40
+    block_size: int = 16
+    num_steps: int = 1234
+    num_preemptions: int = 3
+
+
+@dataclass
+class FakeEngineReady:
+    num_total_blocks: int = 100
+    block_size: int = 16
+    max_model_len: int = 64
+
+
+class ScriptedEngine:
+    """Same interface as EngineClient; streams `chunks` of token ids for every request, then `finish`.
+
+    With `hang_after=n` it stops after n chunks and waits forever (until the consumer cancels), which is how tests
+    observe that cancellation aborts the request in the engine.
+    """
+
+    def __init__(self, chunks: list[list[int]], finish: str = "LENGTH", hang_after: int | None = None,
+                 error: EngineError | None = None, ready: bool = True) -> None:
+        self.chunks = chunks
+        self.finish = FakeFinishReason[finish]
+        self.hang_after = hang_after
+        self.error = error
+        self.submitted: list[tuple[int, list[int], SamplingOptions]] = []
+        self.aborted: list[int] = []
+        self.aborted_event = asyncio.Event()
+        self.hanging = asyncio.Event()
+        self.failure: str | None = None
+        self._listeners: list[Callable[[str], None]] = []
+        self._ready = asyncio.Event()
+        if ready:
+            self._ready.set()
+        self._ids = itertools.count(1)
+
+    def allocate_request_id(self) -> int:
+        return next(self._ids)
+
+    async def generate(self, request_id: int, prompt_ids: Sequence[int],
+                       params: SamplingOptions) -> AsyncIterator[FakeRequestOutput]:
+        if self.error is not None:
+            raise self.error
+        self.submitted.append((request_id, list(prompt_ids), params))
+        finished = False
+        try:
+            for index, chunk in enumerate(self.chunks):
+                if self.hang_after is not None and index >= self.hang_after:
+                    self.hanging.set()
+                    await asyncio.Event().wait()
+                await asyncio.sleep(0)
+                last = index == len(self.chunks) - 1
+                finished = last
+                yield FakeRequestOutput(request_id, list(chunk), [-0.5] * len(chunk),
+                                        self.finish if last else FakeFinishReason.NONE, len(prompt_ids))
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+                self.aborted_event.set()
+
+    async def get_stats(self, timeout: float = 5.0) -> FakeEngineStats:
+        return FakeEngineStats()
+
+    async def wait_ready(self, timeout: float | None = None) -> FakeEngineReady:
+        await self._ready.wait()
+        return FakeEngineReady()
+
+    def mark_ready(self) -> None:
+        self._ready.set()
+
+    def add_failure_listener(self, callback: Callable[[str], None]) -> None:
+        self._listeners.append(callback)
+
+    def fail(self, message: str) -> None:
+        self.failure = message
+        for callback in self._listeners:
+            callback(message)
+
+
+CONTEXT_LENGTH = 64
+MODEL = "tiny"
+COMPLETION = "hello 😀 wörld"
+
+
+def completion_chunks(tokenizer: ModelTokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(COMPLETION, add_special_tokens=False)
+    return [ids[:2], ids[2:3], ids[3:4], ids[4:]]  # splits the emoji across chunks
+
+
+class Harness:
+    def __init__(self, server: FrontendServer, engine: ScriptedEngine, channel: grpc.aio.Channel) -> None:
+        self.server = server
+        self.engine = engine
+        self.channel = channel
+        self.stub = pb_grpc.GenerationStub(channel)
+
+
+async def start_harness(tokenizer: ModelTokenizer, engine: ScriptedEngine) -> Harness:
+    info = pb.ModelInfo(model=MODEL, architecture="llama", context_length=CONTEXT_LENGTH, dtype="float32",
+                        tensor_parallel_size=1, block_size=16, kv_capacity_tokens=1600,
+                        eos_token_ids=tokenizer.eos_token_ids, vocab_size=tokenizer.vocab_size)
+    server = build_server(engine, tokenizer, info, host="127.0.0.1", port=0)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    return Harness(server, engine, channel)

@@ -1,0 +1,25 @@
+"""Fixtures that start the real server (frontend, engine and worker processes) on a loopback port."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_harness import RunningServer, real_model_path, start_server
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return real_model_path()
+
+
+@pytest.fixture(scope="session")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One real server shared by the tests that only send requests (the model load is the slow part)."""
+    srv = start_server(model_path, tmp_path_factory.mktemp("server"), "--max-num-seqs", "32",
+                       "--max-num-batched-tokens", "512", "--num-kv-blocks", "256")  # fmt: skip
+    with srv:
+        yield srv
+        code = srv.stop()
+    assert code == 0, f"server exited with {code} on SIGTERM\n{srv.log()}"

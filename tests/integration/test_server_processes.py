@@ -1,0 +1,80 @@
+"""Process architecture: the processes `ringserve serve` starts, their idle cost, and a clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from server_harness import RunningServer, start_server
+
+
+def ringserve_segments(pids: set[int]) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("ringserve-") and int(n.split("-")[1]) in pids]
+
+
+def server_tree(server: RunningServer) -> list[psutil.Process]:
+    root = psutil.Process(server.proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def test_serve_runs_frontend_engine_and_worker_processes_and_sigterm_removes_them(
+    model_path: Path, tmp_path: Path
+) -> None:
+    with start_server(model_path, tmp_path, "--num-kv-blocks", "64") as server:
+        tree = server_tree(server)
+        cmdlines = [" ".join(p.cmdline()) for p in tree]
+        assert any("ringserve.backend.engine_main" in c for c in cmdlines), cmdlines
+        assert any("ringserve.workers.worker_main" in c for c in cmdlines), cmdlines
+        pids = {p.pid for p in tree}
+        assert len(ringserve_segments(pids)) == 4, os.listdir("/dev/shm")  # request, event, step, result rings
+
+        # an idle server (all of its processes) uses (almost) no CPU: nobody busy-spins
+        before = sum(sum(p.cpu_times()[:2]) for p in tree)
+        time.sleep(5.0)
+        used = sum(sum(p.cpu_times()[:2]) for p in tree) - before
+        assert used < 0.25, f"idle server used {used:.2f} CPU seconds in 5 s"
+
+        assert server.stop() == 0, server.log()
+        _gone, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, f"processes left running: {alive}"
+        assert ringserve_segments(pids) == [], "shared-memory segments left behind"
+
+
+def test_generate_command_streams_a_chat_answer(server: RunningServer) -> None:
+    cmd = [sys.executable, "-m", "ringserve.frontend.cli", "generate", "--host", "127.0.0.1",
+           "--port", str(server.port), "--stream", "--max-tokens", "12", "--temperature", "0",
+           "Why is the sky blue?"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.strip()) > 0
+
+    raw = subprocess.run([*cmd[:-1], "--raw", "The capital of France is"], capture_output=True, text=True, timeout=120)
+    assert raw.returncode == 0, raw.stderr
+    assert "Paris" in raw.stdout
+
+
+def test_generate_command_reports_an_unreachable_server(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "ringserve.frontend.cli", "generate", "--port", "1", "--max-tokens", "2", "hi"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "UNAVAILABLE" in out.stderr
+
+
+def test_sigkill_of_a_previous_server_leaves_segments_that_the_next_start_reclaims(
+    model_path: Path, tmp_path: Path
+) -> None:
+    with start_server(model_path, tmp_path, "--num-kv-blocks", "64") as first:
+        tree = server_tree(first)
+        pids = {p.pid for p in tree}
+        for p in tree:
+            p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(tree, timeout=10)
+    assert ringserve_segments(pids), "expected the killed server's segments to be left behind"
+    with start_server(model_path, tmp_path, "--num-kv-blocks", "64") as second:
+        assert ringserve_segments(pids) == [], "stale segments were not reclaimed at start-up"
+        assert second.stop() == 0
