@@ -7,9 +7,11 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <system_error>
 
 #include "ringserve/block_pool.h"
+#include "ringserve/core_bench.h"
 #include "ringserve/engine.h"
 #include "ringserve/records.h"
 #include "ringserve/ring_notifier.h"
@@ -50,6 +52,34 @@ std::vector<uint8_t> from_bool_array(const BoolArray& a) {
   std::vector<uint8_t> v(static_cast<size_t>(a.size()));
   for (py::ssize_t i = 0; i < a.size(); ++i) v[static_cast<size_t>(i)] = a.data()[i] ? 1 : 0;
   return v;
+}
+
+// [rows, cols] row-major copy of a flattened matrix.
+template <class T>
+py::array_t<T> to_matrix(const std::vector<T>& v, size_t rows, size_t cols) {
+  py::array_t<T> a({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(cols)});
+  if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(T));
+  return a;
+}
+
+// Sets a StepResult's top-n arrays from [rows, n] matrices (either one may be left as is).
+void set_top(StepResult& r, const std::optional<Int32Array>& ids, const std::optional<Float32Array>& logprobs) {
+  auto shape_of = [&](const py::array& a, const char* what) {
+    if (a.ndim() != 2 || static_cast<size_t>(a.shape(0)) != r.slots.size()) {
+      throw py::value_error(std::string(what) + " must be a [len(slots), n] array");
+    }
+    return static_cast<uint32_t>(a.shape(1));
+  };
+  if (ids) {
+    r.num_top = shape_of(*ids, "top_token_ids");
+    r.top_token_ids.assign(ids->data(), ids->data() + ids->size());
+  }
+  if (logprobs) {
+    const uint32_t n = shape_of(*logprobs, "top_logprobs");
+    if (ids && n != r.num_top) throw py::value_error("top_token_ids and top_logprobs have different widths");
+    r.num_top = n;
+    r.top_logprobs.assign(logprobs->data(), logprobs->data() + logprobs->size());
+  }
 }
 
 py::bytes to_bytes(const std::vector<uint8_t>& b) {
@@ -183,6 +213,13 @@ PYBIND11_MODULE(_core, m) {
           "span_id", [](const AddRequest& r) { return array_bytes(r.span_id); },
           [](AddRequest& r, const py::bytes& v) { set_array_bytes(r.span_id, v, "span_id"); })
       .def_readwrite("trace_flags", &AddRequest::trace_flags)
+      .def_readwrite("min_tokens", &AddRequest::min_tokens)
+      .def_readwrite("min_p", &AddRequest::min_p)
+      .def_readwrite("repetition_penalty", &AddRequest::repetition_penalty)
+      .def_readwrite("frequency_penalty", &AddRequest::frequency_penalty)
+      .def_readwrite("presence_penalty", &AddRequest::presence_penalty)
+      .def_readwrite("num_logprobs", &AddRequest::num_logprobs)
+      .def_readwrite("cache_salt", &AddRequest::cache_salt)
       .def("__repr__", [](const AddRequest& r) {
         return "AddRequest(request_id=" + std::to_string(r.request_id) +
                ", prompt_len=" + std::to_string(r.prompt_token_ids.size()) +
@@ -206,6 +243,12 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("arrival_time_ns", &RequestOutput::arrival_time_ns)
       .def_readwrite("first_scheduled_time_ns", &RequestOutput::first_scheduled_time_ns)
       .def_readwrite("first_token_time_ns", &RequestOutput::first_token_time_ns)
+      .def_readwrite("num_top", &RequestOutput::num_top)
+      .def_readwrite("top_token_ids", &RequestOutput::top_token_ids)
+      .def_readwrite("top_logprobs", &RequestOutput::top_logprobs)
+      .def_readwrite("num_computed_tokens", &RequestOutput::num_computed_tokens)
+      .def_readwrite("num_scheduled_tokens", &RequestOutput::num_scheduled_tokens)
+      .def_readwrite("num_preemptions", &RequestOutput::num_preemptions)
       .def("__repr__", [](const RequestOutput& o) {
         return "RequestOutput(request_id=" + std::to_string(o.request_id) +
                ", new_tokens=" + std::to_string(o.new_token_ids.size()) +
@@ -227,7 +270,14 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("num_free_blocks", &EngineStats::num_free_blocks)
       .def_readwrite("block_size", &EngineStats::block_size)
       .def_readwrite("num_steps", &EngineStats::num_steps)
-      .def_readwrite("num_preemptions", &EngineStats::num_preemptions);
+      .def_readwrite("num_preemptions", &EngineStats::num_preemptions)
+      .def_readwrite("num_scheduled_tokens", &EngineStats::num_scheduled_tokens)
+      .def_readwrite("step_time_ns", &EngineStats::step_time_ns)
+      .def_readwrite("prefix_cache_queries", &EngineStats::prefix_cache_queries)
+      .def_readwrite("prefix_cache_hits", &EngineStats::prefix_cache_hits)
+      .def_readwrite("kv_usage", &EngineStats::kv_usage)
+      .def_readwrite("total_prompt_tokens", &EngineStats::total_prompt_tokens)
+      .def_readwrite("total_generation_tokens", &EngineStats::total_generation_tokens);
 
   py::class_<RequestRejected>(m, "RequestRejected")
       .def(py::init<>())
@@ -257,7 +307,17 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("top_p", &NewRequestData::top_p)
       .def_readwrite("top_k", &NewRequestData::top_k)
       .def_readwrite("seed", &NewRequestData::seed)
-      .def_readwrite("has_seed", &NewRequestData::has_seed);
+      .def_readwrite("has_seed", &NewRequestData::has_seed)
+      .def_readwrite("num_prompt_tokens", &NewRequestData::num_prompt_tokens)
+      .def_readwrite("min_tokens", &NewRequestData::min_tokens)
+      .def_readwrite("min_p", &NewRequestData::min_p)
+      .def_readwrite("repetition_penalty", &NewRequestData::repetition_penalty)
+      .def_readwrite("frequency_penalty", &NewRequestData::frequency_penalty)
+      .def_readwrite("presence_penalty", &NewRequestData::presence_penalty)
+      .def_readwrite("num_logprobs", &NewRequestData::num_logprobs)
+      .def_property(
+          "suppress_token_ids", [](const NewRequestData& n) { return to_array(n.suppress_token_ids); },
+          [](NewRequestData& n, const Int32Array& a) { n.suppress_token_ids = from_array(a); });
 
   py::class_<BlockAppend>(m, "BlockAppend")
       .def(py::init<>())
@@ -300,7 +360,14 @@ PYBIND11_MODULE(_core, m) {
           [](StepResult& r, const Int32Array& a) { r.token_ids = from_array(a); })
       .def_property(
           "logprobs", [](const StepResult& r) { return to_array(r.logprobs); },
-          [](StepResult& r, const Float32Array& a) { r.logprobs = from_array(a); });
+          [](StepResult& r, const Float32Array& a) { r.logprobs = from_array(a); })
+      .def_readwrite("num_top", &StepResult::num_top)
+      .def_property(
+          "top_token_ids", [](const StepResult& r) { return to_matrix(r.top_token_ids, r.slots.size(), r.num_top); },
+          [](StepResult& r, const Int32Array& a) { set_top(r, a, std::nullopt); })
+      .def_property(
+          "top_logprobs", [](const StepResult& r) { return to_matrix(r.top_logprobs, r.slots.size(), r.num_top); },
+          [](StepResult& r, const Float32Array& a) { set_top(r, std::nullopt, a); });
 
   py::class_<WorkerReady>(m, "WorkerReady")
       .def(py::init<>())
@@ -319,10 +386,17 @@ PYBIND11_MODULE(_core, m) {
   m.def("encode_shutdown", [] { return encode_py(Shutdown{}); });
   m.def(
       "encode_step_result",
-      [](uint64_t step_id, const Int32Array& slots, const Int32Array& token_ids, const Float32Array& logprobs) {
-        return encode_py(StepResult{step_id, from_array(slots), from_array(token_ids), from_array(logprobs)});
+      [](uint64_t step_id, const Int32Array& slots, const Int32Array& token_ids, const Float32Array& logprobs,
+         const std::optional<Int32Array>& top_token_ids, const std::optional<Float32Array>& top_logprobs) {
+        StepResult r{step_id, from_array(slots), from_array(token_ids), from_array(logprobs)};
+        if (top_token_ids.has_value() != top_logprobs.has_value()) {
+          throw py::value_error("top_token_ids and top_logprobs must be given together");
+        }
+        if (top_token_ids) set_top(r, top_token_ids, top_logprobs);
+        return encode_py(r);
       },
-      py::arg("step_id"), py::arg("slots"), py::arg("token_ids"), py::arg("logprobs"));
+      py::arg("step_id"), py::arg("slots"), py::arg("token_ids"), py::arg("logprobs"),
+      py::arg("top_token_ids") = py::none(), py::arg("top_logprobs") = py::none());
   m.def(
       "encode_worker_ready", [](uint32_t rank, uint32_t blocks) { return encode_py(WorkerReady{rank, blocks}); },
       py::arg("rank"), py::arg("num_kv_blocks"));
@@ -437,7 +511,74 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("max_num_seqs", &EngineConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
       .def_readwrite("max_model_len", &EngineConfig::max_model_len)
-      .def_readwrite("eos_token_ids", &EngineConfig::eos_token_ids);
+      .def_readwrite("eos_token_ids", &EngineConfig::eos_token_ids)
+      .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
+      .def_readwrite("long_prefill_token_threshold", &EngineConfig::long_prefill_token_threshold)
+      .def_readwrite("stats_interval_ms", &EngineConfig::stats_interval_ms);
+
+  // The scheduler on its own, for property tests with a fake worker in Python (not part of the serving path).
+  py::class_<Scheduler>(m, "Scheduler")
+      .def(py::init<EngineConfig>(), py::arg("config"))
+      .def(
+          "add_request",
+          [](Scheduler& s, const AddRequest& r, int64_t now_ns) -> py::object {
+            auto rejected = s.add_request(r, now_ns);
+            return rejected ? py::cast(*rejected) : py::none();
+          },
+          py::arg("request"), py::arg("now_ns") = 0)
+      .def("abort_request", &Scheduler::abort_request, py::arg("request_id"))
+      .def(
+          "schedule",
+          [](Scheduler& s, int64_t now_ns) -> py::object {
+            StepPlan plan;
+            return s.schedule(plan, now_ns) ? py::cast(std::move(plan)) : py::none();
+          },
+          py::arg("now_ns") = 0)
+      .def("update", &Scheduler::update, py::arg("result"), py::arg("now_ns") = 0)
+      .def("take_outputs",
+           [](Scheduler& s) {
+             std::vector<RequestOutput> out;
+             s.take_outputs(out);
+             return out;
+           })
+      .def("stats", &Scheduler::stats, py::arg("query_id") = 0)
+      .def("check_invariants", &Scheduler::check_invariants)
+      .def("block_ref_count", [](const Scheduler& s, int32_t id) { return s.block_pool().ref_count(id); },
+           py::arg("block_id"))
+      .def("block_is_cached", [](const Scheduler& s, int32_t id) { return s.block_pool().is_cached(id); },
+           py::arg("block_id"))
+      .def_property_readonly("has_unfinished", &Scheduler::has_unfinished)
+      .def_property_readonly("num_running", &Scheduler::num_running)
+      .def_property_readonly("num_waiting", &Scheduler::num_waiting)
+      .def_property_readonly("num_free_blocks", [](const Scheduler& s) { return s.block_pool().num_free(); })
+      .def_property_readonly("num_cached_blocks", [](const Scheduler& s) { return s.block_pool().num_cached(); })
+      .def_property_readonly("num_total_blocks", [](const Scheduler& s) { return s.block_pool().num_blocks(); })
+      .def_property_readonly("num_preemptions", &Scheduler::num_preemptions);
+
+  m.def(
+      "bench_scheduler_steps",
+      [](int32_t num_running, int32_t prompt_len, int32_t block_size, int32_t num_steps, bool prefix_caching) {
+        py::gil_scoped_release release;
+        return bench_scheduler_steps(num_running, prompt_len, block_size, num_steps, prefix_caching);
+      },
+      py::arg("num_running"), py::arg("prompt_len") = 128, py::arg("block_size") = 16, py::arg("num_steps") = 1000,
+      py::arg("enable_prefix_caching") = true,
+      "ns per steady-state decode step (schedule + update with a fake result) at num_running running requests");
+  m.def(
+      "bench_engine_loop",
+      [](int32_t num_running, int32_t prompt_len, int32_t num_steps) {
+        EngineLoopTiming t;
+        {
+          py::gil_scoped_release release;
+          t = bench_engine_loop(num_running, prompt_len, num_steps);
+        }
+        py::dict d;
+        d["us_per_step"] = t.us_per_step;
+        d["steps"] = t.steps;
+        return d;
+      },
+      py::arg("num_running"), py::arg("prompt_len") = 128, py::arg("num_steps") = 1000,
+      "us per step of the whole engine loop (rings, C++ null worker, event drain) at num_running requests");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<EngineConfig, const std::string&, const std::string&, const std::string&, const std::string&,
@@ -470,6 +611,11 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("n"))
       .def("free", [](BlockPool& p, const std::vector<int32_t>& ids) { p.free(ids); }, py::arg("block_ids"))
+      .def("lookup", &BlockPool::lookup, py::arg("hash"))
+      .def("cache", &BlockPool::cache, py::arg("block_id"), py::arg("hash"))
+      .def("acquire_cached", &BlockPool::acquire_cached, py::arg("block_id"))
+      .def("is_cached", &BlockPool::is_cached, py::arg("block_id"))
+      .def_property_readonly("num_cached", &BlockPool::num_cached)
       .def("add_ref", &BlockPool::add_ref, py::arg("block_id"))
       .def("ref_count", &BlockPool::ref_count, py::arg("block_id"))
       .def("check_invariants", &BlockPool::check_invariants)

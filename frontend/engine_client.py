@@ -75,6 +75,23 @@ class SamplingOptions:
     trace_flags: int = 0
 
 
+class TimedOutput:
+    """A `RequestOutput` with its step's engine emit time and the time the frontend read it off the event ring.
+
+    Other attributes read through to the output, so consumers treat it as the output itself.
+    """
+
+    __slots__ = ("emit_time_ns", "output", "receive_time_ns")
+
+    def __init__(self, output: Any, emit_time_ns: int, receive_time_ns: int) -> None:
+        self.output = output
+        self.emit_time_ns = emit_time_ns
+        self.receive_time_ns = receive_time_ns
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.output, name)
+
+
 class GenerationEngine(Protocol):
     """What the servicer needs from an engine; `EngineClient` is the real one, tests use a scripted fake.
 
@@ -122,6 +139,7 @@ class EngineClient:
         self._ready_waiters: list[asyncio.Future[Any]] = []
         self._failure: str | None = None
         self._failure_listeners: list[Callable[[str], None]] = []
+        self._stats_listeners: list[Callable[[Any], None]] = []
         # Control records (aborts) must never be dropped: they wait here while the request ring is full.
         self._pending_control: collections.deque[bytes] = collections.deque()
         self._control_retry: asyncio.TimerHandle | None = None
@@ -174,6 +192,10 @@ class EngineClient:
     def add_failure_listener(self, callback: Callable[[str], None]) -> None:
         """`callback(message)` runs once, on the loop, when the engine fails (EngineFailed or `fail()`)."""
         self._failure_listeners.append(callback)
+
+    def add_stats_listener(self, callback: Callable[[Any], None]) -> None:
+        """`callback(stats)` runs on the loop for every EngineStats the engine sends unsolicited."""
+        self._stats_listeners.append(callback)
 
     def fail(self, message: str, notify: bool = True) -> None:
         """Mark the engine dead (e.g. its process exited): every stream and waiter fails with UNAVAILABLE."""
@@ -324,6 +346,7 @@ class EngineClient:
     def _on_events_ready(self) -> None:
         if self._notifier is None:
             return
+        received_ns = time.time_ns()  # one read of the clock per drained batch
         for raw in self._notifier.drain():
             try:
                 event = self._core.decode_engine_event(raw)
@@ -331,17 +354,18 @@ class EngineClient:
                 # The engine's bug, not ours to crash on: report it and keep serving the other requests.
                 log.error("dropping a malformed engine event (%d bytes): %s", len(raw), exc)
                 continue
-            self._dispatch(event)
+            self._dispatch(event, received_ns)
         if self._pending_control:
             self._flush_control()
 
-    def _dispatch(self, event: Any) -> None:
+    def _dispatch(self, event: Any, received_ns: int = 0) -> None:
         core = self._core
         if isinstance(event, core.StepEvents):
+            emit_ns = event.emit_time_ns
             for output in event.outputs:
                 queue = self._streams.get(output.request_id)
                 if queue is not None:  # outputs of streams already closed (e.g. the final ABORT) are dropped
-                    queue.put_nowait(output)
+                    queue.put_nowait(TimedOutput(output, emit_ns, received_ns))
         elif isinstance(event, core.RequestRejected):
             queue = self._streams.get(event.request_id)
             if queue is not None:
@@ -352,6 +376,8 @@ class EngineClient:
                 future.set_result(event)
             elif event.query_id == 0:
                 self.latest_stats = event
+                for callback in self._stats_listeners:
+                    callback(event)
         elif isinstance(event, core.EngineReady):
             self._ready = event
             for future in self._ready_waiters:

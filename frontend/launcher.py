@@ -11,14 +11,20 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from ringserve.backend.process import stop_child
 from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
-from ringserve.frontend.cli_env import env_default, env_help
+from ringserve.frontend.cli_env import env_default, env_help, parse_bool
 from ringserve.frontend.engine_client import EngineClient
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
 from ringserve.frontend.server import build_server, describe_model
 from ringserve.frontend.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
+
+if TYPE_CHECKING:
+    from ringserve.frontend.metrics import ServingMetrics
+    from ringserve.frontend.tracing import RequestTracer
 
 log = logging.getLogger("ringserve.serve")
 
@@ -47,6 +53,34 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--engine-start-timeout", 600.0, float, "seconds to wait for the model to load (default %(default)s)")
     flag("--shutdown-grace", 5.0, float, "seconds in-flight streams get to finish on SIGTERM (default %(default)s)")
     flag("--log-level", "INFO", str, "logging level (default %(default)s)")
+    # Observability: tracing is off unless an OTLP endpoint is named; metrics are off unless a port is.
+    flag("--otlp-traces-endpoint", otel_traces_endpoint(), str,
+         "OTLP collector for request traces, e.g. http://localhost:4317 (gRPC) or http://localhost:4318 "
+         "(http/protobuf); empty = tracing off (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+         "OTEL_EXPORTER_OTLP_ENDPOINT)")
+    flag("--otlp-protocol", otel_traces_protocol(), str,
+         "OTLP transport (default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)",
+         choices=["grpc", "http/protobuf"])
+    p.add_argument("--trace-token-events", action=argparse.BooleanOptionalAction,
+                   default=env_default("--trace-token-events", True, parse_bool),
+                   help="one event per generated token on the decode span (default on; turn off for very long "
+                        f"generations) {env_help('--trace-token-events')}")  # fmt: skip
+    flag("--trace-max-span-events", 0, int,
+         "most events one span keeps (default 0 = the context length plus headroom, one per token)")
+    flag("--metrics-port", 0, int, "serve Prometheus metrics at http://HOST:PORT/metrics; 0 = off (default)")
+    flag("--metrics-stats-interval", 1.0, float,
+         "seconds between engine stats queries when the engine pushes none (default %(default)s)")
+
+
+def otel_traces_endpoint(environ: Mapping[str, str] = os.environ) -> str:
+    """The OTLP traces endpoint the standard OpenTelemetry variables name, or '' (tracing off)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return ""
+    return environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or ""
+
+
+def otel_traces_protocol(environ: Mapping[str, str] = os.environ) -> str:
+    return environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
 
 
 def model_metadata(source: ModelSource) -> tuple[str, int, ModelTokenizer]:
@@ -84,14 +118,61 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
 
 def check_serve_arguments(args: argparse.Namespace) -> str | None:
     """An error message saying what to change, or None."""
-    if args.tensor_parallel_size != 1:
-        return f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported so far"
+    if args.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size must be at least 1 (got {args.tensor_parallel_size})"
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})"
     if args.max_model_len < 0 or args.num_kv_blocks < 0 or args.kv_cache_memory_gib <= 0:
         return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
     return None
+
+
+def start_tracing(args: argparse.Namespace, context_length: int) -> RequestTracer | None:
+    """The request tracer when an OTLP endpoint is set; the SDK is imported only then."""
+    if not args.otlp_traces_endpoint:
+        return None
+    from ringserve.frontend.tracing import RequestTracer, TracingSettings
+
+    settings = TracingSettings(endpoint=args.otlp_traces_endpoint, protocol=args.otlp_protocol,
+                               token_events=args.trace_token_events, max_span_events=args.trace_max_span_events,
+                               replica=f"{args.host}:{args.port}", tensor_parallel_size=args.tensor_parallel_size)
+    tracer = RequestTracer.from_settings(settings, context_length)
+    log.info("tracing to %s over OTLP/%s (token events %s)", settings.endpoint, settings.protocol,
+             "on" if settings.token_events else "off")  # fmt: skip
+    return tracer
+
+
+def start_metrics(args: argparse.Namespace, model_name: str,
+                  client: EngineClient) -> tuple[ServingMetrics | None, Any, Any]:  # fmt: skip
+    """(metrics, their HTTP server, the engine stats feed) when --metrics-port is set, else Nones."""
+    if not args.metrics_port:
+        return None, None, None
+    from ringserve.frontend.metrics import EngineStatsFeed, ServingMetrics, serve_metrics
+
+    metrics = ServingMetrics(model_name)
+    http = serve_metrics(metrics, args.host, args.metrics_port)
+    feed = EngineStatsFeed(client, metrics, args.metrics_stats_interval)
+    feed.start()
+    log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    return metrics, http, feed
+
+
+async def stop_observability(tracer: RequestTracer | None, metrics_http: Any, stats_feed: Any) -> None:
+    if stats_feed is not None:
+        await stats_feed.stop()
+    if metrics_http is not None:
+        metrics_http.shutdown()
+    if tracer is not None:
+        def flush_and_stop() -> None:
+            tracer.provider.force_flush(5000)
+            tracer.shutdown()
+
+        # Export what is still queued; an unreachable collector must not hold the shutdown for long.
+        try:
+            await asyncio.wait_for(asyncio.to_thread(flush_and_stop), 8.0)
+        except asyncio.TimeoutError:
+            log.warning("could not export the last traces within 8 s")
 
 
 async def watch_engine(engine: subprocess.Popen[bytes]) -> int:
@@ -116,6 +197,9 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     engine_exit = asyncio.create_task(watch_engine(engine))
+    tracer: RequestTracer | None = None
+    metrics_http: Any = None
+    stats_feed: Any = None
     stop_wait = asyncio.create_task(stop.wait())
     client.start()
     try:
@@ -129,7 +213,10 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
             return 0  # stopped by a signal while loading
         ready = ready_task.result()
         info = describe_model(source.name, arch, dtype, args.tensor_parallel_size, ready, tokenizer)
-        server = build_server(client, tokenizer, info, args.host, args.port)
+        tracer = start_tracing(args, info.context_length)
+        metrics, metrics_http, stats_feed = start_metrics(args, info.model, client)
+        server = build_server(client, tokenizer, info, args.host, args.port, tracer=tracer, metrics=metrics,
+                              model_url=str(source.path), max_num_seqs=args.max_num_seqs)
         await server.start()
         log.info("serving %s on %s:%d (%d KV blocks of %d tokens)", source.name, args.host, server.port,
                  ready.num_total_blocks, ready.block_size)  # fmt: skip
@@ -147,6 +234,7 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
         stop_wait.cancel()
         engine_exit.cancel()
         await client.close()
+        await stop_observability(tracer, metrics_http, stats_feed)
 
 
 def run_serve(args: argparse.Namespace) -> int:

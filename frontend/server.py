@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import jinja2
@@ -18,9 +19,21 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from ringserve.frontend.detokenizer import IncrementalDetokenizer
 from ringserve.frontend.engine_client import EngineError, GenerationEngine, SamplingOptions
+from ringserve.frontend.timeline import RequestTimeline, trace_headers
 from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.torchserve import (
+    INFERENCE_SERVICE_NAME,
+    MANAGEMENT_SERVICE_NAME,
+    TorchServeInferenceServicer,
+    TorchServeManagementServicer,
+)
+from ringserve.torchserve import inference_pb2_grpc, management_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the servicer only calls them; importing them pulls in the OpenTelemetry SDK / prometheus-client
+    from ringserve.frontend.metrics import ServingMetrics
+    from ringserve.frontend.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +72,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """Validates, tokenizes, submits to the engine and streams detokenized deltas back."""
 
     def __init__(self, engine: GenerationEngine, tokenizer: ModelTokenizer, model_info: pb.ModelInfo,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, *, tracer: RequestTracer | None = None,
+                 metrics: ServingMetrics | None = None) -> None:
         self._engine = engine
+        self._tracer = tracer
+        self._metrics = metrics
+        self._observed = tracer is not None or metrics is not None
         self._tokenizer = tokenizer
         self._model_info = model_info
         self._default_max_tokens = default_max_tokens
@@ -70,13 +87,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        # Observation costs one None check per output while tracing and metrics are off.
+        timeline = self._start_timeline(request, context) if self._observed else None
         try:
             self._check_model(request.model)
             prompt_ids = await self._prompt_ids(request)
+            if timeline is not None:
+                timeline.tokenize_end_ns = time.time_ns()
+                timeline.prompt_tokens = len(prompt_ids)
             params = self._sampling_options(request.sampling, len(prompt_ids))
         except _Rejection as rejection:
+            if timeline is not None:
+                timeline.fail(rejection.code, rejection)
+                self._close_timeline(timeline)
             await _abort(context, rejection.code, rejection.message)
         request_id = request.request_id or uuid.uuid4().hex
+        if timeline is not None:
+            timeline.request_id = request_id
+            timeline.params = params
         skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         detokenizer = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special)
         engine_request_id = self._engine.allocate_request_id()
@@ -86,6 +114,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # stream's finally aborts the request in the engine.
             async with contextlib.aclosing(self._engine.generate(engine_request_id, prompt_ids, params)) as outputs:
                 async for output in outputs:
+                    if timeline is not None:
+                        timeline.on_output(output)
                     new_ids = list(output.new_token_ids)
                     completion_tokens += len(new_ids)
                     response = pb.GenerateResponse(request_id=request_id, token_ids=new_ids,
@@ -96,12 +126,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         response.finish_reason = reason
                         response.usage.prompt_tokens = len(prompt_ids)
                         response.usage.completion_tokens = completion_tokens
+                        response.usage.cached_tokens = output.num_cached_tokens
+                        if timeline is not None:
+                            timeline.finish_reason = output.finish_reason.name.lower()
                         yield response
+                        if timeline is not None:
+                            timeline.mark_sent()
                         return
                     if response.token_ids or response.text:
                         yield response
+                        if timeline is not None:
+                            timeline.mark_sent()
         except EngineError as error:
+            if timeline is not None:
+                timeline.fail(error.code, error)
             await _abort(context, error.code, error.message)
+        except (asyncio.CancelledError, GeneratorExit) as stopped:  # the client went away or its deadline passed
+            if timeline is not None:
+                timeline.fail(grpc.StatusCode.CANCELLED, stopped)
+            raise
+        finally:
+            if timeline is not None:
+                self._close_timeline(timeline)
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -138,6 +184,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                               total_kv_blocks=stats.num_total_blocks, free_kv_blocks=stats.num_free_blocks,
                               block_size=stats.block_size, num_steps=stats.num_steps,
                               num_preemptions=stats.num_preemptions)
+
+    # -- observation ----------------------------------------------------------------------------------------
+
+    def _start_timeline(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestTimeline:
+        headers = trace_headers(context.invocation_metadata()) if self._tracer is not None else None
+        timeline = RequestTimeline(self._model_info.model, headers)
+        timeline.chat = request.HasField("messages")
+        return timeline
+
+    def _close_timeline(self, timeline: RequestTimeline) -> None:
+        """Spans and samples are made after the RPC's last message is out, off its path."""
+        if timeline.end_ns:
+            return
+        timeline.finish()
+        try:
+            asyncio.get_running_loop().call_soon(self._record, timeline)
+        except RuntimeError:  # a stream finalized outside the loop (interpreter shutdown): record inline
+            self._record(timeline)
+
+    def _record(self, timeline: RequestTimeline) -> None:
+        try:
+            if self._metrics is not None:
+                self._metrics.observe_request(timeline)
+            if self._tracer is not None:
+                self._tracer.record(timeline)
+        except Exception:  # observability must never take serving down
+            log.exception("recording the trace/metrics of request %s failed", timeline.request_id)
 
     # -- validation -----------------------------------------------------------------------------------------
 
@@ -250,6 +323,7 @@ class FrontendServer:
     servicer: GenerationServicer
     health: health_aio.HealthServicer
     engine: GenerationEngine
+    serving: bool = False  # what health reports for the whole server
     _readiness: asyncio.Task[None] | None = field(default=None, repr=False)
     _health_updates: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
 
@@ -286,6 +360,7 @@ class FrontendServer:
             await self._set_health(True)
 
     async def _set_health(self, serving: bool) -> None:
+        self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
@@ -293,20 +368,28 @@ class FrontendServer:
 
 def build_server(engine: GenerationEngine, tokenizer: ModelTokenizer, model_info: pb.ModelInfo,
                  host: str = "127.0.0.1", port: int = 50051, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 max_concurrent_rpcs: int | None = None) -> FrontendServer:
+                 max_concurrent_rpcs: int | None = None, tracer: RequestTracer | None = None,
+                 metrics: ServingMetrics | None = None, model_url: str = "",
+                 max_num_seqs: int = 0) -> FrontendServer:
     """A grpc.aio server with Generation, grpc.health.v1 (NOT_SERVING until the engine is ready) and reflection.
 
     Call from inside the running event loop; then `await result.start()`. Raises OSError when the address cannot
     be bound. `model_info.model` is the served name; `context_length`, `kv_capacity_tokens` and `vocab_size`
-    (0 = take the tokenizer's) drive validation.
+    (0 = take the tokenizer's) drive validation. TorchServe's inference and management services are served too;
+    `model_url` and `max_num_seqs` are what their DescribeModel reports.
     """
     server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs)
-    servicer = GenerationServicer(engine, tokenizer, model_info, default_max_tokens)
+    servicer = GenerationServicer(engine, tokenizer, model_info, default_max_tokens, tracer=tracer, metrics=metrics)
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    service_names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                     reflection.SERVICE_NAME)
+    frontend = FrontendServer(server=server, port=0, servicer=servicer, health=health, engine=engine)
+    inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(
+        TorchServeInferenceServicer(servicer.Generate, lambda: frontend.serving), server)
+    management_pb2_grpc.add_ManagementAPIsServiceServicer_to_server(
+        TorchServeManagementServicer(model_info, model_url, max_num_seqs, lambda: frontend.serving), server)
+    service_names = (SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME,
+                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(service_names, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
@@ -315,7 +398,8 @@ def build_server(engine: GenerationEngine, tokenizer: ModelTokenizer, model_info
         raise OSError(f"cannot listen on {address}: {exc}; pick another --host/--port") from exc
     if bound == 0:
         raise OSError(f"cannot listen on {address}; pick another --host/--port")
-    return FrontendServer(server=server, port=bound, servicer=servicer, health=health, engine=engine)
+    frontend.port = bound
+    return frontend
 
 
 def _which_input(request: Any, fields: tuple[str, ...]) -> str:

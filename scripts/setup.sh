@@ -23,7 +23,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 
 echo "==> installing build tools"
-"${PIP[@]}" install -q "scikit-build-core>=0.10" "pybind11>=2.13" "grpcio-tools>=1.66"
+"${PIP[@]}" install -q "scikit-build-core>=0.10" "pybind11>=2.13" "grpcio-tools>=1.66" "googleapis-common-protos>=1.63"
 # CMake >= 3.20 and Ninja come from the system when present, else from PyPI.
 if ! command -v ninja >/dev/null || ! cmake -P /dev/stdin <<<'if(CMAKE_VERSION VERSION_LESS 3.20)
 message(FATAL_ERROR "old")

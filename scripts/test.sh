@@ -11,6 +11,22 @@ scripts/setup.sh --test
 echo "==> ruff"
 ruff check .
 
+echo "==> Docker files (hadolint; docker compose config when a compose client is present)"
+hadolint docker/Dockerfile.cpu docker/Dockerfile.cuda
+compose=()
+if docker compose version >/dev/null 2>&1; then
+  compose=(docker compose)
+elif command -v docker-compose >/dev/null; then
+  compose=(docker-compose)  # the standalone client (e.g. Debian's docker-compose) validates the same file
+fi
+if [ ${#compose[@]} -gt 0 ]; then
+  for profile in single observability; do
+    "${compose[@]}" -f docker/compose.yaml --profile "$profile" config -q
+  done
+else
+  echo "    skipped \`docker compose config\`: no docker compose client here (image builds need an engine: docker/smoke.sh)"
+fi
+
 echo "==> C++ unit tests (ctest)"
 pybind_dir=$(python -m pybind11 --cmakedir)
 cxx_tests() {  # build dir, then extra cmake flags

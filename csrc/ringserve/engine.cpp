@@ -129,7 +129,7 @@ bool Engine::handle_request(const ByteBuffer& record) {
   } else if (const auto* abort = std::get_if<AbortRequest>(&request)) {
     scheduler_->abort_request(abort->request_id);  // unknown id: already finished, nothing to do
   } else if (const auto* query = std::get_if<StatsQuery>(&request)) {
-    emit_record(scheduler_->stats(query->query_id));
+    emit_record(current_stats(query->query_id));
   } else {
     return false;  // Shutdown
   }
@@ -165,11 +165,12 @@ bool Engine::wait_for_requests() {
 bool Engine::await_result(StepResult& result) {
   while (true) {
     if (results_.read(in_buffer_, kPollInterval, &stop_)) {
-      WorkerResult record = decode_from_worker(in_buffer_);
-      if (auto* step = std::get_if<StepResult>(&record)) {
-        result = std::move(*step);
-        return true;
+      try {
+        if (decode_step_result_into(in_buffer_, result)) return true;  // reuses result's arrays: no allocation
+      } catch (const RecordError& e) {
+        throw WorkerFailure(std::string("malformed record on the result ring: ") + e.what());
       }
+      const WorkerResult record = decode_from_worker(in_buffer_);
       if (const auto* failed = std::get_if<WorkerFailed>(&record)) throw_worker_failed(*failed);
       continue;  // a late WorkerReady carries nothing for a running engine
     }
@@ -179,27 +180,41 @@ bool Engine::await_result(StepResult& result) {
 }
 
 void Engine::flush_outputs() {
-  scheduler_->take_outputs(outputs_);
-  if (outputs_.empty()) return;
+  const std::span<const RequestOutput> outputs = scheduler_->outputs();
+  if (outputs.empty()) return;
   // One StepEvents per step; split only if it would not fit in one ring record.
   const size_t limit = events_.ring()->max_record_size();
   constexpr size_t kFixedBytes = 32;
-  events_record_.step_id = scheduler_->num_steps();
-  events_record_.emit_time_ns = realtime_ns();
-  events_record_.outputs.clear();
+  const uint64_t step_id = scheduler_->num_steps();
+  const int64_t emit_time = realtime_ns();
+  size_t first = 0;
   size_t bytes = kFixedBytes;
-  for (RequestOutput& o : outputs_) {
-    const size_t b = encoded_size_bound(o);
-    if (!events_record_.outputs.empty() && bytes + b > limit) {
-      emit_record(events_record_);
-      events_record_.outputs.clear();
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const size_t b = encoded_size_bound(outputs[i]);
+    if (i > first && bytes + b > limit) {
+      encode_step_events(step_id, emit_time, outputs.subspan(first, i - first), event_buffer_);
+      emit(event_buffer_);
+      first = i;
       bytes = kFixedBytes;
     }
-    events_record_.outputs.push_back(std::move(o));
     bytes += b;
   }
-  emit_record(events_record_);
-  events_record_.outputs.clear();
+  encode_step_events(step_id, emit_time, outputs.subspan(first), event_buffer_);
+  emit(event_buffer_);
+  scheduler_->clear_outputs();
+}
+
+EngineStats Engine::current_stats(uint64_t query_id) const {
+  EngineStats s = scheduler_->stats(query_id);
+  s.step_time_ns = last_step_time_ns_;
+  return s;
+}
+
+void Engine::maybe_emit_stats(bool force) {
+  const auto now = std::chrono::steady_clock::now();
+  if (!force && now - last_stats_ < std::chrono::milliseconds(config_.stats_interval_ms)) return;
+  last_stats_ = now;
+  emit_record(current_stats(0));
 }
 
 void Engine::run() {
@@ -209,12 +224,17 @@ void Engine::run() {
       emit_record(EngineReady{static_cast<uint32_t>(c.num_blocks), static_cast<uint32_t>(c.block_size),
                               static_cast<uint32_t>(c.max_model_len)});
       StepResult result;
+      bool busy = false;  // ran a step since the last idle stats report
       while (drain_requests()) {
+        const auto step_start = std::chrono::steady_clock::now();
         if (!scheduler_->schedule(plan_, realtime_ns())) {
           flush_outputs();  // e.g. aborts while nothing runs
+          if (busy && config_.stats_interval_ms > 0) maybe_emit_stats(true);  // once when turning idle
+          busy = false;
           if (!wait_for_requests()) break;
           continue;
         }
+        busy = true;
         encode(plan_, plan_buffer_);
         bool sent = true;
         while (!steps_.write(plan_buffer_, kPollInterval, &stop_)) {
@@ -230,7 +250,10 @@ void Engine::run() {
         } catch (const std::runtime_error& e) {
           throw WorkerFailure(std::string("worker broke the step protocol: ") + e.what());
         }
+        last_step_time_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 std::chrono::steady_clock::now() - step_start).count();
         flush_outputs();
+        if (config_.stats_interval_ms > 0) maybe_emit_stats(false);
       }
     }
   } catch (const std::exception& e) {

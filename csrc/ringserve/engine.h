@@ -57,6 +57,8 @@ class Engine {
     emit(event_buffer_);
   }
   void flush_outputs();
+  EngineStats current_stats(uint64_t query_id) const;
+  void maybe_emit_stats(bool force);  // unsolicited EngineStats, at most every stats_interval_ms unless forced
   void send_worker_shutdown() noexcept;
   bool stopping() const { return stop_.load(std::memory_order_acquire); }
 
@@ -76,8 +78,8 @@ class Engine {
   ByteBuffer plan_buffer_;
   ByteBuffer event_buffer_;
   StepPlan plan_;
-  StepEvents events_record_;
-  std::vector<RequestOutput> outputs_;
+  int64_t last_step_time_ns_ = 0;
+  std::chrono::steady_clock::time_point last_stats_{};
 };
 
 int64_t realtime_ns();

@@ -21,9 +21,7 @@ class PayloadWriter {
   template <class T>
     requires std::is_arithmetic_v<T> || std::is_enum_v<T>
   void put(T value) {
-    const size_t at = out_.size();
-    out_.resize(at + sizeof(T));
-    std::memcpy(out_.data() + at, &value, sizeof(T));
+    append(&value, sizeof(T));
   }
 
   void put_bool(bool value) { put<uint8_t>(value ? 1 : 0); }
@@ -31,9 +29,7 @@ class PayloadWriter {
   template <class T>
   void put_array(std::span<const T> values) {
     put<uint32_t>(checked_count(values.size()));
-    const size_t at = out_.size();
-    out_.resize(at + values.size_bytes());
-    if (!values.empty()) std::memcpy(out_.data() + at, values.data(), values.size_bytes());
+    if (!values.empty()) append(values.data(), values.size_bytes());
   }
 
   template <class T>
@@ -47,9 +43,7 @@ class PayloadWriter {
 
   template <size_t N>
   void put_bytes(const std::array<uint8_t, N>& bytes) {
-    const size_t at = out_.size();
-    out_.resize(at + N);
-    std::memcpy(out_.data() + at, bytes.data(), N);
+    append(bytes.data(), N);
   }
 
   void finish() {
@@ -57,6 +51,12 @@ class PayloadWriter {
     if (out_.size() > std::numeric_limits<uint32_t>::max()) throw RecordError("record larger than 4 GiB");
     const RecordHeader header{static_cast<uint32_t>(out_.size()), static_cast<uint16_t>(type_), kLayoutVersion};
     std::memcpy(out_.data(), &header, sizeof(header));
+  }
+
+  // insert() copies straight in; resize() would zero-fill first (a hot spot when encoding a 1,000-output step).
+  void append(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    out_.insert(out_.end(), p, p + n);
   }
 
   static uint32_t checked_count(size_t n) {
@@ -176,8 +176,8 @@ RecordHeader check_header(std::span<const uint8_t> bytes) {
 }
 
 // Minimum encoded sizes of nested structs (fixed fields + array counts), used to bound declared counts.
-constexpr size_t kMinRequestOutputBytes = 8 + 1 + 4 + 4 + 8 + 8 + 8 + 4 + 4;
-constexpr size_t kMinNewRequestBytes = 4 + 4 + 4 + 4 + 4 + 8 + 1 + 4 + 4;
+constexpr size_t kMinRequestOutputBytes = 8 + 1 + 4 + 4 + 8 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4;
+constexpr size_t kMinNewRequestBytes = 4 + 4 + 4 + 4 + 4 + 8 + 1 + 4 + 4 + 7 * 4 + 4;
 constexpr size_t kMinBlockAppendBytes = 4 + 4;
 
 }  // namespace
@@ -199,6 +199,13 @@ void encode(const AddRequest& r, ByteBuffer& out) {
   w.put(r.trace_flags);
   w.put_array(r.prompt_token_ids);
   w.put_array(r.stop_token_ids);
+  w.put(r.min_tokens);
+  w.put(r.min_p);
+  w.put(r.repetition_penalty);
+  w.put(r.frequency_penalty);
+  w.put(r.presence_penalty);
+  w.put(r.num_logprobs);
+  w.put(r.cache_salt);
   w.finish();
 }
 
@@ -219,12 +226,14 @@ void encode(const Shutdown& r, ByteBuffer& out) {
   w.finish();
 }
 
-void encode(const StepEvents& r, ByteBuffer& out) {
-  PayloadWriter w(out, r.kType);
-  w.put(r.step_id);
-  w.put(r.emit_time_ns);
-  w.put<uint32_t>(PayloadWriter::checked_count(r.outputs.size()));
-  for (const RequestOutput& o : r.outputs) {
+void encode(const StepEvents& r, ByteBuffer& out) { encode_step_events(r.step_id, r.emit_time_ns, r.outputs, out); }
+
+void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const RequestOutput> outputs, ByteBuffer& out) {
+  PayloadWriter w(out, StepEvents::kType);
+  w.put(step_id);
+  w.put(emit_time_ns);
+  w.put<uint32_t>(PayloadWriter::checked_count(outputs.size()));
+  for (const RequestOutput& o : outputs) {
     w.put(o.request_id);
     w.put(static_cast<uint8_t>(o.finish_reason));
     w.put(o.num_prompt_tokens);
@@ -234,6 +243,16 @@ void encode(const StepEvents& r, ByteBuffer& out) {
     w.put(o.first_token_time_ns);
     w.put_array(o.new_token_ids);
     w.put_array(o.logprobs);
+    if (o.top_token_ids.size() != size_t{o.num_top} * o.new_token_ids.size() ||
+        o.top_logprobs.size() != o.top_token_ids.size()) {
+      throw RecordError("RequestOutput top_token_ids/top_logprobs must hold num_top entries per new token");
+    }
+    w.put(o.num_top);
+    w.put_array(o.top_token_ids);
+    w.put_array(o.top_logprobs);
+    w.put(o.num_computed_tokens);
+    w.put(o.num_scheduled_tokens);
+    w.put(o.num_preemptions);
   }
   w.finish();
 }
@@ -248,6 +267,13 @@ void encode(const EngineStats& r, ByteBuffer& out) {
   w.put(r.block_size);
   w.put(r.num_steps);
   w.put(r.num_preemptions);
+  w.put(r.num_scheduled_tokens);
+  w.put(r.step_time_ns);
+  w.put(r.prefix_cache_queries);
+  w.put(r.prefix_cache_hits);
+  w.put(r.kv_usage);
+  w.put(r.total_prompt_tokens);
+  w.put(r.total_generation_tokens);
   w.finish();
 }
 
@@ -291,6 +317,14 @@ void encode(const StepPlan& r, ByteBuffer& out) {
     w.put_bool(nr.has_seed);
     w.put_array(nr.token_ids);
     w.put_array(nr.block_ids);
+    w.put(nr.num_prompt_tokens);
+    w.put(nr.min_tokens);
+    w.put(nr.min_p);
+    w.put(nr.repetition_penalty);
+    w.put(nr.frequency_penalty);
+    w.put(nr.presence_penalty);
+    w.put(nr.num_logprobs);
+    w.put_array(nr.suppress_token_ids);
   }
   w.put<uint32_t>(PayloadWriter::checked_count(r.block_appends.size()));
   for (const BlockAppend& ba : r.block_appends) {
@@ -314,11 +348,17 @@ void encode(const StepResult& r, ByteBuffer& out) {
   if (r.token_ids.size() != r.slots.size() || r.logprobs.size() != r.slots.size()) {
     throw RecordError("StepResult slots, token_ids and logprobs must have equal lengths");
   }
+  if (r.top_token_ids.size() != uint64_t{r.num_top} * r.slots.size() || r.top_logprobs.size() != r.top_token_ids.size()) {
+    throw RecordError("StepResult top_token_ids/top_logprobs must be [len(slots), num_top]");
+  }
   PayloadWriter w(out, r.kType);
   w.put(r.step_id);
   w.put_array(r.slots);
   w.put_array(r.token_ids);
   w.put_array(r.logprobs);
+  w.put(r.num_top);
+  w.put_array(r.top_token_ids);
+  w.put_array(r.top_logprobs);
   w.finish();
 }
 
@@ -357,6 +397,13 @@ RequestRecord decode_request_record(std::span<const uint8_t> bytes) {
       r.trace_flags = rd.get<uint8_t>("trace_flags");
       rd.get_array(r.prompt_token_ids, "prompt_token_ids");
       rd.get_array(r.stop_token_ids, "stop_token_ids");
+      r.min_tokens = rd.get<int32_t>("min_tokens");
+      r.min_p = rd.get<float>("min_p");
+      r.repetition_penalty = rd.get<float>("repetition_penalty");
+      r.frequency_penalty = rd.get<float>("frequency_penalty");
+      r.presence_penalty = rd.get<float>("presence_penalty");
+      r.num_logprobs = rd.get<int32_t>("num_logprobs");
+      r.cache_salt = rd.get<uint64_t>("cache_salt");
       rd.finish();
       return r;
     }
@@ -399,6 +446,16 @@ EngineEvent decode_engine_event(std::span<const uint8_t> bytes) {
         o.first_token_time_ns = rd.get<int64_t>("first_token_time_ns");
         rd.get_array(o.new_token_ids, "new_token_ids");
         rd.get_array(o.logprobs, "logprobs");
+        o.num_top = rd.get<uint32_t>("num_top");
+        rd.get_array(o.top_token_ids, "top_token_ids");
+        rd.get_array(o.top_logprobs, "top_logprobs");
+        o.num_computed_tokens = rd.get<uint32_t>("num_computed_tokens");
+        o.num_scheduled_tokens = rd.get<uint32_t>("num_scheduled_tokens");
+        o.num_preemptions = rd.get<uint32_t>("num_preemptions");
+        if (o.top_token_ids.size() != uint64_t{o.num_top} * o.new_token_ids.size() ||
+            o.top_logprobs.size() != o.top_token_ids.size()) {
+          throw RecordError("RequestOutput arrays do not match its new_token_ids and num_top");
+        }
       }
       rd.finish();
       return r;
@@ -413,6 +470,13 @@ EngineEvent decode_engine_event(std::span<const uint8_t> bytes) {
       r.block_size = rd.get<uint32_t>("block_size");
       r.num_steps = rd.get<uint64_t>("num_steps");
       r.num_preemptions = rd.get<uint64_t>("num_preemptions");
+      r.num_scheduled_tokens = rd.get<uint32_t>("num_scheduled_tokens");
+      r.step_time_ns = rd.get<int64_t>("step_time_ns");
+      r.prefix_cache_queries = rd.get<uint64_t>("prefix_cache_queries");
+      r.prefix_cache_hits = rd.get<uint64_t>("prefix_cache_hits");
+      r.kv_usage = rd.get<float>("kv_usage");
+      r.total_prompt_tokens = rd.get<uint64_t>("total_prompt_tokens");
+      r.total_generation_tokens = rd.get<uint64_t>("total_generation_tokens");
       rd.finish();
       return r;
     }
@@ -461,6 +525,18 @@ WorkerCommand decode_worker_command(std::span<const uint8_t> bytes) {
         nr.has_seed = rd.get_bool("has_seed");
         rd.get_array(nr.token_ids, "token_ids");
         rd.get_array(nr.block_ids, "block_ids");
+        nr.num_prompt_tokens = rd.get<int32_t>("num_prompt_tokens");
+        nr.min_tokens = rd.get<int32_t>("min_tokens");
+        nr.min_p = rd.get<float>("min_p");
+        nr.repetition_penalty = rd.get<float>("repetition_penalty");
+        nr.frequency_penalty = rd.get<float>("frequency_penalty");
+        nr.presence_penalty = rd.get<float>("presence_penalty");
+        nr.num_logprobs = rd.get<int32_t>("num_logprobs");
+        rd.get_array(nr.suppress_token_ids, "suppress_token_ids");
+        if (nr.num_prompt_tokens < 0 || static_cast<size_t>(nr.num_prompt_tokens) > nr.token_ids.size()) {
+          throw RecordError("NewRequestData num_prompt_tokens " + std::to_string(nr.num_prompt_tokens) +
+                            " outside its " + std::to_string(nr.token_ids.size()) + " token_ids");
+        }
       }
       r.block_appends.resize(rd.get_struct_count(kMinBlockAppendBytes, "block_appends"));
       for (BlockAppend& ba : r.block_appends) {
@@ -490,20 +566,38 @@ WorkerCommand decode_worker_command(std::span<const uint8_t> bytes) {
   }
 }
 
+bool decode_step_result_into(std::span<const uint8_t> bytes, StepResult& r) {
+  const RecordHeader h = check_header(bytes);
+  if (static_cast<RecordType>(h.type) != RecordType::kStepResult) {
+    const auto t = static_cast<RecordType>(h.type);
+    if (t != RecordType::kWorkerReady && t != RecordType::kWorkerFailed) unknown_type(h.type, "result");
+    return false;
+  }
+  PayloadReader rd(bytes);
+  r.step_id = rd.get<uint64_t>("step_id");
+  rd.get_array(r.slots, "slots");
+  rd.get_array(r.token_ids, "token_ids");
+  rd.get_array(r.logprobs, "logprobs");
+  r.num_top = rd.get<uint32_t>("num_top");
+  rd.get_array(r.top_token_ids, "top_token_ids");
+  rd.get_array(r.top_logprobs, "top_logprobs");
+  rd.finish();
+  if (r.token_ids.size() != r.slots.size() || r.logprobs.size() != r.slots.size()) {
+    throw RecordError("StepResult slots, token_ids and logprobs have different lengths");
+  }
+  if (r.top_token_ids.size() != uint64_t{r.num_top} * r.slots.size() || r.top_logprobs.size() != r.top_token_ids.size()) {
+    throw RecordError("StepResult top arrays are not [len(slots), num_top]");
+  }
+  return true;
+}
+
 WorkerResult decode_worker_result(std::span<const uint8_t> bytes) {
   const RecordHeader h = check_header(bytes);
   PayloadReader rd(bytes);
   switch (static_cast<RecordType>(h.type)) {
     case RecordType::kStepResult: {
       StepResult r;
-      r.step_id = rd.get<uint64_t>("step_id");
-      rd.get_array(r.slots, "slots");
-      rd.get_array(r.token_ids, "token_ids");
-      rd.get_array(r.logprobs, "logprobs");
-      rd.finish();
-      if (r.token_ids.size() != r.slots.size() || r.logprobs.size() != r.slots.size()) {
-        throw RecordError("StepResult slots, token_ids and logprobs have different lengths");
-      }
+      decode_step_result_into(bytes, r);
       return r;
     }
     case RecordType::kWorkerReady: {
@@ -526,11 +620,12 @@ WorkerResult decode_worker_result(std::span<const uint8_t> bytes) {
 }
 
 size_t encoded_size_bound(const RequestOutput& o) {
-  return kMinRequestOutputBytes + o.new_token_ids.size() * sizeof(int32_t) + o.logprobs.size() * sizeof(float);
+  return kMinRequestOutputBytes + o.new_token_ids.size() * sizeof(int32_t) + o.logprobs.size() * sizeof(float) +
+         o.top_token_ids.size() * sizeof(int32_t) + o.top_logprobs.size() * sizeof(float);
 }
 
 size_t encoded_size_bound(const NewRequestData& n) {
-  return kMinNewRequestBytes + (n.token_ids.size() + n.block_ids.size()) * sizeof(int32_t);
+  return kMinNewRequestBytes + (n.token_ids.size() + n.block_ids.size() + n.suppress_token_ids.size()) * sizeof(int32_t);
 }
 
 }  // namespace ringserve

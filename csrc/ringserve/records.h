@@ -21,7 +21,7 @@ namespace ringserve {
 
 static_assert(std::endian::native == std::endian::little, "ring records are little-endian; add byte swaps here");
 
-inline constexpr uint16_t kLayoutVersion = 1;
+inline constexpr uint16_t kLayoutVersion = 2;
 inline constexpr size_t kRecordAlign = 8;
 
 enum class RecordType : uint16_t {
@@ -82,6 +82,14 @@ struct AddRequest {
   uint8_t trace_flags = 0;
   std::vector<int32_t> prompt_token_ids;
   std::vector<int32_t> stop_token_ids;
+  // layout version 2
+  int32_t min_tokens = 0;
+  float min_p = 0.0f;               // 0 = off
+  float repetition_penalty = 1.0f;  // 1 = off
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  int32_t num_logprobs = 0;  // top-n alternatives per sampled token
+  uint64_t cache_salt = 0;   // 0 = none; mixed into the first block's prefix hash
 };
 
 struct AbortRequest {
@@ -109,6 +117,13 @@ struct RequestOutput {
   int64_t first_token_time_ns = 0;
   std::vector<int32_t> new_token_ids;
   std::vector<float> logprobs;
+  // layout version 2
+  uint32_t num_top = 0;
+  std::vector<int32_t> top_token_ids{};  // [new tokens, num_top], row-major
+  std::vector<float> top_logprobs{};     // [new tokens, num_top]
+  uint32_t num_computed_tokens = 0;    // prompt progress after this step (at most num_prompt_tokens)
+  uint32_t num_scheduled_tokens = 0;   // tokens computed for this request in this step
+  uint32_t num_preemptions = 0;
 };
 
 struct StepEvents {
@@ -128,6 +143,14 @@ struct EngineStats {
   uint32_t block_size = 0;
   uint64_t num_steps = 0;
   uint64_t num_preemptions = 0;
+  // layout version 2
+  uint32_t num_scheduled_tokens = 0;  // last step
+  int64_t step_time_ns = 0;           // last step: schedule + plan write + wait for the result + update
+  uint64_t prefix_cache_queries = 0;  // cumulative, tokens
+  uint64_t prefix_cache_hits = 0;     // cumulative, tokens
+  float kv_usage = 0.0f;              // 0..1, cached-but-unreferenced blocks count as free
+  uint64_t total_prompt_tokens = 0;
+  uint64_t total_generation_tokens = 0;
 };
 
 struct RequestRejected {
@@ -160,6 +183,15 @@ struct NewRequestData {
   bool has_seed = false;
   std::vector<int32_t> token_ids;  // every known token: prompt, plus outputs when resumed after preemption
   std::vector<int32_t> block_ids;
+  // layout version 2
+  int32_t num_prompt_tokens = 0;  // token_ids[:num_prompt_tokens] is the prompt
+  int32_t min_tokens = 0;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  int32_t num_logprobs = 0;
+  std::vector<int32_t> suppress_token_ids{};  // masked while the request has fewer than min_tokens outputs
 };
 
 struct BlockAppend {
@@ -201,6 +233,10 @@ struct StepResult {
   std::vector<int32_t> slots;      // the slots whose sched_sample was true
   std::vector<int32_t> token_ids;  // same length as slots
   std::vector<float> logprobs;     // same length as slots
+  // layout version 2: optional top-n alternatives, [slots.size(), num_top] row-major; rows asking fewer pad with -1
+  uint32_t num_top = 0;
+  std::vector<int32_t> top_token_ids{};
+  std::vector<float> top_logprobs{};
 };
 
 struct WorkerReady {
@@ -244,6 +280,12 @@ ByteBuffer encode_to_bytes(const Record& r) {
   encode(r, out);
   return out;
 }
+
+// StepEvents straight from a span of outputs (the engine's hot path: no copy into a StepEvents first).
+void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const RequestOutput> outputs, ByteBuffer& out);
+// Decodes a result-ring record into `out`, reusing its arrays, when it is a StepResult; returns false (out untouched)
+// for any other valid result-ring type. Throws RecordError on malformed input.
+bool decode_step_result_into(std::span<const uint8_t> bytes, StepResult& out);
 
 // Bounds-checked decoders, one per ring. Each rejects (RecordError) a record of another ring's type.
 RequestRecord decode_request_record(std::span<const uint8_t> bytes);

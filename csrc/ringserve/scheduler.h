@@ -1,21 +1,26 @@
-// The scheduler: request table, waiting queue, running list and the one scheduling rule.
+// The scheduler: request table, waiting queue, running list, prefix cache lookups and the one scheduling rule.
 //
 // Every request has num_computed_tokens catching up to its token count (prompt + outputs). Each step spends
-// max_num_batched_tokens on running requests first (admission order), then admits waiting requests (FCFS) while
-// fewer than max_num_seqs run; a prompt longer than the remaining budget is chunked. KV blocks are allocated as a
-// request grows. When a running request cannot get a block, the latest-admitted running request is preempted by
-// recompute: its blocks are freed, it goes back to the head of the waiting queue with its generated tokens kept,
-// and it is re-sent to the workers later as a new request carrying all its tokens.
+// max_num_batched_tokens on running requests first, then admits waiting requests while fewer than max_num_seqs run;
+// a prompt longer than the remaining budget (or than long_prefill_token_threshold) is chunked. Both lists are kept in
+// priority order: lower `priority` value first, then earlier arrival (FCFS within a priority). On admission a request
+// reuses every cached leading full block (chained prefix hashes), so it starts at num_computed_tokens > 0; it always
+// computes at least its last token. KV blocks are allocated as a request grows. When a running request cannot get a
+// block even after evicting unreferenced cached blocks, the lowest-priority, latest-arrived running request is
+// preempted by recompute: its blocks are freed (full ones stay cached), it goes back to the waiting queue ahead of
+// every later arrival of its priority with its generated tokens kept, and it is re-sent later as a new request.
 //
 // Slots: a running request owns a batch slot in [0, max_num_seqs) that the workers use to index their persistent
 // batch. A slot released (finish, abort, preemption) is listed in the next plan's finished_slots; the workers drop it
 // before running that plan, so the same plan may hand the slot to a new request.
+//
+// Steady-state decode steps do not touch the heap: the table, lists, outputs and plan entries reuse their storage.
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <limits>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -31,6 +36,9 @@ struct EngineConfig {
   int32_t max_num_batched_tokens = 2048;
   int32_t max_model_len = 0;  // 0 = as many tokens as the KV pool holds
   std::vector<int32_t> eos_token_ids;
+  bool enable_prefix_caching = true;
+  int32_t long_prefill_token_threshold = 0;  // 0 = no per-request cap on a step's prefill chunk
+  int32_t stats_interval_ms = 100;           // unsolicited EngineStats at most this often while busy
 };
 
 enum class RequestStatus : uint8_t { kFree, kWaiting, kRunning };
@@ -41,18 +49,31 @@ struct RequestState {
   int32_t slot = -1;  // batch slot while running, else -1
   int32_t num_prompt_tokens = 0;
   int32_t num_computed_tokens = 0;
+  int32_t num_cached_tokens = -1;  // prefix-cache hit at first admission; -1 = not admitted yet
+  int32_t num_registered_blocks = 0;  // leading blocks already offered to the prefix cache
+  uint32_t num_preemptions = 0;
+  uint64_t arrival_seq = 0;        // FCFS order within a priority
   std::vector<int32_t> token_ids;  // prompt then outputs
   std::vector<int32_t> block_ids;  // covers at least num_computed_tokens tokens
+  std::vector<uint64_t> block_hashes;  // chained hash of each full block of token_ids known so far
   // sampling and stop parameters, as received
   int32_t max_tokens = 0;
+  int32_t min_tokens = 0;
   float temperature = 1.0f;
   float top_p = 1.0f;
   int32_t top_k = 0;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  int32_t num_logprobs = 0;
   uint64_t seed = 0;
   bool has_seed = false;
   bool ignore_eos = false;
-  int32_t priority = 0;  // carried; ordering is FCFS for now
+  int32_t priority = 0;
+  uint64_t cache_salt = 0;
   std::vector<int32_t> stop_token_ids;
+  std::vector<int32_t> suppress_token_ids;  // EOS (unless ignore_eos) + stop ids, masked before min_tokens
   // engine timestamps, CLOCK_REALTIME ns (0 = not yet)
   int64_t arrival_time_ns = 0;
   int64_t first_scheduled_time_ns = 0;
@@ -61,6 +82,9 @@ struct RequestState {
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
 };
+
+// The chained prefix hash of one full block: parent hash (or the salt-derived root for the first block) + its tokens.
+uint64_t block_hash(uint64_t parent, bool is_first, uint64_t cache_salt, std::span<const int32_t> tokens);
 
 class Scheduler {
  public:
@@ -72,12 +96,16 @@ class Scheduler {
   // Removes a waiting or running request, frees its blocks and queues its final ABORT output. False if unknown.
   // Only between steps (not while a plan is in flight).
   bool abort_request(uint64_t request_id);
-  // Builds the next step into `plan` (cleared first). False when nothing is runnable; then no step is in flight.
+  // Builds the next step into `plan`. False when nothing is runnable; then no step is in flight.
   bool schedule(StepPlan& plan, int64_t now_ns);
-  // Applies the result of the plan in flight: advances num_computed_tokens, appends sampled tokens, applies stop
-  // rules, frees finished requests. Throws std::runtime_error when the result does not match the plan.
+  // Applies the result of the plan in flight: advances num_computed_tokens, caches newly computed full blocks,
+  // appends sampled tokens, applies stop rules, frees finished requests. Throws std::runtime_error when the result
+  // does not match the plan.
   void update(const StepResult& result, int64_t now_ns);
-  // Moves the outputs produced since the last call into `out` (cleared first).
+  // The outputs produced since the last clear_outputs() (valid until the next schedule/update/abort).
+  std::span<const RequestOutput> outputs() const { return {outputs_.data(), num_outputs_}; }
+  void clear_outputs() { num_outputs_ = 0; }
+  // Copies the pending outputs into `out` and clears them (tests and bindings).
   void take_outputs(std::vector<RequestOutput>& out);
 
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
@@ -88,45 +116,76 @@ class Scheduler {
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
   uint64_t num_steps() const { return num_steps_; }
   uint64_t num_preemptions() const { return num_preemptions_; }
-  // Throws std::logic_error when a table / slot / block invariant is broken (tests; O(table size)).
+  int32_t last_step_tokens() const { return last_step_tokens_; }
+  // Throws std::logic_error when a table / slot / block / order invariant is broken (tests; O(table size)).
   void check_invariants() const;
 
  private:
+  struct Scheduled {
+    int32_t index;
+    int32_t slot;
+    int32_t num_tokens;
+    bool sample;
+  };
+  struct PendingBlock {
+    int32_t block;
+    uint64_t hash;
+  };
+
   int32_t blocks_for(int32_t num_tokens) const { return (num_tokens + config_.block_size - 1) / config_.block_size; }
+  // True when request a runs before request b: lower priority value, then earlier arrival.
+  bool runs_before(int32_t a, int32_t b) const;
+  void insert_waiting(int32_t index);
+  void insert_running(int32_t index);
+  int32_t chunk_cap(int32_t budget) const;
+  void extend_block_hashes(RequestState& r, int32_t num_blocks);
+  void register_computed_blocks(RequestState& r);
+  bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
   void schedule_chunk(StepPlan& plan, int32_t index, int32_t num_tokens, int64_t now_ns);
   void preempt(int32_t index, StepPlan& plan);
   void release(int32_t index);  // frees blocks, slot and table entry
   FinishReason stop_reason(const RequestState& r, int32_t token) const;
-  RequestOutput make_output(const RequestState& r, FinishReason reason) const;
+  RequestOutput& new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled);
   RequestRejected reject(uint64_t id, uint32_t code, std::string message) const;
+  void recycle_plan(StepPlan& plan);
 
   EngineConfig config_;
   size_t max_plan_bytes_;
   BlockPool pool_;
 
-  std::vector<RequestState> table_;           // dense; entries are reused through free_entries_
+  std::vector<RequestState> table_;  // dense; entries are reused through free_entries_
   std::vector<int32_t> free_entries_;
   std::unordered_map<uint64_t, int32_t> index_of_;  // request_id -> table index, for aborts
-  std::deque<int32_t> waiting_;               // table indices, FCFS (preempted requests go to the front)
-  std::vector<int32_t> running_;              // table indices in admission order; size <= max_num_seqs
-  std::vector<int32_t> free_slots_;           // batch slots not owned by a running request
-  std::vector<int32_t> slot_owner_;           // batch slot -> table index or -1
-  std::vector<int32_t> released_slots_;       // go into the next plan's finished_slots
+  std::vector<int32_t> waiting_;  // table indices, the next to admit LAST (pop_back is O(1))
+  std::vector<int32_t> running_;  // table indices, highest priority / earliest first; size <= max_num_seqs
+  std::vector<int32_t> free_slots_;      // batch slots not owned by a running request
+  std::vector<int32_t> slot_owner_;      // batch slot -> table index or -1
+  std::vector<int32_t> released_slots_;  // go into the next plan's finished_slots
+  std::vector<int32_t> hits_;            // scratch: cached blocks found for the request being admitted
 
-  struct Scheduled {
-    int32_t index;
-    int32_t num_tokens;
-    bool sample;
-  };
   std::vector<Scheduled> in_flight_;  // the plan awaiting its StepResult
   uint64_t in_flight_step_ = 0;
   bool step_in_flight_ = false;
+  size_t num_in_flight_samples_ = 0;
   std::vector<int32_t> result_of_slot_;  // scratch for update(): slot -> index into StepResult, or -1
+  std::vector<PendingBlock> pending_cache_;  // scratch for update(): full blocks to register, prefetched first
+  std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
 
+  // Plan entries and outputs keep their arrays' storage between steps.
+  std::vector<BlockAppend> spare_appends_;
+  std::vector<NewRequestData> spare_new_requests_;
   std::vector<RequestOutput> outputs_;
+  size_t num_outputs_ = 0;
+
   uint64_t next_step_id_ = 1;
+  uint64_t next_arrival_seq_ = 0;
   uint64_t num_steps_ = 0;
   uint64_t num_preemptions_ = 0;
+  int32_t last_step_tokens_ = 0;
+  uint64_t prefix_cache_queries_ = 0;
+  uint64_t prefix_cache_hits_ = 0;
+  uint64_t total_prompt_tokens_ = 0;
+  uint64_t total_generation_tokens_ = 0;
 };
 
 }  // namespace ringserve

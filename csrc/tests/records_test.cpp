@@ -25,6 +25,13 @@ AddRequest sample_add_request() {
   r.trace_id.fill(0xab);
   r.span_id.fill(0xcd);
   r.trace_flags = 1;
+  r.min_tokens = 3;
+  r.min_p = 0.05f;
+  r.repetition_penalty = 1.2f;
+  r.frequency_penalty = 0.5f;
+  r.presence_penalty = -0.5f;
+  r.num_logprobs = 5;
+  r.cache_salt = 0xfeedfacecafebeefull;
   return r;
 }
 
@@ -39,6 +46,14 @@ StepPlan sample_plan() {
   n.temperature = 0.5f;
   n.seed = 99;
   n.has_seed = true;
+  n.num_prompt_tokens = 4;
+  n.min_tokens = 2;
+  n.min_p = 0.1f;
+  n.repetition_penalty = 1.1f;
+  n.frequency_penalty = 0.2f;
+  n.presence_penalty = 0.3f;
+  n.num_logprobs = 4;
+  n.suppress_token_ids = {2, 7};
   p.block_appends.push_back({1, {12}});
   p.sched_slots = {1, 3};
   p.sched_start = {17, 0};
@@ -61,6 +76,12 @@ StepEvents sample_events() {
   o.arrival_time_ns = 1;
   o.first_scheduled_time_ns = 2;
   o.first_token_time_ns = 3;
+  o.num_top = 2;
+  o.top_token_ids = {4, 9};
+  o.top_logprobs = {-0.25f, -1.5f};
+  o.num_computed_tokens = 12;
+  o.num_scheduled_tokens = 1;
+  o.num_preemptions = 2;
   e.outputs.emplace_back().request_id = 78;
   return e;
 }
@@ -112,6 +133,9 @@ TEST(add_request_round_trips) {
   CHECK(out.stop_token_ids == in.stop_token_ids);
   CHECK(out.priority == in.priority && out.arrival_time_ns == in.arrival_time_ns);
   CHECK(out.trace_id == in.trace_id && out.span_id == in.span_id && out.trace_flags == 1);
+  CHECK(out.min_tokens == 3 && out.min_p == 0.05f && out.repetition_penalty == 1.2f);
+  CHECK(out.frequency_penalty == 0.5f && out.presence_penalty == -0.5f && out.num_logprobs == 5);
+  CHECK(out.cache_salt == in.cache_salt);
 }
 
 TEST(step_plan_round_trips) {
@@ -125,6 +149,48 @@ TEST(step_plan_round_trips) {
   CHECK(out.sched_slots == in.sched_slots && out.sched_start == in.sched_start);
   CHECK(out.sched_len == in.sched_len && out.sched_sample == in.sched_sample);
   CHECK(out.finished_slots == in.finished_slots);
+  const NewRequestData& n = out.new_requests[0];
+  CHECK(n.num_prompt_tokens == 4 && n.min_tokens == 2 && n.min_p == 0.1f && n.repetition_penalty == 1.1f);
+  CHECK(n.frequency_penalty == 0.2f && n.presence_penalty == 0.3f && n.num_logprobs == 4);
+  CHECK(n.suppress_token_ids == in.new_requests[0].suppress_token_ids);
+}
+
+TEST(new_request_prompt_count_must_lie_inside_its_tokens) {
+  StepPlan plan = sample_plan();
+  plan.new_requests[0].num_prompt_tokens = 6;  // 5 token ids
+  CHECK_THROWS(RecordError, decode_worker_command(encode_to_bytes(plan)));
+}
+
+TEST(step_result_carries_optional_top_logprobs) {
+  StepResult in{7, {0, 2}, {11, 12}, {-0.1f, -0.2f}};
+  in.num_top = 3;
+  in.top_token_ids = {11, 5, 6, 12, 4, -1};
+  in.top_logprobs = {-0.1f, -2.0f, -3.0f, -0.2f, -2.5f, 0.0f};
+  const auto out = std::get<StepResult>(decode_worker_result(encode_to_bytes(in)));
+  CHECK(out.num_top == 3 && out.top_token_ids == in.top_token_ids && out.top_logprobs == in.top_logprobs);
+  in.top_token_ids.pop_back();
+  CHECK_THROWS(RecordError, encode_to_bytes(in));
+  const auto plain = std::get<StepResult>(decode_worker_result(encode_to_bytes(StepResult{8, {1}, {2}, {-1.0f}})));
+  CHECK(plain.num_top == 0 && plain.top_token_ids.empty());
+}
+
+TEST(v2_event_fields_round_trip) {
+  const auto ev = std::get<StepEvents>(decode_engine_event(encode_to_bytes(sample_events())));
+  const RequestOutput& o = ev.outputs[0];
+  CHECK(o.num_top == 2 && o.top_token_ids == std::vector<int32_t>({4, 9}) && o.top_logprobs[1] == -1.5f);
+  CHECK(o.num_computed_tokens == 12 && o.num_scheduled_tokens == 1 && o.num_preemptions == 2);
+  EngineStats s{1, 2, 3, 4, 5, 16, 7, 8};
+  s.num_scheduled_tokens = 300;
+  s.step_time_ns = 4567;
+  s.prefix_cache_queries = 1000;
+  s.prefix_cache_hits = 640;
+  s.kv_usage = 0.25f;
+  s.total_prompt_tokens = 2000;
+  s.total_generation_tokens = 3000;
+  const auto d = std::get<EngineStats>(decode_engine_event(encode_to_bytes(s)));
+  CHECK(d.num_scheduled_tokens == 300 && d.step_time_ns == 4567 && d.prefix_cache_queries == 1000);
+  CHECK(d.prefix_cache_hits == 640 && d.kv_usage == 0.25f && d.total_prompt_tokens == 2000);
+  CHECK(d.total_generation_tokens == 3000);
 }
 
 TEST(events_and_results_round_trip) {

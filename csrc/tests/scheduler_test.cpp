@@ -5,10 +5,30 @@
 #include <random>
 #include <set>
 
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
 #include "check.h"
 #include "ringserve/scheduler.h"
 
 using namespace ringserve;
+
+// GCC flags malloc/free inside replaced operator new/delete as mismatched once inlined; they are a matched pair here.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+
+// Counts heap allocations so a test can prove the steady-state step does not allocate.
+namespace {
+std::atomic<int64_t> g_allocations{0};
+}  // namespace
+
+void* operator new(size_t n) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
 
 namespace {
 
@@ -38,6 +58,8 @@ class FakeWorker {
   explicit FakeWorker(const EngineConfig& c) : config_(c), slots_(static_cast<size_t>(c.max_num_seqs)) {}
 
   // token_for(slot state tokens) -> sampled token
+  const std::vector<int32_t>& tokens_of(int32_t slot) const { return slots_.at(static_cast<size_t>(slot)).tokens; }
+
   StepResult execute(const StepPlan& plan, const std::function<int32_t(int32_t slot)>& token_for) {
     for (int32_t s : plan.finished_slots) slots_.at(static_cast<size_t>(s)).live = false;
     for (const NewRequestData& nr : plan.new_requests) {
@@ -50,10 +72,18 @@ class FakeWorker {
       CHECK(s.live);
       s.blocks.insert(s.blocks.end(), ba.block_ids.begin(), ba.block_ids.end());
     }
-    std::set<int32_t> used_blocks;  // no block may back two live slots
+    // A block may back two live slots only as a shared prefix-cache block: fully computed in every slot holding it,
+    // so no step writes into it.
+    std::map<int32_t, int> holders;
     for (const Slot& s : slots_) {
       if (!s.live) continue;
-      for (int32_t b : s.blocks) CHECK(used_blocks.insert(b).second);
+      for (int32_t b : s.blocks) ++holders[b];
+    }
+    for (const Slot& s : slots_) {
+      if (!s.live) continue;
+      for (size_t j = 0; j < s.blocks.size(); ++j) {
+        if (holders[s.blocks[j]] > 1) CHECK(static_cast<int32_t>(j + 1) * config_.block_size <= s.computed);
+      }
     }
     StepResult result;
     result.step_id = plan.step_id;
@@ -315,6 +345,260 @@ TEST(random_workloads_finish_every_request_and_return_every_block) {
     CHECK(h.scheduler.block_pool().num_free() == num_blocks);
     h.scheduler.check_invariants();
   }
+}
+
+AddRequest prompt_of(uint64_t id, std::vector<int32_t> prompt, int32_t max_tokens) {
+  AddRequest r;
+  r.request_id = id;
+  r.max_tokens = max_tokens;
+  r.prompt_token_ids = std::move(prompt);
+  return r;
+}
+
+std::vector<int32_t> iota_tokens(int32_t n, int32_t first = 100) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+
+const RequestOutput* final_output(const Harness& h, uint64_t id) {
+  for (const RequestOutput& o : h.outputs) {
+    if (o.request_id == id && o.finish_reason != FinishReason::kNone) return &o;
+  }
+  return nullptr;
+}
+
+TEST(a_request_sharing_a_prefix_reuses_the_cached_blocks) {
+  Harness h(make_config(64, 8, 64));  // block size 4
+  CHECK(h.add(prompt_of(1, iota_tokens(40), 3)));
+  h.run_to_completion();
+  CHECK(h.scheduler.block_pool().num_cached() >= 10);  // the finished request's full blocks stay cached
+  std::vector<int32_t> second = iota_tokens(40);
+  second.insert(second.end(), {7, 7, 7, 7, 7, 7});
+  CHECK(h.add(prompt_of(2, second, 2)));
+  CHECK(h.step());
+  CHECK(h.plan.new_requests.size() == 1);
+  const NewRequestData& nr = h.plan.new_requests[0];
+  CHECK(nr.num_computed_tokens == 40 && h.plan.sched_start[0] == 40 && h.plan.sched_len[0] == 6);
+  CHECK(nr.num_prompt_tokens == 46);
+  h.run_to_completion();
+  const RequestOutput* o = final_output(h, 2);
+  CHECK(o != nullptr && o->num_cached_tokens == 40);
+  const EngineStats st = h.scheduler.stats(0);
+  CHECK(st.prefix_cache_hits == 40 && st.prefix_cache_queries == 86);
+}
+
+TEST(a_fully_cached_prompt_still_computes_its_last_token) {
+  Harness h(make_config(64, 8, 64));
+  CHECK(h.add(prompt_of(1, iota_tokens(40), 2)));
+  h.run_to_completion();
+  CHECK(h.add(prompt_of(2, iota_tokens(40), 2)));
+  CHECK(h.step());
+  // 40 tokens = 10 full blocks, but only 9 may be reused: the block holding the last prompt token is recomputed.
+  CHECK(h.plan.new_requests[0].num_computed_tokens == 36 && h.plan.sched_len[0] == 4 && h.plan.sched_sample[0] == 1);
+  h.run_to_completion();
+  CHECK(final_output(h, 2)->num_cached_tokens == 36);
+}
+
+TEST(running_requests_share_blocks_with_reference_counts) {
+  Harness h(make_config(64, 8, 64));
+  CHECK(h.add(prompt_of(1, iota_tokens(17), 20)));
+  CHECK(h.step());  // request 1's prompt is computed: its 4 full blocks are cached
+  CHECK(h.add(prompt_of(2, iota_tokens(17), 20)));
+  CHECK(h.step());
+  const std::vector<int32_t>& shared = h.plan.new_requests[0].block_ids;
+  for (size_t j = 0; j < 4; ++j) CHECK(h.scheduler.block_pool().ref_count(shared[j]) == 2);
+  h.run_to_completion();
+  CHECK(h.scheduler.block_pool().num_free() == 64);
+}
+
+TEST(cache_salt_separates_equal_prompts) {
+  Harness h(make_config(64, 8, 64));
+  AddRequest a = prompt_of(1, iota_tokens(20), 2);
+  a.cache_salt = 1;
+  CHECK(h.add(a));
+  h.run_to_completion();
+  AddRequest b = prompt_of(2, iota_tokens(20), 2);
+  b.cache_salt = 2;
+  CHECK(h.add(b));
+  CHECK(h.step() && h.plan.new_requests[0].num_computed_tokens == 0);
+  h.run_to_completion();
+  AddRequest c = prompt_of(3, iota_tokens(20), 2);
+  c.cache_salt = 1;
+  CHECK(h.add(c));
+  CHECK(h.step() && h.plan.new_requests[0].num_computed_tokens == 16);
+}
+
+TEST(prefix_caching_can_be_turned_off) {
+  EngineConfig c = make_config(64, 8, 64);
+  c.enable_prefix_caching = false;
+  Harness h(c);
+  CHECK(h.add(prompt_of(1, iota_tokens(20), 2)));
+  h.run_to_completion();
+  CHECK(h.add(prompt_of(2, iota_tokens(20), 2)));
+  CHECK(h.step() && h.plan.new_requests[0].num_computed_tokens == 0);
+  CHECK(h.scheduler.block_pool().num_cached() == 0 && h.scheduler.stats(0).prefix_cache_queries == 0);
+}
+
+TEST(long_prefill_token_threshold_caps_a_requests_chunk) {
+  EngineConfig c = make_config(64, 8, 64);
+  c.long_prefill_token_threshold = 8;
+  Harness h(c);
+  CHECK(h.add(prompt_of(1, iota_tokens(30), 2)));
+  CHECK(h.add(prompt_of(2, iota_tokens(5, 900), 2)));
+  CHECK(h.step());
+  CHECK((h.plan.sched_len == std::vector<int32_t>{8, 5}));  // both fit the 64-token budget in one step
+  std::vector<int32_t> chunks{8};
+  for (int i = 0; i < 3; ++i) {
+    CHECK(h.step());
+    chunks.push_back(h.plan.sched_len[0]);  // request 1 runs first: it arrived first
+  }
+  CHECK((chunks == std::vector<int32_t>{8, 8, 8, 6}));
+}
+
+TEST(prefill_chunks_report_progress_without_tokens) {
+  Harness h(make_config(64, 8, 16));
+  CHECK(h.add(prompt_of(1, iota_tokens(40), 2)));
+  CHECK(h.step());
+  CHECK(h.outputs.size() == 1 && h.outputs[0].new_token_ids.empty());
+  CHECK(h.outputs[0].num_scheduled_tokens == 16 && h.outputs[0].num_computed_tokens == 16);
+  CHECK(h.outputs[0].finish_reason == FinishReason::kNone);
+  h.step();
+  h.step();
+  CHECK(h.outputs.size() == 1 && h.outputs[0].new_token_ids.size() == 1 && h.outputs[0].num_computed_tokens == 40);
+  CHECK(h.outputs[0].num_scheduled_tokens == 8);
+}
+
+TEST(lower_priority_value_runs_first_and_fcfs_within_a_priority) {
+  Harness h(make_config(64, 1, 64));
+  AddRequest low = make_request(1, 3, 2);
+  low.priority = 5;
+  AddRequest high_a = make_request(2, 3, 2);
+  AddRequest high_b = make_request(3, 3, 2);
+  for (const auto& r : {low, high_a, high_b}) CHECK(h.add(r));
+  std::vector<uint64_t> order;
+  while (h.scheduler.has_unfinished()) {
+    h.step();
+    for (const RequestOutput& o : h.outputs) {
+      if (o.finish_reason != FinishReason::kNone) order.push_back(o.request_id);
+    }
+  }
+  CHECK((order == std::vector<uint64_t>{2, 3, 1}));
+}
+
+TEST(preemption_picks_the_lowest_priority_latest_arrival) {
+  // 12 blocks of 4 tokens; three requests grow until someone must yield.
+  Harness h(make_config(12, 4, 64));
+  AddRequest a = make_request(1, 8, 14);
+  AddRequest b = make_request(2, 8, 14);
+  b.priority = 1;  // lowest priority: the first victim although it arrived before c
+  AddRequest c = make_request(3, 8, 14);
+  for (const auto& r : {a, b, c}) CHECK(h.add(r));
+  std::map<uint64_t, uint32_t> preemptions;
+  int steps = 0;
+  while (h.scheduler.has_unfinished() && steps++ < 1000) {
+    h.step();
+    for (const RequestOutput& o : h.outputs) preemptions[o.request_id] = std::max(preemptions[o.request_id], o.num_preemptions);
+    if (h.scheduler.num_preemptions() == 1) {
+      CHECK(preemptions[1] == 0 && preemptions[3] == 0);
+    }
+  }
+  CHECK(h.scheduler.num_preemptions() > 0 && preemptions[1] == 0);
+  for (uint64_t id = 1; id <= 3; ++id) CHECK(h.finished[id] == FinishReason::kLength && h.tokens[id].size() == 14);
+  CHECK(h.scheduler.block_pool().num_free() == 12);
+}
+
+TEST(preempted_requests_resume_with_unchanged_output) {
+  // Deterministic tokens (last token + 1): the output of a preempted request must equal an unconstrained run.
+  auto run = [](int32_t num_blocks) {
+    Harness h(make_config(num_blocks, 4, 64));
+    for (uint64_t id = 1; id <= 3; ++id) CHECK(h.add(make_request(id, 6 + static_cast<int32_t>(id), 16)));
+    int steps = 0;
+    while (h.scheduler.has_unfinished() && steps++ < 2000) {
+      h.step([&](int32_t slot) {  // a function of every token the worker holds for the slot, like a model
+        const auto& t = h.worker.tokens_of(slot);
+        return 10 + std::accumulate(t.begin(), t.end(), 0) % 997;
+      });
+    }
+    return std::make_pair(h.tokens, h.scheduler.num_preemptions());
+  };
+  const auto [roomy, roomy_preemptions] = run(64);
+  const auto [tight, tight_preemptions] = run(9);
+  CHECK(roomy_preemptions == 0 && tight_preemptions > 0);
+  CHECK(roomy == tight);
+}
+
+TEST(min_tokens_defers_eos) {
+  Harness h(make_config(64));
+  AddRequest r = make_request(1, 3, 10);
+  r.min_tokens = 3;
+  CHECK(h.add(r));
+  h.run_to_completion();  // the worker below always answers EOS
+  Harness g(make_config(64));
+  CHECK(g.add(r));
+  while (g.scheduler.has_unfinished()) g.step([](int32_t) { return kEos; });
+  CHECK(g.finished[1] == FinishReason::kStop && g.tokens[1].size() == 3);
+}
+
+TEST(steady_state_decode_steps_do_not_allocate) {
+  EngineConfig c = make_config(512, 16, 256, 16);
+  Scheduler s(c);
+  for (uint64_t id = 0; id < 16; ++id) {
+    AddRequest r = make_request(id, 20 + static_cast<int32_t>(id), 400);
+    r.prompt_token_ids[0] = static_cast<int32_t>(id);  // distinct prompts
+    r.ignore_eos = true;
+    CHECK(!s.add_request(r, 0));
+  }
+  StepPlan plan;
+  StepResult result;
+  auto one_step = [&](bool count) -> int64_t {
+    int64_t allocations = 0;
+    const int64_t before = g_allocations.load();
+    CHECK(s.schedule(plan, 0));
+    allocations += g_allocations.load() - before;
+    result.step_id = plan.step_id;
+    result.slots.clear();
+    result.token_ids.clear();
+    result.logprobs.clear();
+    for (size_t i = 0; i < plan.sched_slots.size(); ++i) {
+      if (!plan.sched_sample[i]) continue;
+      result.slots.push_back(plan.sched_slots[i]);
+      result.token_ids.push_back(7);
+      result.logprobs.push_back(-1.0f);
+    }
+    const int64_t mid = g_allocations.load();
+    s.update(result, 0);
+    s.clear_outputs();
+    allocations += g_allocations.load() - mid;
+    return count ? allocations : 0;
+  };
+  for (int i = 0; i < 64; ++i) one_step(false);  // prefill, then decode until every buffer reached its high water
+  int64_t allocations = 0;
+  for (int i = 0; i < 200; ++i) allocations += one_step(true);  // crosses many block boundaries
+  CHECK(allocations == 0);
+  s.check_invariants();
+}
+
+TEST(top_logprobs_reach_each_output_up_to_its_own_num_logprobs) {
+  Scheduler s(make_config(64));
+  AddRequest wants_two = make_request(1, 3, 1);
+  wants_two.num_logprobs = 2;
+  AddRequest wants_none = make_request(2, 5, 1);
+  CHECK(!s.add_request(wants_two, 0) && !s.add_request(wants_none, 0));
+  StepPlan plan;
+  CHECK(s.schedule(plan, 0) && plan.sched_slots.size() == 2);
+  CHECK(plan.new_requests[0].num_logprobs == 2 && plan.new_requests[1].num_logprobs == 0);
+  CHECK((plan.new_requests[0].suppress_token_ids == std::vector<int32_t>{kEos}));
+  StepResult result{plan.step_id, {plan.sched_slots[0], plan.sched_slots[1]}, {7, 8}, {-0.1f, -0.2f}};
+  result.num_top = 3;
+  result.top_token_ids = {7, 4, 5, 8, -1, -1};
+  result.top_logprobs = {-0.1f, -1.0f, -2.0f, -0.2f, 0.0f, 0.0f};
+  s.update(result, 0);
+  std::vector<RequestOutput> out;
+  s.take_outputs(out);
+  CHECK(out.size() == 2);
+  CHECK(out[0].num_top == 2 && (out[0].top_token_ids == std::vector<int32_t>{7, 4}) && out[0].top_logprobs[1] == -1.0f);
+  CHECK(out[1].num_top == 0 && out[1].top_token_ids.empty());
 }
 
 TEST_MAIN()

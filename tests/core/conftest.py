@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import secrets
 from collections.abc import Callable, Iterator
 
 import pytest
+from core_testkit import segment_name
 from ringserve import _core
-
-
-def segment_name(role: str) -> str:
-    """A name in the production pattern, owned by this (live) process."""
-    return f"/ringserve-{os.getpid()}-{secrets.token_hex(8)}-{role}"
 
 
 @pytest.fixture

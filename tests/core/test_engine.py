@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from conftest import segment_name
+from core_testkit import segment_name
 from ringserve import _core
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,8 +80,14 @@ class FakeWorker(threading.Thread):
             self.slots[new.slot] = SlotState(new.token_ids.tolist(), new.block_ids.tolist(), new.num_computed_tokens)
         for append in plan.block_appends:
             self.slots[append.slot].blocks.extend(append.block_ids.tolist())
-        all_blocks = [b for s in self.slots.values() for b in s.blocks]
-        assert len(all_blocks) == len(set(all_blocks)), "a KV block backs two live slots"
+        # A block may back two live slots only as a shared prefix-cache block, fully computed in each (read-only).
+        holders: dict[int, int] = {}
+        for state in self.slots.values():
+            for b in state.blocks:
+                holders[b] = holders.get(b, 0) + 1
+        for state in self.slots.values():
+            for j, b in enumerate(state.blocks):
+                assert holders[b] == 1 or (j + 1) * BLOCK_SIZE <= state.computed, "a written KV block is shared"
         sampled_slots, sampled_tokens = [], []
         for slot, start, length, sample in zip(
             plan.sched_slots.tolist(),
@@ -333,6 +339,44 @@ def test_preemption_by_recompute_keeps_outputs_exact(frontend_factory: FrontendF
     assert stats.num_preemptions >= 1 and stats.num_free_blocks == 6
     resent = [n for p in f.worker.plans for n in p.new_requests if len(n.token_ids) > 20]
     assert resent, "a preempted request was not re-sent with its generated tokens"
+    f.shutdown()
+
+
+def test_engine_reports_stats_unsolicited_while_busy_and_once_when_idle(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory(delay=0.002, stats_interval_ms=1)
+    f.start()
+    f.add(1, prompt_ending_at(100, 20), max_tokens=30)
+    f.wait_finished([1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the report sent when the engine turned idle
+        unsolicited = [e for e in f.other_events if isinstance(e, _core.EngineStats) and e.query_id == 0]
+        if unsolicited and unsolicited[-1].num_running == 0:
+            break
+        f.next_event()
+    busy = [e for e in unsolicited if e.num_running == 1]
+    assert busy, "no unsolicited EngineStats while a request ran"
+    assert all(e.step_time_ns > 0 and e.num_scheduled_tokens >= 1 for e in busy)
+    assert all(0 < e.kv_usage <= 1 for e in busy)
+    idle = unsolicited[-1]
+    assert (idle.num_running, idle.num_waiting) == (0, 0)
+    assert (idle.total_prompt_tokens, idle.total_generation_tokens) == (20, 30)
+    f.shutdown()
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory()
+    f.start()
+    f.add(1, prompt_ending_at(100, 40), max_tokens=3)
+    f.wait_finished([1])
+    f.add(2, prompt_ending_at(100, 40), max_tokens=3)
+    f.wait_finished([2])
+    assert f.log[1].outputs[-1].num_cached_tokens == 0
+    # 40 tokens = 2 full blocks of 16 + 8; both full blocks are reused, only the last 8 tokens are computed.
+    assert f.log[2].outputs[-1].num_cached_tokens == 32 and f.log[2].tokens == f.log[1].tokens == [101, 102, 103]
+    (resent,) = [n for p in f.worker.plans for n in p.new_requests][1:]
+    assert resent.num_computed_tokens == 32 and resent.num_prompt_tokens == 40
+    stats = f.stats(5)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80, 32)
     f.shutdown()
 
 

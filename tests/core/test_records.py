@@ -179,3 +179,80 @@ def test_every_truncation_is_rejected() -> None:
             prefix = with_u32(prefix, 0, cut)
         with pytest.raises(_core.RecordError):
             _core.decode_request_record(prefix)
+
+
+def test_layout_version_is_2() -> None:
+    assert _core.LAYOUT_VERSION == 2
+
+
+def test_add_request_v2_fields_round_trip() -> None:
+    r = make_add_request()
+    r.min_tokens, r.num_logprobs, r.cache_salt = 3, 5, 2**64 - 1
+    r.min_p, r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 0.05, 1.25, 0.5, -0.5
+    got = _core.decode_request_record(_core.encode_add_request(r))
+    assert (got.min_tokens, got.num_logprobs, got.cache_salt) == (3, 5, 2**64 - 1)
+    assert got.min_p == pytest.approx(0.05) and got.repetition_penalty == pytest.approx(1.25)
+    assert got.frequency_penalty == pytest.approx(0.5) and got.presence_penalty == pytest.approx(-0.5)
+    defaults = _core.AddRequest()
+    assert (defaults.min_tokens, defaults.min_p, defaults.repetition_penalty) == (0, 0, 1)
+    assert (defaults.frequency_penalty, defaults.presence_penalty) == (0, 0)
+    assert (defaults.num_logprobs, defaults.cache_salt) == (0, 0)
+
+
+def test_new_request_data_v2_fields_round_trip() -> None:
+    nr = _core.NewRequestData()
+    nr.slot = 1
+    nr.token_ids = np.arange(6, dtype=np.int32)
+    nr.num_prompt_tokens = 4
+    nr.min_tokens, nr.num_logprobs = 2, 3
+    nr.min_p, nr.repetition_penalty, nr.frequency_penalty, nr.presence_penalty = 0.1, 1.1, 0.2, 0.3
+    nr.suppress_token_ids = np.array([2, 9], np.int32)
+    plan = _core.StepPlan()
+    plan.new_requests = [nr]
+    (got,) = _core.decode_worker_command(_core.encode_record(plan)).new_requests
+    assert got.num_prompt_tokens == 4 and got.min_tokens == 2 and got.num_logprobs == 3
+    assert got.min_p == pytest.approx(0.1) and got.repetition_penalty == pytest.approx(1.1)
+    assert got.frequency_penalty == pytest.approx(0.2) and got.presence_penalty == pytest.approx(0.3)
+    assert got.suppress_token_ids.dtype == np.int32 and got.suppress_token_ids.tolist() == [2, 9]
+
+
+def test_step_result_carries_optional_top_logprobs() -> None:
+    slots, tokens, logprobs = np.array([0, 3], np.int32), np.array([11, 12], np.int32), np.zeros(2, np.float32)
+    top_ids = np.array([[11, 4, 5], [12, -1, -1]], np.int32)
+    top_lp = np.array([[-0.1, -2.0, -3.0], [-0.2, 0.0, 0.0]], np.float32)
+    r = _core.decode_worker_result(_core.encode_step_result(1, slots, tokens, logprobs, top_ids, top_lp))
+    assert r.num_top == 3 and r.top_token_ids.shape == (2, 3)
+    assert r.top_token_ids.tolist() == top_ids.tolist() and np.allclose(r.top_logprobs, top_lp)
+    plain = _core.decode_worker_result(_core.encode_step_result(2, slots, tokens, logprobs))
+    assert plain.num_top == 0 and plain.top_token_ids.shape == (2, 0)
+    with pytest.raises(ValueError):
+        _core.encode_step_result(3, slots, tokens, logprobs, top_ids[:1], top_lp[:1])  # wrong row count
+    with pytest.raises(ValueError):
+        _core.encode_step_result(3, slots, tokens, logprobs, top_ids, None)  # both or neither
+
+
+def test_request_output_and_engine_stats_v2_fields_round_trip() -> None:
+    out = _core.RequestOutput()
+    out.request_id = 1
+    out.new_token_ids, out.logprobs = [5], [-0.5]
+    out.num_top, out.top_token_ids, out.top_logprobs = 2, [5, 6], [-0.5, -1.0]
+    out.num_computed_tokens, out.num_scheduled_tokens, out.num_preemptions = 10, 3, 1
+    ev = _core.StepEvents()
+    ev.outputs = [out]
+    (o,) = _core.decode_engine_event(_core.encode_record(ev)).outputs
+    assert (o.num_top, o.top_token_ids, o.top_logprobs) == (2, [5, 6], [-0.5, -1.0])
+    assert (o.num_computed_tokens, o.num_scheduled_tokens, o.num_preemptions) == (10, 3, 1)
+    stats = _core.EngineStats()
+    stats.num_scheduled_tokens, stats.step_time_ns, stats.kv_usage = 7, 1234, 0.5
+    stats.prefix_cache_queries, stats.prefix_cache_hits = 100, 64
+    stats.total_prompt_tokens, stats.total_generation_tokens = 300, 400
+    got = _core.decode_engine_event(_core.encode_record(stats))
+    assert (got.num_scheduled_tokens, got.step_time_ns, got.kv_usage) == (7, 1234, 0.5)
+    assert (got.prefix_cache_queries, got.prefix_cache_hits) == (100, 64)
+    assert (got.total_prompt_tokens, got.total_generation_tokens) == (300, 400)
+
+
+def test_engine_config_v2_defaults() -> None:
+    config = _core.EngineConfig()
+    assert config.enable_prefix_caching is True
+    assert config.long_prefill_token_threshold == 0 and config.stats_interval_ms == 100

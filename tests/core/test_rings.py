@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import segment_name
+from core_testkit import segment_name
 from ringserve import _core
 
 pytestmark = pytest.mark.timeout(60)

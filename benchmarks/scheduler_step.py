@@ -1,0 +1,65 @@
+"""Microseconds per steady-state decode step of the C++ scheduler: schedule() + update() with a fake one-token
+result, 128-token prompts, block size 16, at 64, 256 and 1,024 running requests (issue #3 targets: <= 5 us at 256,
+<= 20 us at 1,024, growing linearly or better). The baseline in the same run is the cost of the timer itself.
+
+    python benchmarks/scheduler_step.py [--quick]
+
+The last line of output is one JSON object: step_us_median and step_us_p99 map running count -> us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from ringserve import _core
+
+RUNNING = (64, 256, 1024)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def timer_overhead_us(samples: int = 10000) -> float:
+    """Two clock reads, like the benchmark's own timing around each step (measured in Python, an upper bound)."""
+    t = [time.perf_counter_ns() - time.perf_counter_ns() for _ in range(samples)]
+    return abs(statistics.median(t)) / 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1,000 steps per size, one round (< 60 s)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per size (default 1,000 quick, 5,000 full)")
+    parser.add_argument("--rounds", type=int, default=0, help="repeat and keep each size's best median (default 1/3)")
+    args = parser.parse_args()
+    steps = args.steps or (1000 if args.quick else 5000)
+    rounds = args.rounds or (1 if args.quick else 3)
+    median: dict[str, float] = {}
+    p99: dict[str, float] = {}
+    for n in RUNNING:
+        best: list[float] | None = None
+        for _ in range(rounds):
+            us = [ns / 1000 for ns in _core.bench_scheduler_steps(n, prompt_len=128, block_size=16, num_steps=steps)]
+            if best is None or statistics.median(us) < statistics.median(best):
+                best = us
+        assert best is not None
+        median[str(n)] = round(statistics.median(best), 3)
+        p99[str(n)] = round(percentile(best, 0.99), 3)
+        print(f"running={n:5d}  median {median[str(n)]:8.3f} us  p99 {p99[str(n)]:8.3f} us  ({steps} steps)")
+    print(json.dumps({
+        "benchmark": "scheduler_step",
+        "prompt_len": 128,
+        "block_size": 16,
+        "steps": steps,
+        "step_us_median": median,
+        "step_us_p99": p99,
+        "baseline_timer_overhead_us": round(timer_overhead_us(), 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()

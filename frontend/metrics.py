@@ -1,0 +1,183 @@
+"""Prometheus metrics: request latencies from RequestTimelines, engine gauges and counters from EngineStats.
+
+Every name starts with `ringserve_` and carries a `model_name` label. With several frontend processes, set
+PROMETHEUS_MULTIPROC_DIR (prometheus-client's multiprocess mode) and every process's samples are summed on scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from ringserve.frontend.timeline import RequestTimeline
+
+log = logging.getLogger(__name__)
+
+# Buckets in seconds, close to vLLM's so dashboards carry over.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)  # fmt: skip
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0)  # fmt: skip
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_NS = 1e-9
+
+
+def _multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class ServingMetrics:
+    """The frontend's metric families for one served model."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent").labels(model_name)
+
+        self.ttft = histogram("ringserve_time_to_first_token_seconds",
+                              "From the RPC's arrival to the engine emitting its first token.", _TTFT_BUCKETS)
+        self.itl = histogram("ringserve_inter_token_latency_seconds",
+                             "Engine time between consecutive outputs of one request.", _ITL_BUCKETS)
+        self.e2e = histogram("ringserve_e2e_request_latency_seconds",
+                             "From the RPC's arrival to its last response.", _REQUEST_BUCKETS)
+        self.queue = histogram("ringserve_request_queue_time_seconds",
+                               "Engine arrival to first scheduled.", _REQUEST_BUCKETS)
+        self.prefill = histogram("ringserve_request_prefill_time_seconds",
+                                 "First scheduled to first token.", _REQUEST_BUCKETS)
+        self.decode = histogram("ringserve_request_decode_time_seconds",
+                                "First token to last token.", _REQUEST_BUCKETS)
+        self.step_time = histogram("ringserve_scheduler_step_time_seconds",
+                                   "Engine step time (schedule, plan, forward, update), sampled from engine stats.",
+                                   _STEP_BUCKETS)  # fmt: skip
+        self.running = gauge("ringserve_num_requests_running", "Requests in the engine's running batch.")
+        self.waiting = gauge("ringserve_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("ringserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.prompt_tokens = counter("ringserve_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("ringserve_generation_tokens", "Generated tokens of finished requests.")
+        self.prefix_queries = counter("ringserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("ringserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("ringserve_num_preemptions", "Requests preempted by the engine (recompute).")
+        self._success = Counter("ringserve_request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code.",
+                               ["model_name", "code"], registry=r)
+        self._success_by_reason: dict[str, Any] = {}
+        self._last_preemptions: int | None = None
+        self._last_num_steps: int | None = None
+
+    # -- per request ----------------------------------------------------------------------------------------
+
+    def observe_request(self, t: RequestTimeline) -> None:
+        """Samples of one finished RPC (call after `t.finish()`)."""
+        if t.error_code is not None:
+            self._errors.labels(self.model_name, t.error_code.name).inc()
+        elif t.finish_reason:
+            counter = self._success_by_reason.get(t.finish_reason)
+            if counter is None:
+                counter = self._success_by_reason[t.finish_reason] = self._success.labels(self.model_name,
+                                                                                          t.finish_reason)
+            counter.inc()
+        if t.prompt_tokens and t.params is not None:  # reached the engine
+            self.prompt_tokens.inc(t.prompt_tokens)
+        if t.completion_tokens:
+            self.generation_tokens.inc(t.completion_tokens)
+        if t.first_scheduled_ns:  # the engine looked the prompt up in its prefix cache
+            self.prefix_queries.inc(t.prompt_tokens)
+            self.prefix_hits.inc(t.num_cached_tokens)
+        if t.first_token_ns:
+            self.ttft.observe(max(t.first_token_ns - t.rpc_start_ns, 0) * _NS)
+            self.decode.observe(max(t.last_emit_ns - t.first_token_ns, 0) * _NS)
+        if t.engine_arrival_ns and t.first_scheduled_ns:
+            self.queue.observe(max(t.first_scheduled_ns - t.engine_arrival_ns, 0) * _NS)
+        if t.first_scheduled_ns and t.first_token_ns:
+            self.prefill.observe(max(t.first_token_ns - t.first_scheduled_ns, 0) * _NS)
+        emits = t.emit_ns
+        for previous, current in itertools.pairwise(emits):
+            self.itl.observe(max(current - previous, 0) * _NS)
+        if t.end_ns and t.error_code is None:  # latency of served requests, as vLLM counts it
+            self.e2e.observe(max(t.end_ns - t.rpc_start_ns, 0) * _NS)
+
+    # -- engine ---------------------------------------------------------------------------------------------
+
+    def observe_engine_stats(self, stats: Any) -> None:
+        """Gauges from one EngineStats; counters and the step-time sample only from what changed since the last."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        if self._last_preemptions is not None and stats.num_preemptions > self._last_preemptions:
+            self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_preemptions = stats.num_preemptions
+        step_time_ns = stats.step_time_ns
+        if step_time_ns and stats.num_steps != self._last_num_steps:
+            self.step_time.observe(step_time_ns * _NS)
+        self._last_num_steps = stats.num_steps
+
+
+class EngineStatsFeed:
+    """Keeps the engine gauges current: uses the stats the engine pushes, and asks for them when none came lately."""
+
+    def __init__(self, engine: Any, metrics: ServingMetrics, interval_s: float = 1.0) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._pushed = False
+        self._task: asyncio.Task[None] | None = None
+        add_listener = getattr(engine, "add_stats_listener", None)
+        if add_listener is not None:
+            add_listener(self._on_pushed)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _on_pushed(self, stats: Any) -> None:
+        self._pushed = True
+        self._metrics.observe_engine_stats(stats)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            if self._pushed:  # the engine reported on its own within the last interval
+                self._pushed = False
+                continue
+            if self._engine.failure is not None:
+                return
+            try:
+                self._metrics.observe_engine_stats(await self._engine.get_stats(timeout=self._interval_s * 5))
+            except Exception as exc:  # a slow or busy engine: try again next interval
+                log.debug("engine stats query failed: %s", exc)
+
+
+def serve_metrics(metrics: ServingMetrics, host: str, port: int) -> Any:
+    """Serve /metrics over HTTP on a daemon thread; returns the http server (call `.shutdown()` to stop)."""
+    registry = metrics.registry
+    if _multiprocess():
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
+

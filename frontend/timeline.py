@@ -1,0 +1,104 @@
+"""What happened to one Generate RPC, in wall-clock nanoseconds: the record traces and metrics are built from.
+
+The servicer fills it on the hot path with list appends only; spans and histogram samples are made from it after
+the RPC has ended, so observing a request never delays its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+_TRACE_HEADERS = frozenset(("traceparent", "tracestate"))
+
+
+def trace_headers(metadata: Sequence[tuple[str, Any]] | None) -> dict[str, str] | None:
+    """The W3C trace context headers among a call's gRPC metadata (keys arrive lower-cased)."""
+    if not metadata:
+        return None
+    found = {key: value for key, value in metadata if key in _TRACE_HEADERS and isinstance(value, str)}
+    return found or None
+
+
+class RequestTimeline:
+    """One request's times: frontend times from `time.time_ns()`, engine times from the engine's records.
+
+    Both clocks are CLOCK_REALTIME on the same host, so they can be compared and put on one trace.
+    """
+
+    __slots__ = (
+        "chat", "completion_tokens", "emit_ns", "end_ns", "engine_arrival_ns", "error", "error_code",
+        "finish_reason", "first_scheduled_ns", "first_token_ns", "model", "num_cached_tokens", "num_preemptions",
+        "params", "parent_headers", "prefill_chunks", "prompt_tokens", "receive_ns", "request_id", "rpc_start_ns",
+        "send_ns", "token_ids", "tokenize_end_ns",
+    )  # fmt: skip
+
+    def __init__(self, model: str, parent_headers: dict[str, str] | None = None) -> None:
+        self.rpc_start_ns = time.time_ns()
+        self.model = model
+        self.parent_headers = parent_headers  # W3C traceparent/tracestate from the call's metadata
+        self.request_id = ""
+        self.chat = False
+        self.params: Any = None  # SamplingOptions once validated
+        self.tokenize_end_ns = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.engine_arrival_ns = 0
+        self.first_scheduled_ns = 0
+        self.first_token_ns = 0
+        # One entry per output that carried tokens: its tokens, the engine's emit time, when the frontend
+        # received it and when its response was handed to gRPC.
+        self.token_ids: list[list[int]] = []
+        self.emit_ns: list[int] = []
+        self.receive_ns: list[int] = []
+        self.send_ns: list[int] = []
+        # (emit time, tokens computed in the chunk, prompt tokens computed so far, cached tokens) per prefill chunk.
+        self.prefill_chunks: list[tuple[int, int, int, int]] = []
+        self.finish_reason = ""
+        self.error: BaseException | None = None
+        self.error_code: grpc.StatusCode | None = None
+        self.end_ns = 0
+
+    def on_output(self, output: Any) -> None:
+        """Record one engine output (a `TimedOutput`: a layout-v2 `RequestOutput` with emit/receive times)."""
+        emit = output.emit_time_ns
+        ids = output.new_token_ids
+        if not self.first_token_ns:
+            # Still in the prefill: every output up to the first token is one computed chunk.
+            scheduled = output.num_scheduled_tokens
+            if scheduled:
+                self.prefill_chunks.append((emit, scheduled, output.num_computed_tokens, output.num_cached_tokens))
+            self.engine_arrival_ns = output.arrival_time_ns
+            self.first_scheduled_ns = output.first_scheduled_time_ns
+            if ids:  # a fake or older engine may leave the time 0: fall back to the emit time
+                self.first_token_ns = output.first_token_time_ns or emit or time.time_ns()
+        if ids:
+            self.token_ids.append(ids)
+            self.emit_ns.append(emit)
+            self.receive_ns.append(output.receive_time_ns)
+            self.send_ns.append(0)
+            self.completion_tokens += len(ids)
+        self.num_cached_tokens = output.num_cached_tokens
+        self.num_preemptions = output.num_preemptions
+
+    def mark_sent(self) -> None:
+        """The response carrying the last recorded output's tokens was handed to gRPC."""
+        if self.send_ns and not self.send_ns[-1]:
+            self.send_ns[-1] = time.time_ns()
+
+    def fail(self, code: grpc.StatusCode, error: BaseException) -> None:
+        if self.error_code is None:
+            self.error_code = code
+            self.error = error
+
+    def finish(self) -> None:
+        self.end_ns = time.time_ns()
+
+    @property
+    def last_emit_ns(self) -> int:
+        return self.emit_ns[-1] if self.emit_ns else 0

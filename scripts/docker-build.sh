@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds the RingServe images from the repository root: ringserve:cpu (docker/Dockerfile.cpu) and ringserve:cuda
+# (docker/Dockerfile.cuda). Needs a Docker engine with BuildKit (the default since Docker 23).
+# Usage: scripts/docker-build.sh [cpu|cuda|all] [extra `docker build` arguments, e.g. --build-arg TORCH_CUDA=cu130]
+# The tag defaults to the package version; TAG=... overrides it. Both images are also tagged :cpu / :cuda.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+which=${1:-all}
+[ $# -gt 0 ] && shift
+case "$which" in
+  cpu | cuda | all) ;;
+  *) echo "usage: $0 [cpu|cuda|all] [docker build arguments...]" >&2; exit 2 ;;
+esac
+if ! docker info >/dev/null 2>&1; then
+  echo "scripts/docker-build.sh: no Docker engine is reachable (\`docker info\` fails): start one, or point" \
+    "DOCKER_HOST at one, then run this again" >&2
+  exit 1
+fi
+
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -n 1)
+tag=${TAG:-$version}
+build() {  # variant (cpu|cuda), then extra docker build arguments
+  local variant=$1; shift
+  echo "==> building ringserve:${variant} (also ringserve:${tag}-${variant}) from docker/Dockerfile.${variant}"
+  DOCKER_BUILDKIT=1 docker build -f "docker/Dockerfile.${variant}" \
+    -t "ringserve:${variant}" -t "ringserve:${tag}-${variant}" "$@" .
+}
+if [ "$which" = cpu ] || [ "$which" = all ]; then build cpu "$@"; fi
+if [ "$which" = cuda ] || [ "$which" = all ]; then build cuda "$@"; fi

@@ -1,0 +1,82 @@
+"""A scripted engine whose outputs carry engine timestamps, prefill chunk reports and emit/receive times, as the
+real EngineClient's do, for the tracing and metrics tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from frontend_testkit import FakeFinishReason, ScriptedEngine
+from ringserve.frontend.engine_client import SamplingOptions
+
+STEP_NS = 1_000_000  # engine steps 1 ms apart
+
+
+@dataclass
+class TimedFakeOutput:
+    request_id: int
+    new_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FakeFinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    arrival_time_ns: int
+    first_scheduled_time_ns: int
+    first_token_time_ns: int
+    emit_time_ns: int
+    receive_time_ns: int
+    num_scheduled_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    top_token_ids: list[int] = field(default_factory=list)
+
+
+class TimedEngine(ScriptedEngine):
+    """Prefills the prompt in `chunk`-token pieces (one output each, no tokens), then streams `chunks` of tokens.
+
+    Engine times are in the past of the frontend's receive time by `lag_ns`, like a real engine's.
+    """
+
+    def __init__(self, chunks: list[list[int]], finish: str = "LENGTH", chunk: int = 4, cached: int = 0,
+                 preemptions: int = 0, lag_ns: int = 100_000) -> None:  # fmt: skip
+        super().__init__(chunks, finish)
+        self.chunk = chunk
+        self.cached = cached
+        self.preemptions = preemptions
+        self.lag_ns = lag_ns
+
+    async def generate(self, request_id: int, prompt_ids: Sequence[int],
+                       params: SamplingOptions) -> AsyncIterator[TimedFakeOutput]:  # fmt: skip
+        self.submitted.append((request_id, list(prompt_ids), params))
+        arrival = time.time_ns()
+        scheduled = arrival + STEP_NS
+        emit = scheduled
+        computed = self.cached
+        first_token = 0
+
+        def output(ids: list[int], reason: FakeFinishReason, scheduled_tokens: int) -> TimedFakeOutput:
+            return TimedFakeOutput(request_id, ids, [-0.5] * len(ids), reason, len(prompt_ids), self.cached,
+                                   arrival, scheduled, first_token, emit, emit + self.lag_ns, scheduled_tokens,
+                                   computed, self.preemptions)  # fmt: skip
+
+        while True:
+            step = min(self.chunk, len(prompt_ids) - computed)
+            computed += step
+            emit += STEP_NS
+            await self._wait_until(emit + self.lag_ns)
+            if computed == len(prompt_ids):
+                break
+            yield output([], FakeFinishReason.NONE, step)
+        first_token = emit
+        for index, ids in enumerate(self.chunks):
+            last = index == len(self.chunks) - 1
+            if index:
+                emit += STEP_NS
+                await self._wait_until(emit + self.lag_ns)
+            yield output(list(ids), self.finish if last else FakeFinishReason.NONE, step if index == 0 else 1)
+
+    @staticmethod
+    async def _wait_until(ns: int) -> None:
+        await asyncio.sleep(max(ns - time.time_ns(), 0) / 1e9)
