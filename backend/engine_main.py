@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +31,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--event-ring", required=True, help="shm name of the event ring (created by the frontend)")
     p.add_argument("--model", required=True, help="path of the model (GGUF file or Hugging Face folder)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes (ranks)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of equal prompt prefixes across requests")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request may prefill in a step (0 = no cap)")
+    p.add_argument(
+        "--kv-cache-dtype", default=os.environ.get("RINGSERVE_KV_CACHE_DTYPE", "auto"),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="KV cache dtype (auto = the weights'); env RINGSERVE_KV_CACHE_DTYPE",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -47,12 +57,23 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
         sys.executable, "-m", "ringserve.workers.worker_main",
         "--rank", str(rank), "--world-size", str(args.tensor_parallel_size),
         "--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
-        "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+        "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--kv-cache-dtype", args.kv_cache_dtype,
         "--step-ring", step_ring, "--result-ring", result_ring, "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     if args.num_kv_blocks is not None:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return cmd
+
+
+def worker_env(master_port: int) -> dict[str, str]:
+    """torch.distributed rendezvous of the tensor-parallel ranks, on loopback (all ranks share this host)."""
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
@@ -62,6 +83,8 @@ def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
     config.max_num_batched_tokens = args.max_num_batched_tokens
     config.max_model_len = args.max_model_len
     config.eos_token_ids = list(args.eos_token_ids)
+    config.enable_prefix_caching = args.enable_prefix_caching
+    config.long_prefill_token_threshold = args.long_prefill_token_threshold
     # num_blocks stays 0: the engine then sizes its pool from the workers' WorkerReady (the blocks they really
     # allocated) and reports ready only once every worker has loaded the model.
     return config
@@ -71,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     die_with_parent()
-    if args.tensor_parallel_size != 1:
-        log.error("--tensor-parallel-size %d is not supported yet: use 1", args.tensor_parallel_size)
+    if args.tensor_parallel_size < 1:
+        log.error("--tensor-parallel-size %d: must be at least 1", args.tensor_parallel_size)
         return 2
 
     step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, args.tensor_parallel_size)
@@ -89,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        env = worker_env(free_port())
         for rank in range(args.tensor_parallel_size):
-            workers.append(subprocess.Popen(worker_command(args, rank, step_ring.name, result_ring.name)))
+            workers.append(subprocess.Popen(worker_command(args, rank, step_ring.name, result_ring.name), env=env))
         engine = _core.Engine(
             engine_config(args), args.request_ring, args.event_ring, step_ring.name, result_ring.name,
             [w.pid for w in workers],

@@ -43,11 +43,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--served-model-name", "", str, "name clients use in GenerateRequest.model (default: from --model)")
     flag("--dtype", "auto", str, "weights and activations dtype (default %(default)s = float32 on CPU)",
          choices=["auto", "float32", "bfloat16", "float16"])
-    flag("--tensor-parallel-size", 1, int, "worker processes the model is split across (only 1 for now)")
+    flag("--tensor-parallel-size", 1, int, "worker processes the model is split across (default %(default)s)")
     flag("--max-num-seqs", 256, int, "most sequences running in one step (default %(default)s)")
     flag("--max-num-batched-tokens", 2048, int, "token budget of one engine step (default %(default)s)")
     flag("--max-model-len", 0, int, "context length limit (default: the model's)")
     flag("--block-size", 16, int, "tokens per KV cache block (default %(default)s)")
+    flag("--long-prefill-token-threshold", 0, int,
+         "most prompt tokens one request may prefill per step (default %(default)s = no cap)")
+    flag("--kv-cache-dtype", "auto", str, "KV cache dtype (default %(default)s = the weights')",
+         choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=env_default("--enable-prefix-caching", True, parse_bool),
+                   help="share the KV blocks of equal prompt prefixes (default on) "
+                        + env_help("--enable-prefix-caching"))
     flag("--num-kv-blocks", 0, int, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
     flag("--kv-cache-memory-gib", 1.0, float, "KV cache memory budget per worker in GiB (default %(default)s)")
     flag("--engine-start-timeout", 600.0, float, "seconds to wait for the model to load (default %(default)s)")
@@ -109,6 +117,9 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         "--tensor-parallel-size", str(args.tensor_parallel_size), "--block-size", str(args.block_size),
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(max_model_len), "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
+        "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
+        "--kv-cache-dtype", args.kv_cache_dtype,
+        "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
         "--eos-token-ids", *map(str, eos_token_ids),
     ]  # fmt: skip
     if args.num_kv_blocks > 0:

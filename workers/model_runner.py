@@ -1,9 +1,8 @@
-"""The worker's persistent batch: per-slot state kept across steps, updated from StepPlan deltas.
+"""The worker's model runner: applies StepPlan deltas to the persistent batch, runs the forward pass, samples.
 
-A StepPlan (docs/contracts.md) names slots, not requests. New requests arrive once with all their tokens and
-blocks; afterwards a plan carries only appended blocks, finished slots and (slot, start, len, sample) per
-scheduled request. Every sampled token is appended to the slot's own token list, so a decode step needs
-nothing but (slot, start, 1).
+A StepPlan (docs/contracts.md) names slots, not requests; `InputBatch` keeps every slot's tokens, block table and
+sampling parameters across steps, so a decode step carries only (slot, start, 1) and is prepared with vectorized
+gathers.
 """
 
 from __future__ import annotations
@@ -14,23 +13,34 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope, get_attention_backend
+from ringserve.workers.attention import attention_metadata_scope, get_attention_backend
+from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
-from ringserve.workers.sampler import Sampler, SamplingBatch
+from ringserve.workers.sampler import Sampler
 
 _GIB = 1 << 30
 
 
 class NewRequestLike(Protocol):
+    """`_core.NewRequestData`, layout version 2 (docs/contracts.md)."""
+
     slot: int
     token_ids: Any  # int32 array-like
     block_ids: Any
     num_computed_tokens: int
+    num_prompt_tokens: int
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     seed: int
     has_seed: bool
+    min_tokens: int
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    num_logprobs: int
+    suppress_token_ids: Any  # int32 array-like
 
 
 class BlockAppendLike(Protocol):
@@ -52,16 +62,6 @@ class StepPlanLike(Protocol):
 
 
 @dataclass
-class SlotState:
-    token_ids: list[int]
-    block_ids: list[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    generator: torch.Generator | None  # own stream when the request is seeded
-
-
-@dataclass
 class StepOutput:
     """One sampled token per slot that had sched_sample set, in schedule order."""
 
@@ -69,6 +69,8 @@ class StepOutput:
     slots: np.ndarray  # int32
     token_ids: np.ndarray  # int32
     logprobs: np.ndarray  # float32
+    top_token_ids: np.ndarray | None = None  # int32 [rows, n], -1 padded; None when no row asked
+    top_logprobs: np.ndarray | None = None  # float32 [rows, n]
 
 
 def kv_blocks_for_memory(config: LlamaConfig, block_size: int, dtype: torch.dtype, memory_gib: float) -> int:
@@ -89,121 +91,59 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         seed: int = 0,
         attention_backend: str = "auto",
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
-        self.config = model.config
+        self.config = model.config  # with tensor parallelism: this rank's shard (its KV heads size the cache)
         self.device = torch.device(device)
         self.block_size = block_size
-        dtype = next(model.parameters()).dtype
+        kv_dtype = kv_cache_dtype or next(model.parameters()).dtype
         if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_memory(self.config, block_size, dtype, kv_cache_memory_gib)
+            num_kv_blocks = kv_blocks_for_memory(self.config, block_size, kv_dtype, kv_cache_memory_gib)
         self.num_kv_blocks = num_kv_blocks
-        self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, dtype, self.device)
+        self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, kv_dtype, self.device)
         model.bind_kv_cache(self.kv_cache, get_attention_backend(attention_backend, self.device))
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
-        self.slots: dict[int, SlotState] = {}
+        self.batch = InputBatch(block_size, num_kv_blocks, self.config.max_position, self.device)
 
-    # ---- plan deltas -------------------------------------------------------------------------------------------
+    def tokens_of(self, slot: int) -> list[int]:
+        """Every token the slot holds (prompt, outputs and sampled tokens)."""
+        return self.batch.tokens_of(slot)
 
     def apply_plan_deltas(self, plan: StepPlanLike) -> None:
         # Order matters: a finished slot may be reused by a new request in the same plan.
-        for slot in _ints(plan.finished_slots):
-            self.slots.pop(slot, None)
+        self.batch.remove(np.asarray(plan.finished_slots, np.int64).reshape(-1))
         for req in plan.new_requests:
-            if req.slot in self.slots:
-                raise ValueError(f"new request for slot {req.slot}, which is still occupied (not in finished_slots)")
-            blocks = self._checked_blocks(_ints(req.block_ids), req.slot)
-            generator = torch.Generator(self.device).manual_seed(int(req.seed)) if req.has_seed else None
-            self.slots[req.slot] = SlotState(
-                token_ids=_ints(req.token_ids),
-                block_ids=blocks,
-                temperature=float(req.temperature),
-                top_p=float(req.top_p),
-                top_k=int(req.top_k),
-                generator=generator,
-            )
+            self.batch.add(req)
         for append in plan.block_appends:
-            state = self.slots.get(append.slot)
-            if state is None:
-                raise ValueError(f"block append for empty slot {append.slot}")
-            state.block_ids.extend(self._checked_blocks(_ints(append.block_ids), append.slot))
-
-    def _checked_blocks(self, blocks: list[int], slot: int) -> list[int]:
-        bad = [b for b in blocks if not 0 <= b < self.num_kv_blocks]
-        if bad:
-            raise ValueError(f"slot {slot}: block ids {bad} out of range [0, {self.num_kv_blocks})")
-        return blocks
-
-    # ---- one step ----------------------------------------------------------------------------------------------
+            self.batch.append_blocks(int(append.slot), append.block_ids)
 
     def execute(self, plan: StepPlanLike) -> StepOutput:
         self.apply_plan_deltas(plan)
-        slots, starts, lens = _ints(plan.sched_slots), _ints(plan.sched_start), _ints(plan.sched_len)
-        sample = [bool(s) for s in np.asarray(plan.sched_sample).tolist()]
-        if not slots:
+        slots = np.asarray(plan.sched_slots, np.int64).reshape(-1)
+        if not len(slots):
             return StepOutput(plan.step_id, *_empty_result())
-        input_ids, positions, metadata, sampled_slots = self._prepare(slots, starts, lens, sample)
-        with torch.inference_mode(), attention_metadata_scope(metadata):
-            logits = self.model(input_ids, positions)
-        if not sampled_slots:
-            return StepOutput(plan.step_id, *_empty_result())
-        states = [self.slots[s] for s in sampled_slots]
-        batch = SamplingBatch.build(
-            [st.temperature for st in states],
-            [st.top_k for st in states],
-            [st.top_p for st in states],
-            [st.generator for st in states],
-            self.device,
+        step = self.batch.prepare(
+            slots,
+            np.asarray(plan.sched_start, np.int64).reshape(-1),
+            np.asarray(plan.sched_len, np.int64).reshape(-1),
+            np.asarray(plan.sched_sample, np.bool_).reshape(-1),
         )
-        tokens, logprobs = self.sampler(logits, batch)
-        token_list = tokens.tolist()
-        for state, token in zip(states, token_list, strict=True):
-            state.token_ids.append(token)
+        with torch.inference_mode(), attention_metadata_scope(step.metadata):
+            logits = self.model(step.input_ids, step.positions)
+        if not len(step.sampled_slots):
+            return StepOutput(plan.step_id, *_empty_result())
+        out = self.sampler.sample(logits, self.batch.sampling_batch(step.sampled_slots))
+        tokens = out.token_ids.cpu().numpy()
+        self.batch.append_sampled(step.sampled_slots, tokens)
         return StepOutput(
             plan.step_id,
-            np.asarray(sampled_slots, dtype=np.int32),
-            np.asarray(token_list, dtype=np.int32),
-            logprobs.cpu().numpy().astype(np.float32),
+            step.sampled_slots.astype(np.int32),
+            tokens.astype(np.int32),
+            out.logprobs.cpu().numpy().astype(np.float32),
+            None if out.top_token_ids is None else out.top_token_ids.cpu().numpy().astype(np.int32),
+            None if out.top_logprobs is None else out.top_logprobs.float().cpu().numpy(),
         )
-
-    def _prepare(
-        self, slots: list[int], starts: list[int], lens: list[int], sample: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        token_chunks: list[int] = []
-        position_chunks: list[np.ndarray] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_rows: list[int] = []
-        sampled_slots: list[int] = []
-        row = 0
-        for slot, start, length, do_sample in zip(slots, starts, lens, sample, strict=True):
-            state = self.slots.get(slot)
-            if state is None:
-                raise ValueError(f"scheduled slot {slot} holds no request")
-            end = start + length
-            if length < 1 or start < 0 or end > len(state.token_ids):
-                raise ValueError(f"slot {slot}: tokens [{start}, {end}) scheduled but it holds {len(state.token_ids)}")
-            needed = -(-end // self.block_size)
-            if needed > len(state.block_ids):
-                raise ValueError(f"slot {slot}: {end} tokens need {needed} blocks but it has {len(state.block_ids)}")
-            if end > self.config.max_position:
-                raise ValueError(f"slot {slot}: position {end - 1} exceeds max_position {self.config.max_position}")
-            token_chunks.extend(state.token_ids[start:end])
-            position_chunks.append(np.arange(start, end, dtype=np.int64))
-            seq_lens.append(end)
-            tables.append(state.block_ids[:needed])
-            row += length
-            if do_sample:
-                logits_rows.append(row - 1)
-                sampled_slots.append(slot)
-        metadata = AttentionMetadata.build(lens, seq_lens, tables, self.block_size, logits_rows, self.device)
-        input_ids = torch.tensor(token_chunks, dtype=torch.int64, device=self.device)
-        positions = torch.from_numpy(np.concatenate(position_chunks)).to(self.device)
-        return input_ids, positions, metadata, sampled_slots
-
-
-def _ints(values: Any) -> list[int]:
-    return [int(v) for v in np.asarray(values).reshape(-1).tolist()]
 
 
 def _empty_result() -> tuple[np.ndarray, np.ndarray, np.ndarray]:

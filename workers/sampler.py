@@ -1,26 +1,51 @@
-"""Batch sampler: temperature, top-k, top-p and per-request seeds over a [rows, vocab] logits tensor.
+"""Batch sampler on tensors: penalties, min_tokens suppression, temperature, min-p, top-k, top-p, seeds, logprobs.
 
-Logprobs are the chosen token's log-softmax under the RAW model logits (before temperature, top-k and
-top-p), which is what vLLM returns by default; they describe the model, not the sampling knobs.
+Every knob is a per-row tensor, so a batch of any composition is one set of vectorized ops (no per-request loop).
+Order (vLLM v1): repetition/frequency/presence penalties and min_tokens suppression on the raw logits, then
+greedy rows take the argmax; sampled rows divide by temperature, drop tokens under min_p x the top probability,
+keep the top_k, then the smallest prefix reaching top_p, and draw.
+
+Seeds: a seeded row's noise is a counter-based hash of (seed, index of the token being generated, vocab id), not
+a stateful generator, so the same seed gives the same tokens alone, in any batch, after a preemption, and on every
+tensor-parallel rank. Unseeded rows share one torch.Generator (seeded identically on every rank).
+
+Logprobs (and the top-n alternatives) are log-softmax of the RAW model logits, which is what vLLM returns by
+default: they describe the model, not the sampling knobs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 _GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
+_U32 = 0xFFFFFFFF
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters, aligned with the logits rows."""
+    """Per-row sampling parameters, aligned with the logits rows. Optional parts are None when no row uses them."""
 
     temperature: torch.Tensor  # float32 [rows]; 0 = greedy
     top_k: torch.Tensor  # int64 [rows]; 0 = off
     top_p: torch.Tensor  # float32 [rows]; 1 = off
-    generators: list[torch.Generator | None]  # a seeded request's own generator, or None for the shared one
+    min_p: torch.Tensor | None = None  # float32 [rows]; 0 = off
+    seeds: torch.Tensor | None = None  # int64 [rows]; used where has_seed
+    has_seed: torch.Tensor | None = None  # bool [rows]
+    output_index: torch.Tensor | None = None  # int64 [rows]: outputs generated so far (the seeded noise counter)
+    # Penalties (None = no row has one): token history [rows, L] padded with -1, prompt length, total length.
+    repetition_penalty: torch.Tensor | None = None  # float32 [rows]; 1 = off
+    frequency_penalty: torch.Tensor | None = None  # float32 [rows]; 0 = off
+    presence_penalty: torch.Tensor | None = None  # float32 [rows]; 0 = off
+    token_ids: torch.Tensor | None = None  # int64 [rows, L]
+    num_prompt_tokens: torch.Tensor | None = None  # int64 [rows]
+    num_tokens: torch.Tensor | None = None  # int64 [rows]
+    # min_tokens: ids masked in rows where suppress_active ([rows, S] padded with -1).
+    suppress_token_ids: torch.Tensor | None = None
+    suppress_active: torch.Tensor | None = None  # bool [rows]
+    num_logprobs: torch.Tensor | None = None  # int64 [rows]; top-n alternatives wanted (0 = none)
 
     @classmethod
     def build(
@@ -28,15 +53,30 @@ class SamplingBatch:
         temperature: list[float],
         top_k: list[int],
         top_p: list[float],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None] | None = None,
         device: torch.device | str = "cpu",
+        **optional: torch.Tensor | None,
     ) -> SamplingBatch:
-        return cls(
+        """Convenience for tests and callers holding lists; `seeds[i]` None = unseeded row."""
+        rows = len(temperature)
+        seed_list = seeds if seeds is not None else [None] * rows
+        batch = cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            generators=generators,
+            seeds=torch.tensor([s or 0 for s in seed_list], dtype=torch.int64, device=device),
+            has_seed=torch.tensor([s is not None for s in seed_list], dtype=torch.bool, device=device),
         )
+        for name, value in optional.items():
+            setattr(batch, name, value)
+        return batch
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: torch.Tensor  # int64 [rows]
+    logprobs: torch.Tensor  # float32 [rows]
+    top_token_ids: torch.Tensor | None  # int32 [rows, n], -1 where a row asked fewer
+    top_logprobs: torch.Tensor | None  # float32 [rows, n]
 
 
 class Sampler:
@@ -44,57 +84,133 @@ class Sampler:
         # Unseeded rows draw from this one generator; seeded rows never touch it, so their streams stay reproducible.
         self.generator = generator if generator is not None else torch.Generator()
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (token ids int64 [rows], logprobs float32 [rows])."""
+        out = self.sample(logits, batch)
+        return out.token_ids, out.logprobs
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_penalties(logits, batch)
+        logits = apply_suppression(logits, batch)
         tokens = logits.argmax(dim=-1)
         sampled_rows = batch.temperature > _GREEDY_TEMPERATURE
         if bool(sampled_rows.any()):
             rows = sampled_rows.nonzero().squeeze(1)
-            tokens[rows] = self._sample(
-                logits[rows],
-                batch.temperature[rows],
-                batch.top_k[rows],
-                batch.top_p[rows],
-                [batch.generators[i] for i in rows.tolist()],
-            )
-        return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            tokens[rows] = self._sample(logits[rows], _select(batch, rows))
+        logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_ids, top_lps = top_logprobs(raw_logprobs, batch.num_logprobs)
+        return SamplerOutput(tokens, logprobs, top_ids, top_lps)
 
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        generators: list[torch.Generator | None],
-    ) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        scaled = logits / temperature.unsqueeze(1)
-        # Work in descending order: top-k is a prefix, top-p a prefix of the cumulative mass.
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the top token always survives.
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        choice = self._draw(probs, generators)
-        return order.gather(1, choice.unsqueeze(1)).squeeze(1)
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = sampling_distribution(logits, batch)
+        return (probs / self._exponential_noise(probs, batch)).argmax(dim=-1)
 
-    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Exponential race (argmax p / E, E ~ Exp(1)): one draw per row, each row from its own generator."""
-        noise = torch.empty_like(probs)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            noise[shared] = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(
-                generator=self.generator
-            )
-        for i, gen in enumerate(generators):
-            if gen is not None:
-                noise[i].exponential_(generator=gen)
+    def _exponential_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Exponential race (argmax p / E, E ~ Exp(1)) samples p exactly; each row's E from its own stream."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        if batch.has_seed is not None and bool(batch.has_seed.any()):
+            rows = batch.has_seed.nonzero().squeeze(1)
+            index = batch.output_index[rows] if batch.output_index is not None else torch.zeros_like(rows)
+            noise[rows] = seeded_exponential(batch.seeds[rows], index, probs.shape[1])  # type: ignore[index]
         # A zero draw would turn a zero-probability token into 0/0 = NaN.
-        return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+        return noise.clamp_(min=1e-20)
+
+
+def sampling_distribution(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each sampled row draws from: softmax(logits / T), then min-p, top-k, top-p (renormalised)."""
+    vocab = logits.shape[-1]
+    probs = (logits / batch.temperature.unsqueeze(1)).softmax(dim=-1)
+    if batch.min_p is not None and bool((batch.min_p > 0).any()):
+        floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    if bool(((batch.top_k > 0) & (batch.top_k < vocab)).any()) or bool((batch.top_p < 1.0).any()):
+        # Work in descending order: top-k is a prefix, top-p a prefix of the cumulative mass.
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab).unsqueeze(1)
+        sorted_probs = sorted_probs.masked_fill(rank >= k, 0.0)
+        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always survives.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= batch.top_p.unsqueeze(1), 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _select(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    picked = {name: (value[rows] if isinstance(value, torch.Tensor) else value) for name, value in vars(batch).items()}
+    return SamplingBatch(**picked)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on int64 tensors holding 32-bit values (products wrap; the low 32 bits stay exact)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _U32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _U32
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab], a pure function of (seed, output index, vocab id)."""
+    lo, hi = seeds & _U32, (seeds >> 32) & _U32
+    key = _hash32(_hash32(lo ^ _hash32(hi)) ^ (output_index & _U32))  # [rows]
+    vocab_ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64).unsqueeze(0)
+    # Two rounds keyed differently, so rows with related keys do not get permutations of the same noise.
+    first = _hash32((vocab_ids * 0x9E3779B1 + key.unsqueeze(1)) & _U32)
+    bits = _hash32(first ^ _hash32(key ^ 0x85EBCA6B).unsqueeze(1))
+    uniform = (bits.double() + 0.5) / 4294967296.0  # (0, 1), never 0
+    return (-torch.log(uniform)).float()
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt + output tokens, frequency and presence over output tokens."""
+    if batch.token_ids is None or batch.num_tokens is None or batch.num_prompt_tokens is None:
+        return logits
+    rows, vocab = logits.shape
+    history = batch.token_ids
+    position = torch.arange(history.shape[1], device=logits.device).unsqueeze(0)
+    valid = (position < batch.num_tokens.unsqueeze(1)) & (history >= 0)
+    is_output = valid & (position >= batch.num_prompt_tokens.unsqueeze(1))
+    index = torch.where(valid, history, vocab)  # padding lands in a spare column that is dropped
+    seen = torch.zeros(rows, vocab + 1, device=logits.device).scatter_(1, index, 1.0)[:, :vocab] > 0
+    output_index = torch.where(is_output, history, vocab)
+    counts = torch.zeros(rows, vocab + 1, device=logits.device)
+    counts = counts.scatter_add_(1, output_index, torch.ones_like(output_index, dtype=counts.dtype))[:, :vocab]
+    if batch.repetition_penalty is not None:
+        penalty = batch.repetition_penalty.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty.unsqueeze(1) * (counts > 0).float()
+    return logits
+
+
+def apply_suppression(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """min_tokens: the stop/EOS ids cannot be sampled while a row has fewer outputs than it asked for."""
+    ids, active = batch.suppress_token_ids, batch.suppress_active
+    if ids is None or active is None or not bool(active.any()):
+        return logits
+    vocab = logits.shape[1]
+    index = torch.where((ids >= 0) & (ids < vocab) & active.unsqueeze(1), ids, vocab).long()
+    padded = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
+    return padded.scatter_(1, index, float("-inf"))[:, :vocab]
+
+
+def top_logprobs(
+    raw_logprobs: torch.Tensor, num_logprobs: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Top-n alternatives per row, n = the largest ask; rows asking fewer are padded with id -1 (logprob 0)."""
+    if num_logprobs is None:
+        return None, None
+    n = int(num_logprobs.max()) if num_logprobs.numel() else 0
+    if n <= 0:
+        return None, None
+    values, ids = raw_logprobs.topk(n, dim=-1)
+    unused = torch.arange(n, device=ids.device).unsqueeze(0) >= num_logprobs.unsqueeze(1)
+    return ids.masked_fill(unused, -1).to(torch.int32), values.masked_fill(unused, 0.0)

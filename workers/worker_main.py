@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner
+from ringserve.workers.parallel import init_distributed
 
 _READ_TIMEOUT_S = 0.5  # how often an idle worker checks that its parent is alive
 _WRITE_TIMEOUT_S = 0.5
@@ -29,9 +30,14 @@ _MAX_FAILURE_MESSAGE = 4000  # keep WorkerFailed well under any ring's max_recor
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ringserve.workers.worker_main", description=__doc__)
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
-    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size (only 1 is supported)")
+    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size (MASTER_ADDR/PORT when > 1)")
     p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face folder (config.json + safetensors)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and KV cache dtype")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weight dtype")
+    p.add_argument(
+        "--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+        help="KV cache dtype (auto = the weights' dtype)",
+    )  # fmt: skip
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must equal the engine's)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (overrides the budget)")
     p.add_argument(
@@ -43,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: usable CPUs)")
     args = p.parse_args(argv)
-    if args.world_size != 1:
-        p.error(f"--world-size {args.world_size}: tensor parallelism is not implemented yet; run with --world-size 1")
+    if args.world_size < 1:
+        p.error(f"--world-size {args.world_size} must be at least 1")
     if not 0 <= args.rank < args.world_size:
         p.error(f"--rank {args.rank} is outside [0, --world-size {args.world_size})")
     if args.block_size < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
@@ -73,6 +79,19 @@ def write_until_accepted(writer: Any, record: bytes, keep_waiting: Callable[[], 
     return True
 
 
+def encode_result(core: ModuleType, out: Any) -> bytes:
+    """StepResult; the top-n arrays are None unless some sampled row asked for alternatives."""
+    return core.encode_step_result(
+        out.step_id, out.slots, out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs
+    )
+
+
+def worker_device(name: str, rank: int) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
 def serve_steps(
     core: ModuleType, reader: Any, writer: Any, runner: Any, rank: int, keep_running: Callable[[], bool]
 ) -> int:
@@ -87,18 +106,21 @@ def serve_steps(
         if isinstance(command, core.WorkerShutdown):
             return 0
         out = runner.execute(command)
-        if rank == 0:
-            result = core.encode_step_result(out.step_id, out.slots, out.token_ids, out.logprobs)
-            if not write_until_accepted(writer, result, keep_running):
+        if rank == 0:  # every rank sampled the same tokens (same logits, same seeds); one answer is enough
+            if not write_until_accepted(writer, encode_result(core, out), keep_running):
                 return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     die_with_parent(args.parent_pid)
+    # Ctrl-C reaches the whole process group; the engine stops the workers in order (WorkerShutdown), so ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ringserve import _core as core  # built from csrc/; imported here so the rest of workers/ needs no build
 
-    writer = core.RingWriter(core.ShmRing.attach(args.result_ring))
+    # The result ring has one writer: rank 0. Other ranks report failure by exiting (the engine watches every pid,
+    # and rank 0's next collective fails too).
+    writer = core.RingWriter(core.ShmRing.attach(args.result_ring)) if args.rank == 0 else None
     reader = core.RingReader(core.ShmRing.attach(args.step_ring), args.rank)
 
     def keep_running() -> bool:
@@ -107,27 +129,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         threads = args.num_threads or max(1, len(os.sched_getaffinity(0)) // args.world_size)
         torch.set_num_threads(threads)
-        model = load_model(args.model, parse_dtype(args.dtype))
+        device = worker_device(args.device, args.rank)
+        init_distributed(args.rank, args.world_size, device)
+        model = load_model(args.model, parse_dtype(args.dtype), device, args.rank, args.world_size)
+        kv_dtype = None if args.kv_cache_dtype == "auto" else parse_dtype(args.kv_cache_dtype)
         runner = ModelRunner(
             model,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib,
+            device=device,
             seed=args.seed,
+            kv_cache_dtype=kv_dtype,
         )
         print(
-            f"worker {args.rank}: {args.model} ({args.dtype}), {runner.num_kv_blocks} KV blocks of {args.block_size}, "
-            f"{threads} threads",
+            f"worker {args.rank}/{args.world_size}: {args.model} ({args.dtype}, KV {args.kv_cache_dtype}) on {device}, "
+            f"{runner.num_kv_blocks} KV blocks of {args.block_size}, {threads} threads",
             file=sys.stderr,
             flush=True,
         )
-        write_until_accepted(writer, core.encode_worker_ready(args.rank, runner.num_kv_blocks), keep_running)
+        if args.world_size > 1:
+            torch.distributed.barrier()  # the engine waits for one WorkerReady: it must mean every rank loaded
+        if writer is not None:
+            write_until_accepted(writer, core.encode_worker_ready(args.rank, runner.num_kv_blocks), keep_running)
         return serve_steps(core, reader, writer, runner, args.rank, keep_running)
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
-        message = f"worker {args.rank}: {type(exc).__name__}: {exc}"[:_MAX_FAILURE_MESSAGE]
-        write_until_accepted(writer, core.encode_worker_failed(args.rank, message), keep_running)
+        if writer is not None:
+            message = f"worker {args.rank}: {type(exc).__name__}: {exc}"[:_MAX_FAILURE_MESSAGE]
+            write_until_accepted(writer, core.encode_worker_failed(args.rank, message), keep_running)
         return 1
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_greedy_decode_of_two_requests_matches_transformers(tiny):
         got[3].append(int(out.token_ids[1]))
     assert got[0] == hf_greedy(hf, p0, 6)
     assert got[3] == hf_greedy(hf, p1, 6)
-    assert runner.slots[0].token_ids == p0 + got[0]
+    assert runner.tokens_of(0) == p0 + got[0]
 
 
 def test_chunked_prefill_samples_only_after_the_last_chunk(tiny):
@@ -74,9 +74,9 @@ def test_finished_slot_is_dropped_and_can_be_reused_in_the_same_plan(tiny):
     hf, folder = tiny
     runner = make_runner(folder)
     runner.execute(plan(0, [(2, 0, 4, True)], new_requests=[NewRequest(2, ids(1, 2, 3, 4), ids(0, 1))]))
-    assert 2 in runner.slots
+    assert runner.batch.occupied[2]
     runner.execute(plan(1, [], finished_slots=ids(2)))
-    assert 2 not in runner.slots
+    assert not runner.batch.occupied[2]
     with pytest.raises(ValueError, match="slot 2"):
         runner.execute(plan(2, [(2, 4, 1, True)]))
 
@@ -86,7 +86,7 @@ def test_finished_slot_is_dropped_and_can_be_reused_in_the_same_plan(tiny):
     out = runner.execute(
         plan(4, [(5, 0, 3, True)], finished_slots=ids(5), new_requests=[NewRequest(5, ids(*reused), ids(6))])
     )
-    assert runner.slots[5].token_ids[:3] == reused
+    assert runner.tokens_of(5)[:3] == reused
     assert int(out.token_ids[0]) == hf_greedy(hf, reused, 1)[0]
 
 
@@ -105,7 +105,7 @@ def test_block_appends_extend_the_block_table_and_are_bounds_checked(tiny):
     with pytest.raises(ValueError, match="need 2 blocks"):
         runner.execute(plan(1, [(0, 0, 5, True)]))
     runner.execute(plan(2, [], block_appends=[BlockAppend(0, ids(6))]))
-    assert runner.slots[0].block_ids == [3, 6]
+    assert runner.batch.block_table[0, : runner.batch.num_blocks[0]].tolist() == [3, 6]
     with pytest.raises(ValueError, match="out of range"):
         runner.execute(plan(3, [], block_appends=[BlockAppend(0, ids(8))]))
 
@@ -143,3 +143,81 @@ def test_kv_cache_is_sized_from_the_memory_budget(tiny):
     assert runner.kv_cache.k[0].shape == (runner.num_kv_blocks, 4, 2, 16)
     with pytest.raises(ValueError, match="kv_cache_memory_gib"):
         kv_blocks_for_memory(runner.config, 4, torch.float32, 1e-9)
+
+
+# ---- layout version 2 fields through the persistent batch --------------------------------------------------------
+
+
+def seeded_tokens(runner: ModelRunner, prompt: list[int], seed: int, steps: int, neighbours: int) -> list[int]:
+    """A seeded request in slot 0 decoding beside `neighbours` other sampling requests."""
+    others = [
+        NewRequest(1 + i, ids(*prompt[: 2 + i]), ids(10 + 2 * i, 11 + 2 * i), temperature=1.5)
+        for i in range(neighbours)
+    ]
+    req = NewRequest(0, ids(*prompt), ids(0, 1), temperature=1.0, seed=seed, has_seed=True, top_k=50)
+    sched = [(0, 0, len(prompt), True)] + [(1 + i, 0, 2 + i, True) for i in range(neighbours)]
+    out = runner.execute(plan(0, sched, new_requests=[req, *others]))
+    got = [int(out.token_ids[0])]
+    for step in range(1, steps):
+        sched = [(0, len(prompt) + step - 1, 1, True)] + [(1 + i, 1 + i + step, 1, True) for i in range(neighbours)]
+        got.append(int(runner.execute(plan(step, sched)).token_ids[0]))
+    return got
+
+
+def test_seeded_request_gives_the_same_tokens_alone_or_batched(tiny):
+    _, folder = tiny
+    prompt = [7, 8, 9, 10]
+    alone = seeded_tokens(make_runner(folder, seed=0), prompt, seed=99, steps=4, neighbours=0)
+    assert seeded_tokens(make_runner(folder, seed=5), prompt, seed=99, steps=4, neighbours=3) == alone
+
+
+def test_resumed_seeded_request_continues_its_stream(tiny):
+    """After preemption the engine re-adds prompt + outputs; the next draw must be the one it would have made."""
+    _, folder = tiny
+    prompt = [7, 8, 9, 10]
+    straight = seeded_tokens(make_runner(folder), prompt, seed=3, steps=4, neighbours=0)
+    runner = make_runner(folder)
+    known = prompt + straight[:3]
+    req = NewRequest(2, ids(*known), ids(5, 6), temperature=1.0, seed=3, has_seed=True, top_k=50,
+                     num_prompt_tokens=len(prompt))  # fmt: skip
+    out = runner.execute(plan(0, [(2, 0, len(known), True)], new_requests=[req]))
+    assert int(out.token_ids[0]) == straight[3]
+
+
+def test_min_tokens_keeps_suppressed_ids_out_until_reached(tiny):
+    hf, folder = tiny
+    prompt = [3, 4, 5]
+    greedy_first = hf_greedy(hf, prompt, 1)[0]
+    runner = make_runner(folder)
+    req = NewRequest(0, ids(*prompt), ids(0), min_tokens=1, suppress_token_ids=ids(greedy_first))
+    out = runner.execute(plan(0, [(0, 0, 3, True)], new_requests=[req]))
+    assert int(out.token_ids[0]) != greedy_first
+
+
+def test_top_logprobs_come_back_for_rows_that_ask(tiny):
+    _, folder = tiny
+    runner = make_runner(folder)
+    reqs = [NewRequest(0, ids(1, 2), ids(0), num_logprobs=3), NewRequest(1, ids(3, 4), ids(1))]
+    out = runner.execute(plan(0, [(0, 0, 2, True), (1, 0, 2, True)], new_requests=reqs))
+    assert out.top_token_ids is not None and out.top_token_ids.shape == (2, 3)
+    assert out.top_token_ids.dtype == np.int32 and out.top_logprobs.dtype == np.float32
+    assert int(out.top_token_ids[0, 0]) == int(out.token_ids[0])  # greedy: the top alternative is the token
+    assert out.top_token_ids[1].tolist() == [-1, -1, -1]
+
+
+def test_bfloat16_kv_cache_under_float32_weights(tiny):
+    hf, folder = tiny
+    runner = make_runner(folder, kv_cache_dtype=torch.bfloat16)
+    assert runner.kv_cache.k[0].dtype == torch.bfloat16
+    prompt = [5, 9, 200, 3]
+    out = runner.execute(plan(0, [(0, 0, 4, True)], new_requests=[NewRequest(0, ids(*prompt), ids(0))]))
+    assert int(out.token_ids[0]) == hf_greedy(hf, prompt, 1)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_runner_decodes_like_the_cpu_runner(tiny):
+    hf, folder = tiny
+    runner = ModelRunner(load_hf_model(folder, torch.float32, "cuda"), block_size=4, num_kv_blocks=32, device="cuda")
+    prompt = [5, 9, 200, 3, 17]
+    out = runner.execute(plan(0, [(0, 0, 5, True)], new_requests=[NewRequest(0, ids(*prompt), ids(0, 1))]))
+    assert int(out.token_ids[0]) == hf_greedy(hf, prompt, 1)[0]

@@ -6,8 +6,8 @@ import torch
 from ringserve.workers.sampler import Sampler, SamplingBatch
 
 
-def batch(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generators=None) -> SamplingBatch:
-    return SamplingBatch.build([temperature] * rows, [top_k] * rows, [top_p] * rows, generators or [None] * rows)
+def batch(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seeds=None) -> SamplingBatch:
+    return SamplingBatch.build([temperature] * rows, [top_k] * rows, [top_p] * rows, seeds)
 
 
 def random_logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -41,11 +41,12 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_rest_of_the_batch()
     logits = random_logits(rows=3, vocab=1000)
 
     def draws(seed: int, neighbours_seed: int) -> list[int]:
-        gen = torch.Generator().manual_seed(seed)
         sampler = Sampler(torch.Generator().manual_seed(neighbours_seed))
         out = []
-        for _ in range(10):
-            tokens, _ = sampler(logits, batch(3, temperature=1.5, generators=[None, gen, None]))
+        for step in range(10):
+            b = batch(3, temperature=1.5, seeds=[None, seed, None])
+            b.output_index = torch.tensor([0, step, 0])
+            tokens, _ = sampler(logits, b)
             out.append(int(tokens[1]))
         return out
 
@@ -55,7 +56,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_rest_of_the_batch()
 
 def test_mixed_batch_keeps_greedy_rows_greedy():
     logits = random_logits(rows=4, vocab=100)
-    temps = SamplingBatch.build([0.0, 2.0, 0.0, 2.0], [0] * 4, [1.0] * 4, [None] * 4)
+    temps = SamplingBatch.build([0.0, 2.0, 0.0, 2.0], [0] * 4, [1.0] * 4)
     sampler = Sampler(torch.Generator().manual_seed(3))
     seen_row1 = set()
     for _ in range(30):
@@ -90,3 +91,143 @@ def test_sampled_frequencies_match_the_softmax_at_temperature():
     expected = torch.softmax(logits[0] / temperature, -1)
     # 20000 draws: each frequency's sd <= 0.0036; allow ~5 sd.
     assert (observed - expected).abs().max().item() < 0.02
+
+
+# ---- layout version 2: min-p, penalties, min_tokens, seeds, top-n logprobs ---------------------------------------
+
+
+def reference_distribution(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The definitions, one row at a time: softmax(l / T); drop p < min_p * max p; keep the k most likely; keep the
+    smallest most-likely prefix whose mass reaches top_p; renormalise."""
+    probs = torch.softmax(logits.double() / t, -1)
+    keep = probs >= min_p * probs.max()
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+    kept = [i for i in order if keep[i]]
+    if top_k > 0:
+        kept = kept[:top_k]
+    total = sum(float(probs[i]) for i in kept)
+    chosen, mass = [], 0.0
+    for i in kept:
+        if mass >= top_p:
+            break
+        chosen.append(i)
+        mass += float(probs[i]) / total
+    out = torch.zeros_like(probs)
+    out[chosen] = probs[chosen]
+    return out / out.sum()
+
+
+def test_min_p_top_k_top_p_masks_are_exactly_the_definition():
+    from ringserve.workers.sampler import sampling_distribution
+
+    logits = random_logits(rows=6, vocab=40, seed=3)
+    params = [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.6, 0.0), (1.0, 0, 1.0, 0.1), (0.9, 8, 0.8, 0.05),
+              (2.0, 1, 1.0, 0.0)]  # fmt: skip
+    b = SamplingBatch.build([p[0] for p in params], [p[1] for p in params], [p[2] for p in params])
+    b.min_p = torch.tensor([p[3] for p in params])
+    got = sampling_distribution(logits, b)
+    for row, (t, k, p, mp) in enumerate(params):
+        expected = reference_distribution(logits[row], t, k, p, mp)
+        assert torch.equal(got[row] > 0, expected > 0), f"row {row}: support differs"
+        torch.testing.assert_close(got[row].double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_min_p_never_samples_a_token_below_its_floor():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]])).repeat(4000, 1)
+    b = batch(4000)
+    b.min_p = torch.full((4000,), 0.2)  # floor 0.1: token 3 (0.08) is out, token 2 (0.12) stays
+    tokens, _ = Sampler(torch.Generator().manual_seed(0))(logits, b)
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def reference_penalties(logits: torch.Tensor, history: list[int], prompt_len: int, rep: float, freq: float,
+                        pres: float) -> torch.Tensor:  # fmt: skip
+    out = logits.clone()
+    outputs = history[prompt_len:]
+    for token in set(history):
+        out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
+    for token in set(outputs):
+        out[token] -= freq * outputs.count(token) + pres
+    return out
+
+
+def test_repetition_frequency_presence_penalties_equal_the_reference():
+    from ringserve.workers.sampler import apply_penalties
+
+    logits = random_logits(rows=3, vocab=20, seed=7)
+    histories = [[1, 2, 3, 3, 5, 5, 5], [4, 4, 9], [0, 19, 7, 7]]
+    prompt_lens = [3, 1, 4]  # row 2 has no outputs yet: only the repetition penalty applies
+    rep, freq, pres = [1.3, 1.0, 2.0], [0.5, 0.25, 1.0], [0.7, 0.0, 3.0]
+    b = batch(3)
+    width = max(map(len, histories))
+    b.token_ids = torch.tensor([h + [-1] * (width - len(h)) for h in histories])
+    b.num_tokens = torch.tensor([len(h) for h in histories])
+    b.num_prompt_tokens = torch.tensor(prompt_lens)
+    b.repetition_penalty, b.frequency_penalty, b.presence_penalty = map(torch.tensor, (rep, freq, pres))
+    got = apply_penalties(logits, b)
+    for row in range(3):
+        expected = reference_penalties(logits[row], histories[row], prompt_lens[row], rep[row], freq[row], pres[row])
+        torch.testing.assert_close(got[row], expected)
+
+
+def test_min_tokens_suppresses_stop_ids_only_while_active():
+    logits = torch.zeros(2, 10)
+    logits[:, 4] = 10.0  # the stop token would win greedily
+    b = batch(2, temperature=0.0)
+    b.suppress_token_ids = torch.tensor([[4, 2], [4, -1]])
+    b.suppress_active = torch.tensor([True, False])
+    tokens, logprobs = Sampler()(logits, b)
+    assert int(tokens[0]) != 4 and int(tokens[1]) == 4
+    # Logprobs stay those of the raw model distribution.
+    torch.testing.assert_close(logprobs[0], torch.log_softmax(logits[0], -1)[tokens[0]])
+
+
+def seeded_row_token(logits_row: torch.Tensor, seed: int, output_index: int, neighbours: int) -> int:
+    """Samples the seeded row placed in the middle of `neighbours` other rows of various kinds."""
+    rows = neighbours + 1
+    others = random_logits(rows=rows, vocab=logits_row.shape[0], seed=99 + neighbours)
+    others[neighbours // 2] = logits_row
+    seeds = [None if i % 2 else 1000 + i for i in range(rows)]
+    seeds[neighbours // 2] = seed
+    b = SamplingBatch.build([1.0 + 0.1 * i for i in range(rows)], [0] * rows, [1.0] * rows, seeds)
+    b.temperature[neighbours // 2] = 1.0
+    b.output_index = torch.tensor([(output_index if i == neighbours // 2 else 7 * i) for i in range(rows)])
+    tokens, _ = Sampler(torch.Generator().manual_seed(neighbours))(others, b)
+    return int(tokens[neighbours // 2])
+
+
+def test_seeded_output_is_the_same_alone_or_in_any_batch():
+    row = random_logits(rows=1, vocab=500, seed=4)[0]
+    for index in range(6):
+        alone = seeded_row_token(row, seed=2024, output_index=index, neighbours=0)
+        assert seeded_row_token(row, 2024, index, neighbours=3) == alone
+        assert seeded_row_token(row, 2024, index, neighbours=8) == alone
+    draws = {seeded_row_token(row, 2024, i, 0) for i in range(12)}
+    assert len(draws) > 1, "the seeded stream must advance with the output index"
+
+
+def test_seeded_draws_follow_the_distribution():
+    """Counter-based seeded noise must still sample softmax exactly: 20000 different seeds, one row each."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 8).repeat(20000, 1)
+    b = SamplingBatch.build([0.8] * 20000, [0] * 20000, [1.0] * 20000, list(range(20000)))
+    b.output_index = torch.full((20000,), 3)
+    tokens, _ = Sampler()(logits, b)
+    observed = torch.bincount(tokens, minlength=8).float() / 20000
+    assert (observed - torch.softmax(logits[0] / 0.8, -1)).abs().max().item() < 0.02
+
+
+def test_top_n_logprobs_are_the_raw_top_alternatives_padded_per_row():
+    logits = random_logits(rows=3, vocab=30, seed=5)
+    b = batch(3, temperature=0.0)
+    b.num_logprobs = torch.tensor([3, 0, 1])
+    out = Sampler().sample(logits, b)
+    raw = torch.log_softmax(logits, -1)
+    values, ids = raw.topk(3, -1)
+    assert out.top_token_ids.shape == (3, 3) and out.top_token_ids.dtype == torch.int32
+    assert out.top_token_ids[0].tolist() == ids[0].tolist()
+    torch.testing.assert_close(out.top_logprobs[0], values[0])
+    assert out.top_token_ids[1].tolist() == [-1, -1, -1]
+    assert out.top_token_ids[2].tolist() == [int(ids[2, 0]), -1, -1]
+    b.num_logprobs = torch.zeros(3, dtype=torch.int64)
+    assert Sampler().sample(logits, b).top_token_ids is None

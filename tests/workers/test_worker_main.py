@@ -13,17 +13,23 @@ import pytest
 import torch
 from ringserve.workers.loader import load_hf_model
 from ringserve.workers.model_runner import ModelRunner
-from ringserve.workers.worker_main import parse_args, serve_steps
+from ringserve.workers.worker_main import encode_result, parse_args, serve_steps
 from workers_testkit import NewRequest, ids, plan, save_tiny_hf_model
 
 BASE_FLAGS = ["--model", "m", "--step-ring", "/s", "--result-ring", "/r"]
 
 
-def test_world_size_above_one_is_refused_with_a_clear_message(capsys):
+def test_world_size_below_one_is_refused_with_a_clear_message(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args([*BASE_FLAGS, "--world-size", "2"])
+        parse_args([*BASE_FLAGS, "--world-size", "0"])
     assert exit_info.value.code == 2
-    assert "--world-size 1" in capsys.readouterr().err
+    assert "--world-size 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_rank_outside_the_world_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE_FLAGS, "--world-size", "2", "--rank", "2"])
+    assert "--rank 2" in capsys.readouterr().err
 
 
 def test_flags_have_the_documented_defaults():
@@ -60,7 +66,12 @@ class FakeWriter:
 FAKE_CORE = SimpleNamespace(
     decode_worker_command=lambda record: record,  # the fake ring already carries decoded objects
     WorkerShutdown=WorkerShutdown,
-    encode_step_result=lambda step_id, slots, tokens, logprobs: (step_id, slots.tolist(), tokens.tolist(), logprobs),
+    encode_step_result=lambda step_id, slots, tokens, logprobs, top_ids, top_logprobs: (
+        step_id,
+        slots.tolist(),
+        tokens.tolist(),
+        logprobs,
+    ),
 )
 
 
@@ -84,7 +95,7 @@ def test_step_loop_answers_each_plan_and_exits_cleanly_on_shutdown(tiny_folder):
     writer = FakeWriter(full_times=2)  # a full result ring is waited out, not dropped
     assert serve_steps(FAKE_CORE, reader, writer, runner, rank=0, keep_running=lambda: True) == 0
     assert [(r[0], r[1]) for r in writer.records] == [(0, [1]), (1, [1])]
-    assert runner.slots[1].token_ids[3:] == [writer.records[0][2][0], writer.records[1][2][0]]
+    assert runner.tokens_of(1)[3:] == [writer.records[0][2][0], writer.records[1][2][0]]
     assert all(isinstance(r[3], np.ndarray) and r[3].dtype == np.float32 for r in writer.records)
 
 
@@ -124,3 +135,14 @@ def test_worker_process_attaches_to_real_rings_and_announces_ready(tiny_folder):
             proc.wait(timeout=30)
         step.unlink()
         result.unlink()
+
+
+def test_step_result_carries_top_logprobs_through_the_real_record(tiny_folder):
+    core = pytest.importorskip("ringserve._core")
+    runner = ModelRunner(load_hf_model(tiny_folder, torch.float32), block_size=4, num_kv_blocks=8)
+    reqs = [NewRequest(0, ids(4, 5), ids(1), num_logprobs=2), NewRequest(1, ids(6), ids(2))]
+    out = runner.execute(plan(7, [(0, 0, 2, True), (1, 0, 1, True)], new_requests=reqs))
+    result = core.decode_worker_result(encode_result(core, out))
+    assert result.step_id == 7 and list(result.slots) == [0, 1]
+    assert np.asarray(result.top_token_ids).reshape(2, 2).tolist() == out.top_token_ids.tolist()
+    assert np.asarray(result.top_token_ids).reshape(2, 2)[1].tolist() == [-1, -1]

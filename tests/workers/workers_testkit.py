@@ -11,7 +11,7 @@ from ringserve.workers.attention import AttentionMetadata, attention_metadata_sc
 from ringserve.workers.model import KVCache, LlamaForCausalLM
 from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM as HfLlamaForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
 @dataclass
@@ -25,6 +25,19 @@ class NewRequest:
     top_k: int = 0
     seed: int = 0
     has_seed: bool = False
+    # Layout version 2 (docs/contracts.md); None = the whole of token_ids is the prompt.
+    num_prompt_tokens: int | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    num_logprobs: int = 0
+    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.token_ids)
 
 
 @dataclass
@@ -90,10 +103,15 @@ VARIANTS = {
         )
     ),
     "qwen2_attention_bias": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=False)),
+    # One KV head and an odd vocabulary: tensor-parallel ranks replicate the head and zero-pad the last vocab shard.
+    "llama_one_kv_head": lambda: HfLlamaForCausalLM(
+        HfLlamaConfig(**{**TINY, "num_key_value_heads": 1, "vocab_size": 255})
+    ),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)),
 }
 
 
-def save_tiny_hf_model(variant: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+def save_tiny_hf_model(variant: str, folder: Path, seed: int = 0, max_shard_size: str | None = None) -> torch.nn.Module:
     """Random-init tiny model saved as safetensors; returns the HF model (float32, eval) as the reference."""
     torch.manual_seed(seed)
     hf = VARIANTS[variant]().eval()
@@ -102,8 +120,22 @@ def save_tiny_hf_model(variant: str, folder: Path, seed: int = 0) -> torch.nn.Mo
             for layer in hf.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.5)
-    hf.save_pretrained(folder)
+    if max_shard_size is None:
+        hf.save_pretrained(folder)
+    else:
+        hf.save_pretrained(folder, max_shard_size=max_shard_size)
     return hf
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """tokenizer.json whose token i is the word `t{i}`, so a tiny random model can be served by the real frontend."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "t2", "bos_token": "t1"}')
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:

@@ -22,16 +22,23 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
 ) -> LlamaForCausalLM:
-    """A .gguf file, a folder holding exactly one .gguf, or a Hugging Face folder with config.json."""
+    """A .gguf file, a folder holding exactly one .gguf, or a Hugging Face folder with config.json.
+
+    With world_size > 1 the result is rank `rank`'s tensor-parallel shard (collectives need the process group).
+    """
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf_model(path, dtype, device)
+        return load_gguf_model(path, dtype, device, rank, world_size)
     if path.is_dir():
         if (path / "config.json").exists():
-            return load_hf_model(path, dtype, device)
+            return load_hf_model(path, dtype, device, rank, world_size)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return load_gguf_model(ggufs[0], dtype, device)
+            return load_gguf_model(ggufs[0], dtype, device, rank, world_size)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json (or a single .gguf)")

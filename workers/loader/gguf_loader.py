@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.parallel import TensorParallelShard
 from tqdm import tqdm
 
 # Architectures whose llama.cpp conversion permutes Q/K rows (qwen2 keeps HF's NeoX order).
@@ -72,14 +73,22 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def load_gguf_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+) -> LlamaForCausalLM:
+    """Quantized blocks span whole rows, so each tensor is dequantized whole and then sliced to this rank's part."""
     path = str(path)
     reader = GGUFReader(path)
     config = read_gguf_config(reader, path)
     arch = _field(reader, "general.architecture")
-    model = build_empty_model(config, dtype, device)
+    shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
+    model = build_empty_model(config, dtype, device, shard)
     names = expand_names(config.num_layers, "gguf")
-    sink = WeightSink(model)
+    sink = WeightSink(model, shard)
     for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor", file=sys.stderr):
         if tensor.name in _IGNORED_TENSORS:
             factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
@@ -88,19 +97,26 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device |
         ours = names.get(tensor.name)
         if ours is None:
             raise KeyError(f"unexpected tensor {tensor.name!r} in {path}; it maps to no llama parameter")
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first; torch's is reverse
+        data = tensor.data
+        # Quantized blocks run along a row, so a rank that needs whole rows (column-parallel, vocab, KV heads)
+        # dequantizes only those; row-parallel (column) splits dequantize the whole tensor and slice after.
+        index = shard.row_range(ours, shape[0], shape[1] if len(shape) > 1 else None) if shard else None
+        rows_only = index is not None and index[1] is None and data.shape[0] == shape[0]
+        if rows_only:
+            data = data[index[0]]  # type: ignore[index]
+            shape = (data.shape[0], *shape[1:])
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
+            array = dequantize(data, tensor.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
-        # GGUF lists dims fastest-first; numpy's (and torch's) order is the reverse.
-        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if _PERMUTED_QK[arch] and ours.endswith(("q_proj.weight", "q_proj.bias")):
-            array = unpermute_qk(array, config.num_heads)
-        elif _PERMUTED_QK[arch] and ours.endswith(("k_proj.weight", "k_proj.bias")):
-            array = unpermute_qk(array, config.num_kv_heads)
+        array = array.reshape(shape)
+        # Un-permuting works head by head, so a slice of whole heads un-permutes with its own head count.
+        if _PERMUTED_QK[arch] and ours.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            array = unpermute_qk(array, shape[0] // config.head_dim)
         array = np.ascontiguousarray(array, dtype=np.float32)
         if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
             array = array.copy()
-        sink.assign(ours, torch.from_numpy(array), tensor.name)
+        sink.assign(ours, torch.from_numpy(array), tensor.name, sliced=rows_only)
     sink.finish(path, names)
     return model

@@ -10,6 +10,7 @@ import torch
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.parallel import TensorParallelShard
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -40,12 +41,20 @@ def safetensors_files(folder: Path) -> list[Path]:
     return found
 
 
-def load_hf_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def load_hf_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+) -> LlamaForCausalLM:
+    """The model, or with world_size > 1 rank `rank`'s tensor-parallel shard of it (reading only that part)."""
     folder = Path(folder)
     config = read_hf_config(folder)
-    model = build_empty_model(config, dtype, device)
+    shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
+    model = build_empty_model(config, dtype, device, shard)
     names = expand_names(config.num_layers, "hf")
-    sink = WeightSink(model)
+    sink = WeightSink(model, shard)
     files = safetensors_files(folder)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]  # memory-mapped
     total = sum(len(h.keys()) for h in handles)
@@ -60,6 +69,17 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype, device: torch.device |
                     raise KeyError(f"unexpected tensor {key!r} in {folder}; it maps to no llama parameter")
                 if not sink.wants(ours) and ours == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied checkpoints sometimes save the head anyway; the embedding wins
-                sink.assign(ours, handle.get_tensor(key), key)
+                if shard is None:
+                    sink.assign(ours, handle.get_tensor(key), key)
+                    continue
+                lazy = handle.get_slice(key)  # memory-mapped: only this rank's rows/columns are read
+                shape = lazy.get_shape()
+                index = shard.row_range(ours, shape[0], shape[1] if len(shape) > 1 else None)
+                if index is None:
+                    sink.assign(ours, handle.get_tensor(key), key)
+                elif index[1] is None:
+                    sink.assign(ours, lazy[index[0]], key, sliced=True)
+                else:
+                    sink.assign(ours, lazy[index[0], index[1]], key, sliced=True)
     sink.finish(str(folder), names)
     return model

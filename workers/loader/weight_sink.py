@@ -4,34 +4,43 @@ from __future__ import annotations
 
 import torch
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.parallel import TensorParallelShard, apply_tensor_parallel
 
 
-def build_empty_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """Allocates the model without random init (meta construction), since every weight is loaded next."""
+def build_empty_model(
+    config: LlamaConfig, dtype: torch.dtype, device: torch.device | str, shard: TensorParallelShard | None = None
+) -> LlamaForCausalLM:
+    """Allocates the model (this rank's shard of it) without random init, since every weight is loaded next."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(shard.local_config() if shard else config)
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         # to_empty replaces each module's parameter separately, which unties shared weights.
         model.lm_head.weight = model.model.embed_tokens.weight
+    if shard is not None:
+        apply_tensor_parallel(model, shard)
     return model.eval()
 
 
 class WeightSink:
     """Receives (our name, tensor) pairs for one model; `finish` raises if any parameter never arrived."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, shard: TensorParallelShard | None = None) -> None:
         self.params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
         self.loaded: set[str] = set()
+        self.shard = shard
 
     def wants(self, name: str) -> bool:
         return name in self.params
 
     @torch.no_grad()
-    def assign(self, name: str, tensor: torch.Tensor, source_name: str) -> None:
+    def assign(self, name: str, tensor: torch.Tensor, source_name: str, *, sliced: bool = False) -> None:
+        """`tensor` is the full checkpoint tensor (sliced here to this rank's part) or, with sliced, that part."""
         param = self.params.get(name)
         if param is None:
             raise KeyError(f"checkpoint tensor {source_name!r} maps to {name!r}, which this model does not have")
+        if self.shard is not None and not sliced:
+            tensor = self.shard.slice(name, tensor)
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
                 f"checkpoint tensor {source_name!r} has shape {tuple(tensor.shape)}, "

@@ -1,0 +1,209 @@
+"""Worker throughput on CPU against Hugging Face transformers, measured in the same run. Last line: one JSON object.
+
+    python benchmarks/throughput.py [--model PATH] [--dtype bfloat16] [--quick]
+
+What is measured (the worker's real code path, driven directly: ModelRunner + the persistent batch + sampler, with
+step plans shaped like the engine's; no gRPC, rings or engine process, so the figures are the worker's own):
+- offline_tok_s: N prompts of P random tokens, G greedy output tokens each (EOS ignored), prefill chunked under a
+  2048-token budget then decoded as one batch; generated tokens / wall time including prefill.
+- single_stream_tok_s: one request decoding alone; decode tokens / decode time.
+- hf_offline_tok_s: transformers `generate` on the same prompts as one static batch, same dtype, greedy,
+  min_new_tokens = max_new_tokens = G.
+- bandwidth_gb_s: measured tensor copy bandwidth (bytes read + written / s); bandwidth_bound_tok_s: that divided
+  by the weight bytes one decode step must read (every weight once; a tied embedding counts once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL = os.environ.get("RINGSERVE_TEST_GGUF", "/work/cache/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass
+class NewRequest:
+    slot: int
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    num_computed_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    has_seed: bool = False
+    num_prompt_tokens: int = 0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    num_logprobs: int = 0
+    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    block_appends: list = field(default_factory=list)
+    sched_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+def run_offline(runner, prompts: np.ndarray, gen: int, block_size: int, budget: int = 2048) -> float:
+    """Engine-shaped plans: every block a request will need is given up front (the pool is large enough)."""
+    n, p = prompts.shape
+    blocks_each = -(-(p + gen) // block_size)
+    requests = [
+        NewRequest(
+            i,
+            prompts[i].astype(np.int32),
+            np.arange(i * blocks_each, (i + 1) * blocks_each, dtype=np.int32),
+            num_prompt_tokens=p,
+        )
+        for i in range(n)
+    ]
+    step = 0
+    start = time.perf_counter()
+    # Prefill: whole prompts while they fit the token budget (as the engine admits them), first token sampled.
+    per_step = max(1, budget // p)
+    for first in range(0, n, per_step):
+        batch = requests[first : first + per_step]
+        slots = np.array([r.slot for r in batch], np.int32)
+        runner.execute(StepPlan(step, batch, [], slots, np.zeros(len(batch), np.int32),
+                                np.full(len(batch), p, np.int32), np.ones(len(batch), bool)))  # fmt: skip
+        step += 1
+    slots = np.arange(n, dtype=np.int32)
+    for k in range(1, gen):
+        runner.execute(StepPlan(step, [], [], slots, np.full(n, p + k - 1, np.int32), np.ones(n, np.int32),
+                                np.ones(n, bool)))  # fmt: skip
+        step += 1
+    elapsed = time.perf_counter() - start
+    runner.execute(StepPlan(step, finished_slots=slots))
+    return n * gen / elapsed
+
+
+def run_single_stream(runner, prompt: np.ndarray, gen: int, block_size: int) -> float:
+    blocks = np.arange(-(-(len(prompt) + gen) // block_size), dtype=np.int32)
+    one = np.zeros(1, np.int32)
+    request = NewRequest(0, prompt.astype(np.int32), blocks, num_prompt_tokens=len(prompt))
+    runner.execute(StepPlan(0, [request], [], one, one,
+                            np.array([len(prompt)], np.int32), np.ones(1, bool)))  # fmt: skip
+    start = time.perf_counter()
+    for k in range(1, gen):
+        runner.execute(StepPlan(k, [], [], one, np.array([len(prompt) + k - 1], np.int32), np.ones(1, np.int32),
+                                np.ones(1, bool)))  # fmt: skip
+    elapsed = time.perf_counter() - start
+    runner.execute(StepPlan(gen, finished_slots=one))
+    return (gen - 1) / elapsed
+
+
+def run_hf(model_path: Path, dtype: torch.dtype, prompts: np.ndarray, gen: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    if model_path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    hf.eval()
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=gen, min_new_tokens=gen, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:1, :8], attention_mask=mask[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == prompts.shape[1] + gen
+    return prompts.shape[0] * gen / elapsed
+
+
+def copy_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
+    src = torch.ones(megabytes * (1 << 20) // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9  # read + write
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() lists a tied weight once
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a .gguf file or Hugging Face folder (default %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=40)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--single-stream-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens; finishes in well under a minute")
+    p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    args = p.parse_args()
+    if args.quick:
+        args.num_prompts, args.output_len, args.single_stream_len = 8, 16, 16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from ringserve.workers.loader import load_model, parse_dtype
+    from ringserve.workers.model_runner import ModelRunner
+
+    dtype = parse_dtype(args.dtype)
+    model_path = Path(args.model)
+    t0 = time.perf_counter()
+    model = load_model(model_path, dtype)
+    load_s = time.perf_counter() - t0
+    block_size = 16
+    blocks = args.num_prompts * -(-(args.prompt_len + args.output_len) // block_size) + 8
+    runner = ModelRunner(model, block_size=block_size, num_kv_blocks=blocks)
+    rng = np.random.default_rng(0)
+    # Ids below 10 are special tokens in most vocabularies; keep prompts to ordinary ones.
+    prompts = rng.integers(10, model.config.vocab_size, size=(args.num_prompts, args.prompt_len))
+    run_offline(runner, prompts[:2, :8], 2, block_size)  # warm-up (allocator, kernels)
+    offline = run_offline(runner, prompts, args.output_len, block_size)
+    single = run_single_stream(runner, prompts[0], args.single_stream_len, block_size)
+    wbytes = weight_bytes(model)
+    del runner, model
+    bandwidth = copy_bandwidth_gb_s()
+    hf = float("nan") if args.skip_hf else run_hf(model_path, dtype, prompts, args.output_len)
+    result = {
+        "model": model_path.name,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "num_prompts": args.num_prompts,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "load_s": round(load_s, 2),
+        "offline_tok_s": round(offline, 2),
+        "single_stream_tok_s": round(single, 2),
+        "hf_offline_tok_s": round(hf, 2),
+        "ratio_vs_hf": round(offline / hf, 3) if hf == hf else None,
+        "weight_bytes": wbytes,
+        "bandwidth_gb_s": round(bandwidth, 2),
+        "bandwidth_bound_tok_s": round(bandwidth * 1e9 / wbytes, 2),
+        "single_stream_vs_bound": round(single / (bandwidth * 1e9 / wbytes), 3),
+    }
+    print(f"copy bandwidth {bandwidth:.2f} GB/s, weights {wbytes / 1e6:.1f} MB per decode step", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The persistent batch: per-slot arrays (tokens, block tables, sampling parameters) kept across steps.
+
+A StepPlan (docs/contracts.md) names slots, not requests. New requests arrive once with all their tokens and
+blocks; afterwards a plan carries only appended blocks, finished slots and (slot, start, len, sample) per
+scheduled request. Everything a step needs is then gathered from these arrays with vectorized indexing, so the
+per-step Python work does not grow with the number of running requests (only new requests and block appends,
+the plan's deltas, are visited one by one). Arrays grow by doubling when a slot, a sequence or a block table
+outgrows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from ringserve.workers.attention import AttentionMetadata
+from ringserve.workers.sampler import SamplingBatch
+
+# Per-slot scalar sampling parameters: (attribute on NewRequestData (layout v2), dtype, neutral value).
+_PARAMS: tuple[tuple[str, type, float], ...] = (
+    ("temperature", np.float32, 1.0),
+    ("top_p", np.float32, 1.0),
+    ("top_k", np.int64, 0),
+    ("min_p", np.float32, 0.0),
+    ("repetition_penalty", np.float32, 1.0),
+    ("frequency_penalty", np.float32, 0.0),
+    ("presence_penalty", np.float32, 0.0),
+    ("min_tokens", np.int64, 0),
+    ("num_logprobs", np.int64, 0),
+    ("seed", np.int64, 0),
+    ("has_seed", np.bool_, False),
+)
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    metadata: AttentionMetadata
+    sampled_slots: np.ndarray  # int64 [rows]: slots that get a token this step, in schedule order
+
+
+def _grown(array: np.ndarray, shape: tuple[int, ...], fill: Any) -> np.ndarray:
+    bigger = np.full(shape, fill, dtype=array.dtype)
+    bigger[tuple(slice(0, n) for n in array.shape)] = array
+    return bigger
+
+
+def _capacity(needed: int, current: int) -> int:
+    while current < needed:
+        current *= 2
+    return current
+
+
+class InputBatch:
+    def __init__(self, block_size: int, num_kv_blocks: int, max_position: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_position = max_position
+        self.device = device
+        slots, tokens, blocks = 8, 64, 8
+        self.occupied = np.zeros(slots, np.bool_)
+        self.token_ids = np.zeros((slots, tokens), np.int64)
+        self.num_tokens = np.zeros(slots, np.int64)
+        self.num_prompt_tokens = np.zeros(slots, np.int64)
+        self.block_table = np.zeros((slots, blocks), np.int32)
+        self.num_blocks = np.zeros(slots, np.int64)
+        self.suppress = np.full((slots, 1), -1, np.int64)
+        self.params = {name: np.full(slots, default, dtype) for name, dtype, default in _PARAMS}
+
+    # ---- capacity --------------------------------------------------------------------------------------------
+
+    def _ensure(self, slots: int = 0, tokens: int = 0, blocks: int = 0, suppress: int = 0) -> None:
+        s = _capacity(slots, len(self.occupied))
+        t = _capacity(tokens, self.token_ids.shape[1])
+        b = _capacity(blocks, self.block_table.shape[1])
+        k = _capacity(suppress, self.suppress.shape[1])
+        if s != len(self.occupied):
+            self.occupied = _grown(self.occupied, (s,), False)
+            self.num_tokens = _grown(self.num_tokens, (s,), 0)
+            self.num_prompt_tokens = _grown(self.num_prompt_tokens, (s,), 0)
+            self.num_blocks = _grown(self.num_blocks, (s,), 0)
+            self.params = {n: _grown(a, (s,), a[0] * 0) for n, a in self.params.items()}
+        if (s, t) != self.token_ids.shape:
+            self.token_ids = _grown(self.token_ids, (s, t), 0)
+        if (s, b) != self.block_table.shape:
+            self.block_table = _grown(self.block_table, (s, b), 0)
+        if (s, k) != self.suppress.shape:
+            self.suppress = _grown(self.suppress, (s, k), -1)
+
+    # ---- plan deltas -----------------------------------------------------------------------------------------
+
+    def remove(self, slots: np.ndarray) -> None:
+        slots = slots[slots < len(self.occupied)]
+        self.occupied[slots] = False
+
+    def add(self, req: Any) -> None:
+        slot = int(req.slot)
+        if slot < 0:
+            raise ValueError(f"new request for negative slot {slot}")
+        if slot < len(self.occupied) and self.occupied[slot]:
+            raise ValueError(f"new request for slot {slot}, which is still occupied (not in finished_slots)")
+        tokens = np.asarray(req.token_ids, np.int64).reshape(-1)
+        blocks = self._checked_blocks(np.asarray(req.block_ids, np.int32).reshape(-1), slot)
+        suppress = np.asarray(req.suppress_token_ids, np.int64).reshape(-1)
+        self._ensure(slots=slot + 1, tokens=len(tokens) + 1, blocks=len(blocks), suppress=len(suppress))
+        self.occupied[slot] = True
+        self.token_ids[slot, : len(tokens)] = tokens
+        self.num_tokens[slot] = len(tokens)
+        self.num_prompt_tokens[slot] = int(req.num_prompt_tokens)
+        self.block_table[slot, : len(blocks)] = blocks
+        self.num_blocks[slot] = len(blocks)
+        self.suppress[slot] = -1
+        self.suppress[slot, : len(suppress)] = suppress
+        for name, _dtype, _default in _PARAMS:
+            self.params[name][slot] = getattr(req, name)
+
+    def append_blocks(self, slot: int, block_ids: Any) -> None:
+        if not (0 <= slot < len(self.occupied) and self.occupied[slot]):
+            raise ValueError(f"block append for empty slot {slot}")
+        blocks = self._checked_blocks(np.asarray(block_ids, np.int32).reshape(-1), slot)
+        start = int(self.num_blocks[slot])
+        self._ensure(blocks=start + len(blocks))
+        self.block_table[slot, start : start + len(blocks)] = blocks
+        self.num_blocks[slot] = start + len(blocks)
+
+    def _checked_blocks(self, blocks: np.ndarray, slot: int) -> np.ndarray:
+        bad = blocks[(blocks < 0) | (blocks >= self.num_kv_blocks)]
+        if len(bad):
+            raise ValueError(f"slot {slot}: block ids {bad.tolist()} out of range [0, {self.num_kv_blocks})")
+        return blocks
+
+    def tokens_of(self, slot: int) -> list[int]:
+        return self.token_ids[slot, : self.num_tokens[slot]].tolist()
+
+    # ---- one step --------------------------------------------------------------------------------------------
+
+    def prepare(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, sample: np.ndarray) -> PreparedStep:
+        """Packed inputs and attention metadata for the scheduled (slot, start, len) chunks, all vectorized."""
+        self._validate(slots, starts, lens)
+        bs = self.block_size
+        ends = starts + lens
+        cu = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=cu[1:])
+        row_slot = np.repeat(slots, lens)
+        positions = np.repeat(starts, lens) + (np.arange(cu[-1]) - np.repeat(cu[:-1], lens))
+        input_ids = self.token_ids[row_slot, positions]
+        slot_mapping = self.block_table[row_slot, positions // bs].astype(np.int64) * bs + positions % bs
+        table_width = max(1, int(-(-ends.max() // bs)))
+        logits_rows = cu[1:][sample] - 1
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(self.block_table[slots, :table_width])).to(dev),
+            logits_indices=torch.from_numpy(logits_rows).to(dev),
+            query_lens_cpu=lens.tolist(),
+            seq_lens_cpu=ends.tolist(),
+            block_size=bs,
+        )
+        return PreparedStep(
+            torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata, slots[sample]
+        )
+
+    def _validate(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
+        in_range = (slots >= 0) & (slots < len(self.occupied))
+        if not in_range.all() or not self.occupied[slots].all():
+            bad = slots[~in_range] if not in_range.all() else slots[~self.occupied[slots]]
+            raise ValueError(f"scheduled slot {int(bad[0])} holds no request")
+        ends = starts + lens
+        bad = (lens < 1) | (starts < 0) | (ends > self.num_tokens[slots])
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"slot {slots[i]}: tokens [{starts[i]}, {ends[i]}) scheduled but it holds {self.num_tokens[slots[i]]}"
+            )
+        needed = -(-ends // self.block_size)
+        short = needed > self.num_blocks[slots]
+        if short.any():
+            i = int(np.argmax(short))
+            raise ValueError(
+                f"slot {slots[i]}: {ends[i]} tokens need {needed[i]} blocks but it has {self.num_blocks[slots[i]]}"
+            )
+        if ends.max() > self.max_position:
+            i = int(np.argmax(ends))
+            raise ValueError(f"slot {slots[i]}: position {ends[i] - 1} exceeds max_position {self.max_position}")
+
+    def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
+        """Sampling parameters of `slots` (rows in that order); penalty history only when a row needs it."""
+        dev = self.device
+
+        def col(name: str) -> torch.Tensor:
+            return torch.from_numpy(self.params[name][slots]).to(dev)
+
+        num_tokens, num_prompt = self.num_tokens[slots], self.num_prompt_tokens[slots]
+        num_outputs = num_tokens - num_prompt
+        batch = SamplingBatch(
+            temperature=col("temperature"),
+            top_k=col("top_k"),
+            top_p=col("top_p"),
+            min_p=col("min_p") if self.params["min_p"][slots].any() else None,
+            seeds=col("seed"),
+            has_seed=col("has_seed"),
+            output_index=torch.from_numpy(num_outputs).to(dev),
+            num_logprobs=col("num_logprobs") if self.params["num_logprobs"][slots].any() else None,
+        )
+        penalised = (
+            (self.params["repetition_penalty"][slots] != 1.0).any()
+            or self.params["frequency_penalty"][slots].any()
+            or self.params["presence_penalty"][slots].any()
+        )
+        if penalised:
+            width = int(num_tokens.max())
+            batch.repetition_penalty = col("repetition_penalty")
+            batch.frequency_penalty = col("frequency_penalty")
+            batch.presence_penalty = col("presence_penalty")
+            batch.token_ids = torch.from_numpy(np.ascontiguousarray(self.token_ids[slots, :width])).to(dev)
+            batch.num_tokens = torch.from_numpy(num_tokens).to(dev)
+            batch.num_prompt_tokens = torch.from_numpy(num_prompt).to(dev)
+        active = num_outputs < self.params["min_tokens"][slots]
+        if active.any():
+            batch.suppress_token_ids = torch.from_numpy(np.ascontiguousarray(self.suppress[slots])).to(dev)
+            batch.suppress_active = torch.from_numpy(active).to(dev)
+        return batch
+
+    def append_sampled(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Each sampled token joins its slot's tokens (the engine's next plan schedules it as (slot, start, 1))."""
+        self._ensure(tokens=int(self.num_tokens[slots].max()) + 1)
+        self.token_ids[slots, self.num_tokens[slots]] = tokens
+        self.num_tokens[slots] += 1
