@@ -69,7 +69,13 @@ class SamplingOptions:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    priority: int = 0
+    min_tokens: int = 0
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    num_logprobs: int = 0  # top-n alternatives per sampled token; 0 = none
+    priority: int = 0  # lower first
     trace_id: bytes = bytes(16)  # zero = no trace context
     span_id: bytes = bytes(8)
     trace_flags: int = 0
@@ -318,6 +324,12 @@ class EngineClient:
         record.has_seed = params.seed is not None
         record.ignore_eos = params.ignore_eos
         record.stop_token_ids = list(params.stop_token_ids)
+        record.min_tokens = params.min_tokens
+        record.min_p = params.min_p
+        record.repetition_penalty = params.repetition_penalty
+        record.frequency_penalty = params.frequency_penalty
+        record.presence_penalty = params.presence_penalty
+        record.num_logprobs = params.num_logprobs
         record.priority = params.priority
         record.arrival_time_ns = time.time_ns()  # wall clock, comparable with trace timestamps
         record.trace_id = params.trace_id

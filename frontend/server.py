@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 DEFAULT_MAX_TOKENS = 256
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's default cap)
 # Prompts longer than this (characters) are tokenized off the event loop.
 _THREAD_TOKENIZE_CHARS = 32_768
 
@@ -95,7 +96,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if timeline is not None:
                 timeline.tokenize_end_ns = time.time_ns()
                 timeline.prompt_tokens = len(prompt_ids)
-            params = self._sampling_options(request.sampling, len(prompt_ids))
+            params = self._sampling_options(request.sampling, len(prompt_ids), request.priority)
         except _Rejection as rejection:
             if timeline is not None:
                 timeline.fail(rejection.code, rejection)
@@ -120,6 +121,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     completion_tokens += len(new_ids)
                     response = pb.GenerateResponse(request_id=request_id, token_ids=new_ids,
                                                    text=detokenizer.push(new_ids), logprobs=list(output.logprobs))
+                    if params.num_logprobs and new_ids:
+                        _add_top_logprobs(response, output, len(new_ids), params.num_logprobs)
                     reason = _FINISH_REASONS.get(output.finish_reason.name, pb.FINISH_REASON_ABORT)
                     if reason != pb.FINISH_REASON_UNSPECIFIED:
                         response.text += detokenizer.finish()
@@ -275,7 +278,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise _invalid(f"{field_name}[{index}] = {token_id} is out of range: the vocabulary has "
                                f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})")
 
-    def _sampling_options(self, sampling: pb.SamplingParams, prompt_len: int) -> SamplingOptions:
+    def _sampling_options(self, sampling: pb.SamplingParams, prompt_len: int, priority: int = 0) -> SamplingOptions:
         room = self._model_info.context_length - prompt_len if self._model_info.context_length else None
         if sampling.HasField("max_tokens"):
             max_tokens = sampling.max_tokens
@@ -295,10 +298,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if top_k < 0:
             raise _invalid(f"sampling.top_k must be >= 0 (0 = off), got {top_k}")
         self._check_token_ids(sampling.stop_token_ids, "sampling.stop_token_ids")
+        min_tokens = sampling.min_tokens if sampling.HasField("min_tokens") else 0
+        if not 0 <= min_tokens <= max_tokens:
+            raise _invalid(f"sampling.min_tokens must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
+        min_p = _bounded_float(sampling, "min_p", 0.0, 0.0, 1.0)
+        repetition_penalty = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+        if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
+            raise _invalid(f"sampling.repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+        frequency_penalty = _bounded_float(sampling, "frequency_penalty", 0.0, -2.0, 2.0)
+        presence_penalty = _bounded_float(sampling, "presence_penalty", 0.0, -2.0, 2.0)
+        num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
+        if not 0 <= num_logprobs <= MAX_LOGPROBS:
+            raise _invalid(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
         return SamplingOptions(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=sampling.seed if sampling.HasField("seed") else None, ignore_eos=sampling.ignore_eos,
-            stop_token_ids=tuple(sampling.stop_token_ids),
+            stop_token_ids=tuple(sampling.stop_token_ids), min_tokens=min_tokens, min_p=min_p,
+            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, num_logprobs=num_logprobs, priority=priority,
         )
 
 
@@ -400,6 +417,29 @@ def build_server(engine: GenerationEngine, tokenizer: ModelTokenizer, model_info
         raise OSError(f"cannot listen on {address}; pick another --host/--port")
     frontend.port = bound
     return frontend
+
+
+def _bounded_float(sampling: pb.SamplingParams, name: str, default: float, low: float, high: float) -> float:
+    """An optional float field of `sampling` that must lie in [low, high]; NaN and infinities are rejected."""
+    value = getattr(sampling, name) if sampling.HasField(name) else default
+    if not low <= value <= high:  # also false for NaN
+        raise _invalid(f"sampling.{name} must be in [{low:g}, {high:g}], got {value}")
+    return value
+
+
+def _add_top_logprobs(response: pb.GenerateResponse, output: Any, num_new: int, num_logprobs: int) -> None:
+    """One TopLogprobs per new token from the output's flattened [num_new, num_top] arrays, padding ids (-1) dropped."""
+    num_top = getattr(output, "num_top", 0)
+    ids = getattr(output, "top_token_ids", ())
+    logprobs = getattr(output, "top_logprobs", ())
+    width = min(num_top, num_logprobs)
+    for row in range(num_new):  # an engine that reported none still gets one (empty) entry per token
+        start = row * num_top
+        entry = response.top_logprobs.add()
+        for token_id, logprob in zip(ids[start:start + width], logprobs[start:start + width], strict=False):
+            if token_id >= 0:
+                entry.token_ids.append(token_id)
+                entry.logprobs.append(logprob)
 
 
 def _which_input(request: Any, fields: tuple[str, ...]) -> str:

@@ -81,6 +81,13 @@ class AddRequest:
         self.has_seed = False
         self.ignore_eos = False
         self.stop_token_ids: list[int] = []
+        self.min_tokens = 0
+        self.min_p = 0.0
+        self.repetition_penalty = 1.0
+        self.frequency_penalty = 0.0
+        self.presence_penalty = 0.0
+        self.num_logprobs = 0
+        self.cache_salt = 0
         self.priority = 0
         self.arrival_time_ns = 0
         self.trace_id = bytes(16)

@@ -7,7 +7,7 @@ import enum
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -80,6 +80,16 @@ class FakeRequestOutput:
     finish_reason: FakeFinishReason = FakeFinishReason.NONE
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    top_token_ids: list[int] = field(default_factory=list)  # flattened [len(new_token_ids), num_top]
+    top_logprobs: list[float] = field(default_factory=list)
+    num_top: int = 0
+
+
+def fake_top_logprobs(ids: list[int], num_top: int) -> tuple[list[int], list[float]]:
+    """Alternatives for each sampled id: the id itself, then ids + 1, ... (flattened), with falling logprobs."""
+    top_ids = [token_id + rank for token_id in ids for rank in range(num_top)]
+    top_logprobs = [-0.5 - rank for _ in ids for rank in range(num_top)]
+    return top_ids, top_logprobs
 
 
 @dataclass
@@ -142,8 +152,11 @@ class ScriptedEngine:
                 await asyncio.sleep(0)
                 last = index == len(self.chunks) - 1
                 finished = last
+                top_ids, top_logprobs = fake_top_logprobs(list(chunk), params.num_logprobs)
                 yield FakeRequestOutput(request_id, list(chunk), [-0.5] * len(chunk),
-                                        self.finish if last else FakeFinishReason.NONE, len(prompt_ids))
+                                        self.finish if last else FakeFinishReason.NONE, len(prompt_ids),
+                                        top_token_ids=top_ids, top_logprobs=top_logprobs,
+                                        num_top=params.num_logprobs)
         finally:
             if not finished:
                 self.aborted.append(request_id)

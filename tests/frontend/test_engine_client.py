@@ -17,7 +17,9 @@ from ringserve.frontend.engine_client import (
     SamplingOptions,
 )
 
-PARAMS = SamplingOptions(max_tokens=4, temperature=0.0, seed=9, stop_token_ids=(5,))
+PARAMS = SamplingOptions(max_tokens=4, temperature=0.0, seed=9, stop_token_ids=(5,), min_tokens=3, min_p=0.1,
+                         repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.6, num_logprobs=5,
+                         priority=2)
 
 
 class Rig:
@@ -57,6 +59,8 @@ async def test_outputs_are_routed_to_their_request(rig: Rig) -> None:
     assert [(r["request_id"], r["prompt_token_ids"]) for r in adds] == [(a, [1, 2]), (b, [3])]
     assert (adds[0]["seed"], adds[0]["has_seed"], adds[0]["stop_token_ids"], adds[0]["max_tokens"]) == (9, True,
                                                                                                         [5], 4)
+    assert (adds[0]["min_tokens"], adds[0]["min_p"], adds[0]["repetition_penalty"], adds[0]["frequency_penalty"],
+            adds[0]["presence_penalty"], adds[0]["num_logprobs"], adds[0]["priority"]) == (3, 0.1, 1.3, 0.4, -0.6, 5, 2)
     rig.events.push(StepEvents([out(b, [30]), out(a, [10])]))
     assert (await first_a).new_token_ids == [10]
     assert (await first_b).new_token_ids == [30]

@@ -92,6 +92,30 @@ async def test_sampling_defaults_and_context_cap(harness: Harness) -> None:
             params.stop_token_ids) == (0.0, 0.5, 3, 7, True, (4,))
 
 
+async def test_penalties_min_tokens_logprobs_and_priority_reach_the_engine(harness: Harness) -> None:
+    await collect(harness.stub, text_request(max_tokens=8))
+    params = harness.engine.submitted[-1][2]
+    assert (params.min_tokens, params.min_p, params.repetition_penalty, params.frequency_penalty,
+            params.presence_penalty, params.num_logprobs, params.priority) == (0, 0.0, 1.0, 0.0, 0.0, 0, 0)
+    request = text_request(max_tokens=8, min_tokens=8, min_p=0.25, repetition_penalty=1.5, frequency_penalty=-2.0,
+                           presence_penalty=0.5, logprobs=20)
+    request.priority = -3
+    await collect(harness.stub, request)
+    params = harness.engine.submitted[-1][2]
+    assert (params.min_tokens, params.min_p, params.repetition_penalty, params.frequency_penalty,
+            params.presence_penalty, params.num_logprobs, params.priority) == (8, 0.25, 1.5, -2.0, 0.5, 20, -3)
+
+
+async def test_top_logprobs_has_one_entry_per_new_token(harness: Harness) -> None:
+    responses = await collect(harness.stub, text_request(max_tokens=8, logprobs=2))
+    for response in responses:
+        assert [list(top.token_ids) for top in response.top_logprobs] == [[i, i + 1] for i in response.token_ids]
+        assert [list(top.logprobs) for top in response.top_logprobs] == [[-0.5, -1.5]] * len(response.token_ids)
+    assert sum(len(r.top_logprobs) for r in responses) > 0
+    without = await collect(harness.stub, text_request(max_tokens=8))
+    assert all(not r.top_logprobs for r in without)
+
+
 INVALID_REQUESTS = {
     "no input": (pb.GenerateRequest(), "input"),
     "empty text": (pb.GenerateRequest(text=""), "text"),
@@ -107,6 +131,22 @@ INVALID_REQUESTS = {
     "top_p above one": (text_request(top_p=1.5), "top_p"),
     "negative top_k": (text_request(top_k=-1), "top_k"),
     "stop token past vocab": (text_request(stop_token_ids=[10_000_000]), "stop_token_ids"),
+    "negative min_tokens": (text_request(min_tokens=-1), "sampling.min_tokens"),
+    "min_tokens above max_tokens": (text_request(max_tokens=4, min_tokens=5), "sampling.min_tokens"),
+    "negative min_p": (text_request(min_p=-0.1), "sampling.min_p"),
+    "min_p above one": (text_request(min_p=1.5), "sampling.min_p"),
+    "NaN min_p": (text_request(min_p=float("nan")), "sampling.min_p"),
+    "zero repetition_penalty": (text_request(repetition_penalty=0.0), "sampling.repetition_penalty"),
+    "infinite repetition_penalty": (text_request(repetition_penalty=float("inf")), "sampling.repetition_penalty"),
+    "NaN repetition_penalty": (text_request(repetition_penalty=float("nan")), "sampling.repetition_penalty"),
+    "frequency_penalty below -2": (text_request(frequency_penalty=-2.5), "sampling.frequency_penalty"),
+    "NaN frequency_penalty": (text_request(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
+    "presence_penalty above 2": (text_request(presence_penalty=2.5), "sampling.presence_penalty"),
+    "infinite presence_penalty": (text_request(presence_penalty=-float("inf")), "sampling.presence_penalty"),
+    "negative logprobs": (text_request(logprobs=-1), "sampling.logprobs"),
+    "logprobs above 20": (text_request(logprobs=21), "sampling.logprobs"),
+    "NaN temperature": (text_request(temperature=float("nan")), "sampling.temperature"),
+    "NaN top_p": (text_request(top_p=float("nan")), "sampling.top_p"),
     "prompt longer than context": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * CONTEXT_LENGTH)),
                                    f"context length is {CONTEXT_LENGTH}"),
 }
