@@ -233,12 +233,18 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
                  ready.num_total_blocks, ready.block_size)  # fmt: skip
         await asyncio.wait({engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if engine_exit.done():
-            client.fail(f"engine process exited with code {engine_exit.result()}")
-            await server.stop(0)
-            log.error("the engine exited with code %s", engine_exit.result())
+            # Fail every stream now (UNAVAILABLE), but keep answering: health says NOT_SERVING and new requests get
+            # UNAVAILABLE until an operator or orchestrator stops this process, instead of connections refused.
+            client.fail(f"the engine process exited with code {engine_exit.result()}; restart the server")
+            log.error("the engine exited with code %s; serving NOT_SERVING until stopped", engine_exit.result())
+            await stop_wait
+            await server.stop(args.shutdown_grace)
             return 1
         log.info("stopping: draining in-flight streams for up to %.1f s", args.shutdown_grace)
         await server.stop(args.shutdown_grace)
+        if client.failure is not None:  # the engine reported a fatal error (e.g. a worker died)
+            log.error("stopped after an engine failure: %s", client.failure)
+            return 1
         await client.shutdown_engine(timeout=5.0)
         return 0
     finally:
