@@ -93,6 +93,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
+        model.fuse_projections()  # inference only from here on: one GEMM for q/k/v and one for gate/up
         self.model = model
         self.config = model.config  # with tensor parallelism: this rank's shard (its KV heads size the cache)
         self.device = torch.device(device)

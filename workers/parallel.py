@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.model.cpu_ops import linear
 from torch import nn
 
 # Parameter-name suffix -> dim split across ranks (0: output rows, column-parallel; 1: input columns, row-parallel).
@@ -147,7 +148,7 @@ class VocabParallelHead(nn.Module):
         self.world_size = world_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight).contiguous()
+        local = linear(hidden, self.weight).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionBackend, get_attention_backend, get_attention_metadata
+from ringserve.workers.model.cpu_ops import Linear, linear
 from torch import nn
 
 
@@ -112,10 +113,14 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.freq_factors: torch.Tensor | None = None  # GGUF `rope_freqs` divides inv_freq (llama3 files)
         self._cos_sin: torch.Tensor | None = None  # built lazily so meta-device construction stays free
+        # Every layer rotates by the same positions: the step's cos/sin are looked up once and reused.
+        self._step_key: tuple[torch.Tensor, torch.dtype] | None = None
+        self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         self.freq_factors = factors.float()
         self._cos_sin = None
+        self._step_key = self._step_cos_sin = None
 
     def cos_sin(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
@@ -128,10 +133,25 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = torch.stack((emb.cos(), emb.sin())).to(device)  # [2, max_position, head_dim]
         return self._cos_sin
 
+    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] for this step's positions, computed by the first layer that asks."""
+        key = self._step_key
+        if key is None or key[0] is not positions or key[1] != dtype or self._step_cos_sin is None:
+            cos_sin = self.cos_sin(positions.device)[:, positions].to(dtype)  # [2, T, head_dim]
+            self._step_cos_sin = (cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1))
+            self._step_key = (positions, dtype)
+        return self._step_cos_sin
+
+    def end_step(self) -> None:
+        self._step_key = self._step_cos_sin = None
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on [T, heads, head_dim] (queries and keys may be rotated together as one tensor)."""
+        cos, sin = self.step_cos_sin(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin(q.device)[:, positions]  # [2, T, head_dim]
-        cos, sin = cos_sin[0].unsqueeze(1).to(q.dtype), cos_sin[1].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -158,23 +178,39 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
+        # Set by `fuse_projections`: q/k/v weights concatenated into one matrix (the three parameters become
+        # views of it), so a step runs one GEMM instead of three.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         # Bound by LlamaForCausalLM.bind_kv_cache; plain attributes, not buffers, so state_dict stays weights only.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def fuse_projections(self) -> None:
+        self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.qkv_weight is not None:
+            heads = self.num_heads + 2 * self.num_kv_heads
+            qkv = linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads, self.head_dim)
+            # Queries and keys are rotated as one tensor: half the RoPE kernels.
+            qk = self.rotary.rotate(positions, qkv[:, : self.num_heads + self.num_kv_heads])
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            v = qkv[:, self.num_heads + self.num_kv_heads :]
+        else:
+            q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(positions, q, k)
         if self.k_cache is None or self.v_cache is None or self.backend is None:
             raise RuntimeError("no KV cache bound; call LlamaForCausalLM.bind_kv_cache before the forward pass")
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_attention_metadata(), self.scale)
@@ -184,12 +220,47 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by `fuse_projections`, like LlamaAttention's
+
+    def fuse_projections(self) -> None:
+        self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@torch.no_grad()
+def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One weight matrix holding every linear's rows in order; each linear's weight becomes a view of its rows,
+    so loading, state_dict and tensor-parallel slicing still see the original parameters and no memory is doubled."""
+    fused = torch.cat([module.weight for module in linears])
+    start = 0
+    for module in linears:
+        rows = module.weight.shape[0]
+        module.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+@torch.no_grad()
+def _fuse_biases(*linears: nn.Linear) -> torch.Tensor | None:
+    if all(module.bias is None for module in linears):
+        return None
+    parts = [module.bias if module.bias is not None else module.weight.new_zeros(module.weight.shape[0])
+             for module in linears]  # fmt: skip
+    fused = torch.cat(parts)
+    start = 0
+    for module, part in zip(linears, parts, strict=True):
+        if module.bias is not None:
+            module.bias = nn.Parameter(fused[start : start + part.shape[0]], requires_grad=False)
+        start += part.shape[0]
+    return fused
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -215,8 +286,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
+        try:
+            for layer in self.layers:
+                x = layer(positions, x)
+        finally:
+            self.rotary.end_step()  # the cached cos/sin belong to this step's positions only
         return self.norm(x)
 
 
@@ -252,9 +326,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Concatenates q/k/v and gate/up weights for inference (call once, after the weights are loaded)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def bind_kv_cache(self, kv_cache: KVCache, backend: AttentionBackend | None = None) -> None:
         backend = backend or get_attention_backend("auto", kv_cache.k[0].device)

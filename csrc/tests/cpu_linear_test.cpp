@@ -1,0 +1,100 @@
+// The bf16 skinny-GEMM kernel against a float64 reference, for every tile shape and K tail the kernel has.
+#include <cmath>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels/cpu_linear.h"
+#include "tests/check.h"
+
+using namespace ringserve::kernels;
+
+namespace {
+
+std::vector<bf16_bits> random_bf16(std::size_t count, std::mt19937& gen) {
+  std::normal_distribution<float> normal;
+  std::vector<bf16_bits> values(count);
+  for (auto& v : values) v = float_to_bf16(normal(gen));
+  return values;
+}
+
+// Relative error of y against a float64 product of the same bf16 inputs, within bf16 rounding of the output.
+void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool with_bias, bool portable) {
+  std::mt19937 gen(static_cast<unsigned>(m * 1000003 + n * 1009 + k));
+  const auto x = random_bf16(m * k, gen);
+  const auto w = random_bf16(n * k, gen);
+  const auto bias = with_bias ? random_bf16(n, gen) : std::vector<bf16_bits>{};
+  std::vector<bf16_bits> y(m * n, 0xffff);
+  linear_bf16({m, n, k}, x, w, bias, y, portable);
+  for (std::size_t i = 0; i < m; ++i) {
+    for (std::size_t j = 0; j < n; ++j) {
+      double ref = with_bias ? bf16_to_float(bias[j]) : 0.0;
+      double magnitude = std::abs(ref);
+      for (std::size_t p = 0; p < k; ++p) {
+        const double term = double{bf16_to_float(x[i * k + p])} * bf16_to_float(w[j * k + p]);
+        ref += term;
+        magnitude += std::abs(term);
+      }
+      const double got = bf16_to_float(y[i * n + j]);
+      // bf16 keeps 8 significant bits: half an ulp of the result plus float32 accumulation error.
+      const double tolerance = std::abs(ref) / 256.0 + magnitude * 1e-6 + 1e-6;
+      if (std::abs(got - ref) > tolerance) {
+        std::fprintf(stderr, "  m=%zu n=%zu k=%zu bias=%d portable=%d: y[%zu,%zu]=%g, reference %g\n", m, n, k,
+                     with_bias, portable, i, j, got, ref);
+        CHECK(false);
+        return;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(bf16_rounding_is_to_nearest_even_and_keeps_nan) {
+  CHECK(float_to_bf16(1.0F) == 0x3f80);
+  CHECK(bf16_to_float(float_to_bf16(1.00390625F)) == 1.0F);        // exactly halfway: to the even neighbour
+  CHECK(bf16_to_float(float_to_bf16(1.01171875F)) == 1.015625F);   // halfway: to the even neighbour, up
+  CHECK(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
+  CHECK(std::isinf(bf16_to_float(float_to_bf16(INFINITY))));
+}
+
+TEST(every_tile_shape_and_k_tail_matches_the_reference) {
+  for (bool portable : {false, true}) {
+    for (std::size_t m : {1, 2, 3, 4, 5, 9}) {
+      for (std::size_t n : {1, 3, 4, 7, 33}) {
+        for (std::size_t k : {1, 31, 32, 33, 64, 100}) check_against_reference(m, n, k, (m + n) % 2 == 0, portable);
+      }
+    }
+  }
+}
+
+TEST(model_shapes_match_the_reference) {
+  check_against_reference(1, 960, 576, false, false);
+  check_against_reference(4, 576, 1536, true, false);
+}
+
+TEST(portable_and_vector_paths_agree) {
+  std::mt19937 gen(7);
+  const std::size_t m = 3, n = 37, k = 200;
+  const auto x = random_bf16(m * k, gen);
+  const auto w = random_bf16(n * k, gen);
+  std::vector<bf16_bits> fast(m * n), portable(m * n);
+  linear_bf16({m, n, k}, x, w, {}, fast, false);
+  linear_bf16({m, n, k}, x, w, {}, portable, true);
+  std::size_t differing = 0;
+  for (std::size_t i = 0; i < fast.size(); ++i) {
+    const float a = bf16_to_float(fast[i]), b = bf16_to_float(portable[i]);
+    if (std::abs(a - b) > std::abs(b) / 128.0F + 1e-5F) ++differing;  // at most one bf16 ulp apart
+  }
+  CHECK(differing == 0);
+}
+
+TEST(mismatched_sizes_are_refused) {
+  std::vector<bf16_bits> x(6), w(6), y(4);
+  CHECK_THROWS(std::invalid_argument, linear_bf16({2, 2, 3}, x, w, {}, std::span<bf16_bits>(y.data(), 3)));
+  CHECK_THROWS(std::invalid_argument, linear_bf16({2, 2, 4}, x, w, {}, y));
+  std::vector<bf16_bits> bias(3);
+  CHECK_THROWS(std::invalid_argument, linear_bf16({2, 2, 3}, x, w, bias, y));
+}
+
+TEST_MAIN()

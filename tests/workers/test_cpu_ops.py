@@ -1,0 +1,122 @@
+"""The native bf16 linear kernel and the fused q/k/v and gate/up projections give what plain PyTorch gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM, cpu_ops
+from ringserve.workers.model_runner import ModelRunner
+from workers_testkit import NewRequest, ids, plan
+
+native = pytest.mark.skipif(not cpu_ops.native_linear_available(),
+                            reason="the native kernel needs the built extension and an AVX512-BF16 CPU")  # fmt: skip
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product of the same bf16 values in float64, rounded once to bf16."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(torch.bfloat16)
+
+
+@native
+@pytest.mark.parametrize(("shape", "n", "with_bias"), [((1, 576), 960, False), ((2, 100), 37, True),
+                                                        ((1, 1, 33), 5, True), ((2, 1536), 576, False)])  # fmt: skip
+def test_native_linear_matches_a_float64_reference(shape: tuple[int, ...], n: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(n, shape[-1], generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    with torch.inference_mode():
+        got = cpu_ops.linear(x, weight, bias)
+    want = reference(x, weight, bias)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # Within one bf16 rounding of the exact product (float32 accumulation adds far less).
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@native
+def test_only_few_row_bf16_products_on_contiguous_weights_take_the_native_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[int, int, int]] = []
+    real = cpu_ops._KERNELS
+
+    class Recording:
+        def linear_bf16(self, x: int, w: int, b: int, y: int, m: int, n: int, k: int) -> None:
+            calls.append((m, n, k))
+            real.linear_bf16(x, w, b, y, m, n, k)
+
+    monkeypatch.setattr(cpu_ops, "_KERNELS", Recording())
+    weight = torch.randn(8, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        cpu_ops.linear(torch.randn(1, 64).to(torch.bfloat16), weight)
+        cpu_ops.linear(torch.randn(64, 64).to(torch.bfloat16), weight)  # a prefill: oneDNN's GEMM
+        cpu_ops.linear(torch.randn(1, 64), weight.float())  # float32: PyTorch
+        cpu_ops.linear(torch.randn(1, 64).to(torch.bfloat16), torch.randn(64, 8).to(torch.bfloat16).T)  # strided
+    assert calls == [(1, 8, 64)]
+
+
+def test_shape_errors_are_pytorchs() -> None:
+    with pytest.raises(RuntimeError):
+        cpu_ops.linear(torch.randn(1, 3).to(torch.bfloat16), torch.randn(4, 5).to(torch.bfloat16))
+
+
+def tiny_model(dtype: torch.dtype, bias: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, attention_bias=bias, max_position=256)  # fmt: skip
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def greedy_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    """Logits of a prefill then `steps` decode steps, through the runner (which fuses the projections)."""
+    runner = ModelRunner(model, block_size=16, num_kv_blocks=8)
+    captured: list[torch.Tensor] = []
+    forward = model.forward
+
+    def capture(*args: object) -> torch.Tensor:
+        logits = forward(*args)
+        captured.append(logits.clone())
+        return logits
+
+    model.forward = capture  # type: ignore[method-assign]
+    request = NewRequest(0, ids(*prompt), ids(0, 1))
+    runner.execute(plan(0, [(0, 0, len(prompt), True)], new_requests=[request]))
+    for k in range(steps):
+        runner.execute(plan(k + 1, [(0, len(prompt) + k, 1, True)]))
+    return captured
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_give_the_unfused_models_logits_in_float32(bias: bool) -> None:
+    unfused = tiny_model(torch.float32, bias)
+    fused = tiny_model(torch.float32, bias)
+    fused.fuse_projections()
+    assert fused.model.layers[0].self_attn.qkv_weight is not None
+    # The original parameters are views of the fused matrix: loading into them updates what the forward uses.
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    tokens = torch.tensor([3, 14, 15, 92, 65])
+    outs = []
+    for model in (unfused, fused):
+        model.bind_kv_cache(KVCache.allocate(model.config, 2, 16, torch.float32, "cpu"))
+        md = AttentionMetadata.build([5], [5], [[0]], 16, None)
+        with torch.inference_mode(), attention_metadata_scope(md):
+            outs.append(model(tokens, torch.arange(5)))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_decode_with_the_native_kernel_tracks_pytorchs_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_kernel = greedy_logits(tiny_model(torch.bfloat16, True), [5, 6, 7, 8, 9], 4)
+    monkeypatch.setattr(cpu_ops, "_KERNELS", None)
+    without = greedy_logits(tiny_model(torch.bfloat16, True), [5, 6, 7, 8, 9], 4)
+    for a, b in zip(with_kernel, without, strict=True):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
