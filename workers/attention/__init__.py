@@ -1,6 +1,6 @@
 """Attention backends behind one interface, plus the per-step metadata they read."""
 
-from ringserve.workers.attention.backend import AttentionBackend, get_attention_backend, write_kv
+from ringserve.workers.attention.backend import ATTENTION_BACKENDS, AttentionBackend, get_attention_backend, write_kv
 from ringserve.workers.attention.metadata import (
     AttentionMetadata,
     attention_metadata_scope,
@@ -9,6 +9,7 @@ from ringserve.workers.attention.metadata import (
 )
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "AttentionBackend",
     "AttentionMetadata",
     "attention_metadata_scope",

@@ -38,11 +38,18 @@ def write_kv(
     v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """`auto` picks the best backend for the device; only the gather + SDPA backend exists today."""
-    from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")
 
-    if name in ("auto", TorchSdpaBackend.name):
+
+def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """`auto`: the Triton paged kernels on CUDA when triton is installed, else gather + SDPA (CPU, or no triton)."""
+    from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
+    from ringserve.workers.attention.triton_paged import TritonPagedBackend, paged_attention_supported
+
+    if name == "auto":
+        name = TritonPagedBackend.name if paged_attention_supported(device) else TorchSdpaBackend.name
+    if name == TorchSdpaBackend.name:
         return TorchSdpaBackend()
-    # Seam: a "cuda_paged" backend (flash-attn / paged kernel reading block tables directly) registers here.
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, {TorchSdpaBackend.name}")
+    if name == TritonPagedBackend.name:
+        return TritonPagedBackend(device)
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")

@@ -1,0 +1,543 @@
+"""The run to make when a GPU is lent: CUDA tests, then worker throughput and attention-kernel figures on
+random-weight Llama shapes built on the GPU (no checkpoint download). Last line: one JSON object.
+
+    python benchmarks/gpu.py            # 1B and 8B shapes, about 5 minutes on an H200
+    python benchmarks/gpu.py --quick    # 1B shape only, small counts
+    python benchmarks/gpu.py --dry-run  # CPU, toy shapes: checks this script before GPU time is spent on it
+
+Sections (each is timed and guarded: a failure is recorded under "errors" and the next section still runs):
+- tests: `pytest -q -k cuda` on the worker tests that hold CUDA tests, in a subprocess (the Triton kernels
+  against the reference, whole tiny models on both backends).
+- bandwidth: device copy bandwidth (bytes read + written / s), the denominator of the decode bound.
+- per model shape (Llama-3.2-1B: hidden 2048, 16 layers, 32/8 heads, intermediate 8192, vocab 128256, tied;
+  Llama-3.1-8B: hidden 4096, 32 layers, 32/8 heads, intermediate 14336, vocab 128256), bfloat16, driven through
+  ModelRunner with engine-shaped step plans (as benchmarks/throughput.py does on CPU):
+  offline_tok_s (N prompts x P tokens, G greedy outputs each, prefill under a 2048-token budget, then one decode
+  batch) with the triton_paged backend and, as the baseline measured in the same run, with torch_sdpa;
+  single_stream_tok_s; bandwidth_bound_tok_s = copy bandwidth / weight bytes one decode step streams (every
+  weight once; an untied input embedding is only gathered, so it is left out) and the fraction reached.
+- attention: one layer's decode (and prefill) time of the Triton paged kernels against gather + SDPA, 8B
+  attention shapes, a few batch x context sizes, with the largest output difference between the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --dry-run runs the Triton kernels in Triton's CPU interpreter; the switch must be set before triton is imported.
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    # --dry-run: the same code path at a size the CPU runs in seconds.
+    "toy": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class Counts:
+    num_prompts: int
+    prompt_len: int
+    output_len: int
+    single_stream_len: int
+    decode_cases: list[tuple[int, int]]  # (batch, context) for the attention decode comparison
+    prefill_cases: list[tuple[int, int]]  # (new tokens, context after them)
+    attention_iters: int
+    test_timeout_s: int
+
+
+FULL = Counts(256, 128, 128, 128, [(1, 1024), (1, 8192), (32, 2048), (128, 1024), (256, 2048)],
+              [(2048, 2048), (512, 4096)], 20, 240)  # fmt: skip
+QUICK = Counts(64, 64, 32, 32, [(1, 4096), (64, 1024)], [(1024, 1024)], 10, 180)
+DRY = Counts(4, 8, 3, 3, [(2, 40)], [(12, 30)], 1, 120)
+
+
+@dataclass
+class Report:
+    """Everything the run measured; sections add to it, failures land in `errors` keyed by section."""
+
+    started: float = field(default_factory=time.perf_counter)
+    figures: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    budget_s: float = 330.0
+    json_out: Path | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def section(self, name: str, run: Callable[[], Any]) -> Any:
+        if self.elapsed() > self.budget_s:
+            self.errors[name] = f"skipped: the {self.budget_s:.0f} s time budget was spent"
+            progress(f"{name}: skipped (time budget)")
+            return None
+        progress(f"{name} ...")
+        start = time.perf_counter()
+        try:
+            result = run()
+        except Exception as exc:  # one failed section must not lose the others' figures
+            self.errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+            progress(f"{name}: FAILED {self.errors[name]}\n{traceback.format_exc()}")
+            result = None
+        finally:
+            free_device_memory()
+        progress(f"{name}: done in {time.perf_counter() - start:.1f} s")
+        return result
+
+
+def progress(message: str) -> None:
+    print(f"[gpu.py {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ensure_ringserve_importable() -> None:
+    """`ringserve.workers` from this checkout, also where the dev layout (build/devpkg) was not built or did not
+    travel, as on a lent GPU machine: a throwaway `ringserve` package whose `workers` links to the source."""
+    try:
+        import ringserve.workers  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    root = ROOT / "build" / "devpkg"
+    if not (root / "ringserve" / "workers").exists():
+        root = Path(tempfile.mkdtemp(prefix="ringserve-pkg-"))
+        (root / "ringserve").mkdir()
+        (root / "ringserve" / "__init__.py").write_text('"""RingServe (linked by benchmarks/gpu.py)."""\n')
+        (root / "ringserve" / "workers").symlink_to(ROOT / "workers", target_is_directory=True)
+    sys.path.insert(0, str(root))
+    # The pytest subprocess imports it too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    progress(f"ringserve.workers imported from {root}")
+
+
+def cuda_test_targets() -> list[str]:
+    """The test files holding CUDA tests whose imports this machine has (a GPU image may lack `gguf`)."""
+    targets = ["tests/workers/test_triton_paged_attention.py"]
+    if importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("transformers") is not None:
+        targets.append("tests/workers/test_model_runner.py")
+    else:
+        progress("tests/workers/test_model_runner.py left out: gguf or transformers is not installed")
+    return targets
+
+
+# ---- engine-shaped step plans (the attributes ModelRunner reads from `_core.StepPlan`) --------------------------
+
+
+@dataclass
+class NewRequest:
+    slot: int
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    temperature: float = 0.0  # greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    has_seed: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    num_logprobs: int = 0
+    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    sched_slots: np.ndarray
+    sched_start: np.ndarray
+    sched_len: np.ndarray
+    sched_sample: np.ndarray
+    new_requests: list[NewRequest] = field(default_factory=list)
+    block_appends: list[Any] = field(default_factory=list)
+    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+def schedule(step_id: int, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, **deltas: Any) -> StepPlan:
+    n = len(slots)
+    return StepPlan(step_id, slots.astype(np.int32), starts.astype(np.int32), lens.astype(np.int32),
+                    np.ones(n, bool), **deltas)  # fmt: skip
+
+
+def finish(step_id: int, slots: np.ndarray) -> StepPlan:
+    empty = np.zeros(0, np.int32)
+    return StepPlan(step_id, empty, empty, empty, np.zeros(0, bool), finished_slots=slots.astype(np.int32))
+
+
+def offline_tok_s(runner: Any, prompts: np.ndarray, output_len: int, budget: int = 2048) -> float:
+    """Every prompt prefilled (whole prompts per step within the token budget, first token sampled), then all
+    decoded together; every block a request will need is handed out up front, as a large enough pool allows."""
+    n, p = prompts.shape
+    blocks_each = -(-(p + output_len) // runner.block_size)
+    requests = [
+        NewRequest(i, prompts[i].astype(np.int32), np.arange(i * blocks_each, (i + 1) * blocks_each, dtype=np.int32), p)
+        for i in range(n)
+    ]
+    per_step, step = max(1, budget // p), 0
+    synchronize(runner.device)
+    start = time.perf_counter()
+    for first in range(0, n, per_step):
+        batch = requests[first : first + per_step]
+        slots = np.array([r.slot for r in batch])
+        runner.execute(schedule(step, slots, np.zeros(len(batch)), np.full(len(batch), p), new_requests=batch))
+        step += 1
+    slots = np.arange(n)
+    for k in range(1, output_len):
+        runner.execute(schedule(step, slots, np.full(n, p + k - 1), np.ones(n)))
+        step += 1
+    synchronize(runner.device)  # execute() reads sampled tokens back, so this is already in sync; kept explicit
+    elapsed = time.perf_counter() - start
+    runner.execute(finish(step, slots))
+    return n * output_len / elapsed
+
+
+def single_stream_tok_s(runner: Any, prompt: np.ndarray, output_len: int) -> float:
+    blocks = np.arange(-(-(len(prompt) + output_len) // runner.block_size), dtype=np.int32)
+    one = np.zeros(1)
+    request = NewRequest(0, prompt.astype(np.int32), blocks, len(prompt))
+    runner.execute(schedule(0, one, one, np.array([len(prompt)]), new_requests=[request]))
+    synchronize(runner.device)
+    start = time.perf_counter()
+    for k in range(1, output_len):
+        runner.execute(schedule(k, one, np.array([len(prompt) + k - 1]), np.ones(1)))
+    synchronize(runner.device)
+    elapsed = time.perf_counter() - start
+    runner.execute(finish(output_len, one))
+    return (output_len - 1) / elapsed
+
+
+# ---- sections -------------------------------------------------------------------------------------------------
+
+
+def run_cuda_tests(targets: list[str], timeout_s: int) -> dict[str, Any]:
+    """pytest on the CUDA tests in a subprocess; its summary line and, on failure, the tail of its output."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels, not the interpreter
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", *targets]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        tail = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-3000:]
+        raise RuntimeError(f"CUDA tests did not finish in {timeout_s} s: {tail}") from exc
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    result = {
+        "command": " ".join(cmd[1:]),
+        "returncode": done.returncode,
+        "summary": lines[-1] if lines else "",
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if done.returncode != 0:  # 5 would mean no test matched: on a GPU that is a failure too
+        result["failures"] = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:30]
+        result["output_tail"] = (done.stdout[-4000:] + done.stderr[-2000:]).strip()
+        progress(f"CUDA tests failed:\n{result['output_tail']}")
+    return result
+
+
+def copy_bandwidth_gb_s(device: torch.device, megabytes: int, repeats: int = 10) -> float:
+    src = torch.ones(megabytes * (1 << 20) // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best / 1e9  # read + write
+
+
+def build_model(shape: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """Random weights created straight in `dtype` on the device: no float32 copy, no host round trip."""
+    from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], max_position=8192)
+    default_dtype = torch.get_default_dtype()
+    torch.manual_seed(0)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model.eval()
+
+
+def streamed_weight_bytes(model: Any) -> int:
+    """Bytes one decode step must read: every weight once, except an untied input embedding (rows gathered)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight is listed once
+    if not model.config.tie_word_embeddings:
+        embedding = model.model.embed_tokens.weight
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def bench_model(
+    shape: str, counts: Counts, device: torch.device, dtype: torch.dtype, backends: list[str], bandwidth: float | None
+) -> dict[str, Any]:
+    from ringserve.workers.model_runner import ModelRunner
+
+    figures: dict[str, Any] = {"shape": shape}
+    start = time.perf_counter()
+    model = build_model(shape, dtype, device)
+    synchronize(device)
+    figures["build_s"] = round(time.perf_counter() - start, 2)
+    figures["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    figures["streamed_bytes_per_token"] = streamed_weight_bytes(model)
+    c = counts
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(10, model.config.vocab_size, size=(c.num_prompts, c.prompt_len))
+    blocks = c.num_prompts * -(-(c.prompt_len + c.output_len) // 16) + 16
+    for i, backend in enumerate(backends):
+        runner = None
+        try:  # the baseline still gets measured when the first backend fails
+            # ModelRunner binds its KV cache and backend to the model's layers, so the runners take turns.
+            runner = ModelRunner(model, block_size=16, num_kv_blocks=blocks, device=device, attention_backend=backend)
+            progress(f"{shape} [{backend}]: warm-up (kernel compilation)")
+            offline_tok_s(runner, prompts[:2, : min(16, c.prompt_len)], 3)  # compiles the prefill and decode kernels
+            progress(f"{shape} [{backend}]: offline {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
+            key = "offline_tok_s" if i == 0 else f"offline_tok_s_{backend}"
+            figures[key] = round(offline_tok_s(runner, prompts, c.output_len), 1)
+            if i == 0:
+                progress(f"{shape} [{backend}]: single stream, {c.single_stream_len} tokens")
+                tok_s = single_stream_tok_s(runner, prompts[0], c.single_stream_len)
+                figures["single_stream_tok_s"] = round(tok_s, 1)
+                figures["attention_backend"] = backend
+        except Exception as exc:
+            figures.setdefault("errors", {})[backend] = f"{type(exc).__name__}: {exc}"[:2000]
+            progress(f"{shape} [{backend}]: FAILED\n{traceback.format_exc()}")
+        progress(f"{shape} [{backend}]: {figures}")
+        del runner
+        free_device_memory()
+    if bandwidth:
+        bound = bandwidth * 1e9 / figures["streamed_bytes_per_token"]
+        figures["bandwidth_bound_tok_s"] = round(bound, 1)
+        if "single_stream_tok_s" in figures:
+            figures["single_stream_vs_bound"] = round(figures["single_stream_tok_s"] / bound, 3)
+    if len(backends) > 1 and f"offline_tok_s_{backends[1]}" in figures:
+        figures[f"offline_speedup_vs_{backends[1]}"] = round(
+            figures["offline_tok_s"] / figures[f"offline_tok_s_{backends[1]}"], 3
+        )
+    del model
+    return figures
+
+
+def time_us(device: torch.device, run: Callable[[], Any], iters: int) -> float:
+    """Median wall time of `run` in microseconds (CUDA events on a GPU)."""
+    run()
+    run()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) * 1000)
+        else:
+            start = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - start) * 1e6)
+    return float(np.median(times))
+
+
+def bench_attention(
+    cases: list[tuple[int, int]], kind: str, counts: Counts, device: torch.device, dtype: torch.dtype, shape: str
+) -> list[dict[str, Any]]:
+    """One layer's attention, Triton paged kernels against gather + SDPA, on random paged caches.
+
+    kind "decode": (batch, context) -> batch sequences with one new token each;
+    kind "prefill": (new tokens, context) -> one sequence with that chunk (context - new tokens already cached).
+    """
+    from ringserve.workers.attention import AttentionMetadata, get_attention_backend
+
+    cfg = SHAPES[shape]
+    heads, kv_heads, head_dim, block_size = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], 16
+    triton_backend = get_attention_backend("triton_paged", device)
+    sdpa_backend = get_attention_backend("torch_sdpa", device)
+    rows = []
+    for a, b in cases:
+        query_lens, seq_lens = ([1] * a, [b] * a) if kind == "decode" else ([a], [b])
+        per_seq = -(-max(seq_lens) // block_size)
+        num_blocks = per_seq * len(seq_lens) + 1
+        gen = torch.Generator().manual_seed(0)
+        pool = torch.randperm(num_blocks, generator=gen)  # shuffled blocks: tables are not contiguous
+        tables = pool[: per_seq * len(seq_lens)].view(len(seq_lens), per_seq).tolist()
+        md = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, None, device=device)
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+        k = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
+        v = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        scale = head_dim**-0.5
+        row: dict[str, Any] = {"batch" if kind == "decode" else "new_tokens": a, "context": b}
+        outputs = {}
+        for name, backend in (("triton_paged", triton_backend), ("torch_sdpa", sdpa_backend)):
+            run = functools.partial(backend.forward, q, k, v, k_cache, v_cache, md, scale)
+            try:  # one size failing (memory, say) keeps the other sizes' figures
+                row[f"{name}_us"] = round(time_us(device, run, counts.attention_iters), 1)
+                outputs[name] = run()
+            except Exception as exc:
+                row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+                progress(f"attention {kind} {a} x {b} [{name}]: FAILED\n{traceback.format_exc()}")
+        if len(outputs) == 2:
+            row["speedup"] = round(row["torch_sdpa_us"] / row["triton_paged_us"], 2)
+            row["max_abs_diff"] = float((outputs["triton_paged"].float() - outputs["torch_sdpa"].float()).abs().max())
+        if "triton_paged" in outputs:
+            kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * k_cache.element_size()
+            row["triton_kv_gb_s"] = round(kv_bytes / (row["triton_paged_us"] * 1e-6) / 1e9, 1)
+        progress(f"attention {kind}: {row}")
+        rows.append(row)
+        del q, k, v, k_cache, v_cache, outputs, md
+        free_device_memory()
+    return rows
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+            memory_gib=round(props.total_memory / (1 << 30), 1), cuda=torch.version.cuda,
+        )  # fmt: skip
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the 1B shape only, small counts")
+    p.add_argument("--dry-run", action="store_true", help="CPU, toy shapes, torch_sdpa + the Triton interpreter")
+    p.add_argument("--skip-tests", action="store_true", help="do not run the CUDA tests first")
+    p.add_argument("--json-out", type=Path, default=None, help="also write the JSON line to this file")
+    p.add_argument(
+        "--budget-s", type=float, default=330.0, help="sections starting after this many seconds are skipped"
+    )
+    args = p.parse_args(argv)
+
+    if args.dry_run:
+        device, dtype, counts, shapes = torch.device("cpu"), torch.float32, DRY, ["toy"]
+        test_targets = ["tests/workers/test_triton_paged_attention.py"]  # the CUDA tests there skip: a cheap check
+        has_triton = importlib.util.find_spec("triton") is not None
+        model_backends = ["triton_paged", "torch_sdpa"] if has_triton else ["torch_sdpa"]
+    else:
+        if not torch.cuda.is_available():
+            print(
+                "benchmarks/gpu.py needs a CUDA GPU and a CUDA build of torch (torch.cuda.is_available() is False); "
+                "run `python benchmarks/gpu.py --dry-run` to check the script on CPU",
+                file=sys.stderr,
+            )
+            return 2
+        device, dtype = torch.device("cuda", 0), torch.bfloat16
+        counts = QUICK if args.quick else FULL
+        shapes = ["llama-3.2-1b"] if args.quick else ["llama-3.2-1b", "llama-3.1-8b"]
+        test_targets = cuda_test_targets()
+        model_backends = ["triton_paged", "torch_sdpa"]
+        has_triton = True
+
+    ensure_ringserve_importable()
+    report = Report(budget_s=args.budget_s, json_out=args.json_out)
+    figures = report.figures
+    figures.update(environment(device), dry_run=args.dry_run, quick=args.quick)
+    progress(f"{figures}")
+    if not args.skip_tests:
+        tests = report.section("tests", lambda: run_cuda_tests(test_targets, counts.test_timeout_s))
+        figures["tests"] = tests
+        if tests is not None and tests["returncode"] != 0:
+            report.errors["tests"] = f"pytest exited {tests['returncode']}: {tests['summary']}"
+    bandwidth = report.section("bandwidth", lambda: copy_bandwidth_gb_s(device, 16 if args.dry_run else 2048))
+    figures["bandwidth_gb_s"] = None if bandwidth is None else round(bandwidth, 1)
+    figures["models"] = {}
+    for shape in shapes:
+        result = report.section(
+            f"model {shape}", lambda shape=shape: bench_model(shape, counts, device, dtype, model_backends, bandwidth)
+        )
+        if result is not None:
+            figures["models"][shape] = result
+            for backend, error in result.get("errors", {}).items():
+                report.errors[f"model {shape} [{backend}]"] = error
+    kernel_shape = "toy" if args.dry_run else "llama-3.1-8b"
+    figures["attention_shape"] = kernel_shape
+    if args.dry_run and not has_triton:
+        progress("attention: skipped, triton is not installed (the dry run has nothing to compare)")
+        figures["attention_decode"] = figures["attention_prefill"] = None
+        return finish_report(report)
+    figures["attention_decode"] = report.section(
+        "attention decode", lambda: bench_attention(counts.decode_cases, "decode", counts, device, dtype, kernel_shape)
+    )
+    figures["attention_prefill"] = report.section(
+        "attention prefill",
+        lambda: bench_attention(counts.prefill_cases, "prefill", counts, device, dtype, kernel_shape),
+    )
+    for kind in ("attention_decode", "attention_prefill"):
+        for row in figures[kind] or []:
+            for key in [k for k in row if k.endswith("_error")]:
+                size = f"{row.get('batch', row.get('new_tokens'))} x {row['context']}"
+                report.errors[f"{kind} {size} [{key.removesuffix('_error')}]"] = row[key]
+    return finish_report(report)
+
+
+def finish_report(report: Report) -> int:
+    report.figures["errors"] = report.errors
+    report.figures["total_s"] = round(report.elapsed(), 1)
+    line = json.dumps(report.figures)
+    if report.json_out is not None:
+        report.json_out.write_text(line + "\n")
+    print(line)
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
