@@ -1,0 +1,375 @@
+"""Served models and their engine replicas: what RegisterModel, ScaleWorker and UnregisterModel act on.
+
+A `ModelDeployment` is one served model (its tokenizer, its ModelInfo) with one or more `EngineReplica`s, each an
+engine process with its own workers, rings and KV cache (data parallelism). The deployment is the servicer's
+`GenerationEngine`: each request goes to the ready replica with the fewest outstanding tokens (prompt tokens not
+yet prefilled plus tokens still to generate). The `ModelRegistry` maps names to deployments.
+
+Status: tested on its own (tests/frontend/test_deployment_routing.py); the launcher does not use it yet and still
+starts its one engine directly, so RegisterModel/ScaleWorker/UnregisterModel still answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from ringserve.backend.process import stop_child
+from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
+from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
+from ringserve.frontend.tokenizer import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+# (request ring name, event ring name) -> the engine process's argv.
+EngineCommand = Callable[[str, str], list[str]]
+
+
+class ModelRegistryError(Exception):
+    """A registry operation that cannot be done; `code` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class EngineReplica:
+    """One engine process serving one model: its rings, its process and the client that talks to it."""
+
+    def __init__(self, index: int, command: EngineCommand, *, log_level: str = "INFO") -> None:
+        self.index = index
+        self._command = command
+        self._log_level = log_level
+        self.process: subprocess.Popen[bytes] | None = None
+        self.client: EngineClient | None = None
+        self._rings: list[Any] = []
+        self._watch: asyncio.Task[None] | None = None
+        self.outstanding_tokens = 0
+        self.state = "STARTING"  # STARTING, READY, DRAINING, STOPPED, FAILED
+        self.ready: Any = None
+
+    @property
+    def failure(self) -> str | None:
+        return None if self.client is None else self.client.failure
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "READY" and self.failure is None
+
+    async def start(self, timeout_s: float) -> Any:
+        """Start the engine and wait for its EngineReady; on any failure everything started is stopped again."""
+        from ringserve import _core
+
+        try:
+            request_ring = _core.ShmRing.create(new_segment_name("req"), REQUEST_RING_BYTES, 1)
+            self._rings.append(request_ring)
+            event_ring = _core.ShmRing.create(new_segment_name("evt"), EVENT_RING_BYTES, 1)
+            self._rings.append(event_ring)
+            env = {**os.environ, "RINGSERVE_LOG_LEVEL": self._log_level.upper()}
+            command = self._command(request_ring.name, event_ring.name)
+            self.process = await asyncio.to_thread(subprocess.Popen, command, env=env)
+            self.client = EngineClient(request_ring, event_ring)
+            self.client.start()
+            self._watch = asyncio.create_task(self._watch_process(self.process))
+            ready = asyncio.create_task(self.client.wait_ready(timeout_s))
+            await asyncio.wait({ready, self._watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not ready.done():
+                ready.cancel()
+                raise ModelRegistryError("INTERNAL", f"the engine exited with code {self.process.poll()} while "
+                                                     "loading the model (see the server log)")  # fmt: skip
+            self.ready = ready.result()
+        except BaseException:
+            self.state = "FAILED"
+            await self.stop(0.0)
+            raise
+        self.state = "READY"
+        return self.ready
+
+    async def _watch_process(self, process: subprocess.Popen[bytes]) -> None:
+        """Fails the client when the engine process exits: a pidfd turns readable then, so nothing polls."""
+        exited = asyncio.Event()
+        pidfd = os.pidfd_open(process.pid)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pidfd, exited.set)
+        try:
+            await exited.wait()
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        code = process.wait()
+        if self.state not in ("STOPPED", "DRAINING") and self.client is not None:
+            self.state = "FAILED"
+            self.client.fail(f"the engine process of replica {self.index} exited with code {code}")
+            log.error("engine replica %d exited with code %s", self.index, code)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests and wait (up to timeout_s) for the in-flight ones to finish."""
+        if self.state == "READY":
+            self.state = "DRAINING"
+        deadline = time.monotonic() + timeout_s
+        # The client keeps no "idle" event; a drain is rare and bounded, so it polls.
+        while self.client is not None and self.client.num_in_flight and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+    async def stop(self, drain_s: float) -> int | None:
+        """Drain, ask the engine to exit, stop the process and remove the rings. Returns the exit code."""
+        await self.drain(drain_s)
+        self.state = "STOPPED" if self.state != "FAILED" else "FAILED"
+        code: int | None = None
+        if self.client is not None:
+            if self.client.failure is None and self.process is not None and self.process.poll() is None:
+                await self.client.shutdown_engine(timeout=5.0)
+            await self.client.close(f"model replica {self.index} was stopped")
+        if self.process is not None:
+            code = await asyncio.to_thread(stop_child, self.process, 15.0)
+        if self._watch is not None:
+            self._watch.cancel()
+        for ring in self._rings:
+            ring.unlink()
+        self._rings.clear()
+        return code
+
+
+@dataclass
+class ModelDeployment:
+    """One served model: its tokenizer, ModelInfo and engine replicas; the servicer's GenerationEngine."""
+
+    name: str
+    url: str
+    tokenizer: ModelTokenizer
+    command: EngineCommand
+    start_timeout_s: float = 600.0
+    log_level: str = "INFO"
+    info: Any = None  # pb.ModelInfo, filled once the first replica is ready
+    replicas: list[EngineReplica] = field(default_factory=list)
+    _request_ids: Any = field(default_factory=lambda: itertools.count(1))
+    _replica_ids: Any = field(default_factory=lambda: itertools.count(0))
+    _failure_listeners: list[Callable[[str], None]] = field(default_factory=list)
+    _stats_listeners: list[Callable[[Any], None]] = field(default_factory=list)
+    _failed: str | None = None
+    _scale_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    # -- replicas -------------------------------------------------------------------------------------------
+
+    async def add_replica(self) -> EngineReplica:
+        replica = EngineReplica(next(self._replica_ids), self.command, log_level=self.log_level)
+        await replica.start(self.start_timeout_s)
+        assert replica.client is not None
+        replica.client.add_failure_listener(lambda message: self._on_replica_failure(replica, message))
+        for listener in self._stats_listeners:
+            replica.client.add_stats_listener(listener)
+        self.replicas.append(replica)
+        self._failed = None
+        return replica
+
+    async def scale(self, count: int, drain_s: float) -> None:
+        """Start or stop replicas until `count` are serving; the newest are stopped first, after draining."""
+        if count < 1:
+            raise ModelRegistryError("INVALID_ARGUMENT", f"a model needs at least one worker (got {count}); use "
+                                                         "UnregisterModel to remove it")  # fmt: skip
+        async with self._scale_lock:
+            self.replicas = [r for r in self.replicas if r.state not in ("FAILED", "STOPPED")] or self.replicas
+            while len(self.serving_replicas) < count:
+                await self.add_replica()
+            surplus = self.serving_replicas[count:]
+            for replica in surplus:
+                replica.state = "DRAINING"  # no new requests from now on
+            await asyncio.gather(*(replica.stop(drain_s) for replica in surplus))
+            self.replicas = [r for r in self.replicas if r not in surplus]
+
+    async def stop(self, drain_s: float) -> None:
+        async with self._scale_lock:
+            for replica in self.replicas:
+                if replica.state == "READY":
+                    replica.state = "DRAINING"
+            await asyncio.gather(*(replica.stop(drain_s) for replica in self.replicas))
+
+    @property
+    def serving_replicas(self) -> list[EngineReplica]:
+        return [r for r in self.replicas if r.serving]
+
+    def _on_replica_failure(self, replica: EngineReplica, message: str) -> None:
+        if self.serving_replicas or self._failed is not None:
+            log.error("model %s: replica %d failed (%s); %d replica(s) still serving", self.name, replica.index,
+                      message, len(self.serving_replicas))  # fmt: skip
+            return
+        self._failed = message
+        for callback in self._failure_listeners:
+            try:
+                callback(message)
+            except Exception:
+                log.exception("model failure listener raised")
+
+    def describe_replicas(self) -> list[dict[str, Any]]:
+        return [{"id": f"engine-{r.index}", "status": r.state if r.failure is None else "FAILED",
+                 "pid": r.process.pid if r.process is not None else None,
+                 "outstandingTokens": r.outstanding_tokens} for r in self.replicas]  # fmt: skip
+
+    # -- GenerationEngine -----------------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        if self.serving_replicas:
+            return None
+        return self._failed or "no engine replica of this model is serving"
+
+    def allocate_request_id(self) -> int:
+        return next(self._request_ids)
+
+    def add_failure_listener(self, callback: Callable[[str], None]) -> None:
+        self._failure_listeners.append(callback)
+
+    def add_stats_listener(self, callback: Callable[[Any], None]) -> None:
+        self._stats_listeners.append(callback)
+        for replica in self.replicas:
+            if replica.client is not None:
+                replica.client.add_stats_listener(callback)
+
+    async def wait_ready(self, timeout: float | None = None) -> Any:
+        replicas = self.serving_replicas
+        if not replicas:
+            raise EngineUnavailableError(self.failure or "not ready")
+        return replicas[0].ready
+
+    def _pick(self) -> EngineReplica:
+        replicas = self.serving_replicas
+        if not replicas:
+            raise EngineUnavailableError(f"model {self.name!r}: {self.failure}")
+        return min(replicas, key=lambda r: r.outstanding_tokens)
+
+    async def generate(self, request_id: int, prompt_ids: Sequence[int],
+                       params: SamplingOptions) -> AsyncIterator[Any]:  # fmt: skip
+        replica = self._pick()
+        assert replica.client is not None
+        # Outstanding work: the prompt still to prefill plus the tokens still to generate.
+        outstanding = len(prompt_ids) + params.max_tokens
+        replica.outstanding_tokens += outstanding
+        try:
+            # aclosing: when our caller stops early, the replica's stream is closed now, which aborts the request in
+            # its engine (an unclosed async generator would only be finalized later by the garbage collector).
+            async with contextlib.aclosing(replica.client.generate(request_id, prompt_ids, params)) as stream:
+                async for output in stream:
+                    if outstanding > params.max_tokens and output.num_scheduled_tokens:  # prefill progress
+                        done = min(outstanding - params.max_tokens, output.num_scheduled_tokens)
+                        outstanding -= done
+                        replica.outstanding_tokens -= done
+                    generated = len(output.new_token_ids)
+                    if generated:
+                        step = min(generated, outstanding)
+                        outstanding -= step
+                        replica.outstanding_tokens -= step
+                    yield output
+        finally:
+            replica.outstanding_tokens -= outstanding
+
+    async def get_stats(self, timeout: float = 5.0) -> Any:
+        """Every serving replica's EngineStats, summed (KV usage averaged)."""
+        replicas = self.serving_replicas
+        if not replicas:
+            raise EngineUnavailableError(f"model {self.name!r}: {self.failure}")
+        stats = await asyncio.gather(*(r.client.get_stats(timeout) for r in replicas if r.client is not None))
+        return combine_stats(stats)
+
+
+_SUMMED_STATS = ("num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "num_steps",
+                 "num_preemptions", "num_scheduled_tokens", "prefix_cache_queries", "prefix_cache_hits",
+                 "total_prompt_tokens", "total_generation_tokens")  # fmt: skip
+
+
+def combine_stats(stats: Sequence[Any]) -> Any:
+    if len(stats) == 1:
+        return stats[0]
+    combined = SimpleNamespace(**{name: sum(getattr(s, name, 0) for s in stats) for name in _SUMMED_STATS})
+    combined.query_id = 0
+    combined.block_size = stats[0].block_size
+    combined.step_time_ns = max(getattr(s, "step_time_ns", 0) for s in stats)
+    combined.kv_usage = sum(getattr(s, "kv_usage", 0.0) for s in stats) / len(stats)
+    return combined
+
+
+class ModelRegistry:
+    """Served models by name, with the default model requests without a name go to."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ModelDeployment] = {}
+        self.default_name: str | None = None
+        self._pending: set[str] = set()
+        self._listeners: list[Callable[[str, ModelDeployment | None], None]] = []
+
+    def add_listener(self, callback: Callable[[str, ModelDeployment | None], None]) -> None:
+        """`callback(name, deployment or None)` runs when a model is registered or removed."""
+        self._listeners.append(callback)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._models
+
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def deployments(self) -> list[ModelDeployment]:
+        return list(self._models.values())
+
+    def get(self, name: str) -> ModelDeployment:
+        """The named model ("" = the default); ModelRegistryError NOT_FOUND naming what is registered."""
+        key = name or self.default_name or ""
+        deployment = self._models.get(key)
+        if deployment is None:
+            known = ", ".join(repr(n) for n in self._models) or "none"
+            raise ModelRegistryError("NOT_FOUND", f"model {name!r} is not served here; served models: {known}")
+        return deployment
+
+    def set_default(self, name: str) -> None:
+        self.get(name)
+        self.default_name = name
+
+    async def register(self, deployment: ModelDeployment, initial_replicas: int,
+                       describe: Callable[[ModelDeployment, Any], Any]) -> ModelDeployment:  # fmt: skip
+        """Start the model's replicas and add it; `describe(deployment, ready)` builds its ModelInfo."""
+        name = deployment.name
+        if name in self._models or name in self._pending:
+            raise ModelRegistryError("ALREADY_EXISTS", f"model {name!r} is already registered")
+        if initial_replicas < 1:
+            raise ModelRegistryError("INVALID_ARGUMENT", f"initial_workers must be at least 1 (got {initial_replicas})")
+        self._pending.add(name)
+        try:
+            replica = await deployment.add_replica()
+            deployment.info = describe(deployment, replica.ready)
+            if initial_replicas > 1:
+                await deployment.scale(initial_replicas, 0.0)
+        except BaseException:
+            await deployment.stop(0.0)
+            raise
+        finally:
+            self._pending.discard(name)
+        self._models[name] = deployment
+        if self.default_name is None:
+            self.default_name = name
+        for callback in self._listeners:
+            callback(name, deployment)
+        return deployment
+
+    async def unregister(self, name: str, drain_s: float) -> None:
+        deployment = self.get(name)
+        if not name:
+            raise ModelRegistryError("INVALID_ARGUMENT", "model_name is required")
+        del self._models[name]
+        if self.default_name == name:
+            self.default_name = next(iter(self._models), None)
+        for callback in self._listeners:
+            callback(name, None)
+        await deployment.stop(drain_s)
+
+    async def stop_all(self, drain_s: float) -> None:
+        deployments = list(self._models.values())
+        self._models.clear()
+        await asyncio.gather(*(d.stop(drain_s) for d in deployments))
