@@ -36,10 +36,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="reuse the KV blocks of equal prompt prefixes across requests")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request may prefill in a step (0 = no cap)")
+    p.add_argument("--priority-aging-ms", type=int, default=0,
+                   help="a waiting request's priority value improves by one per this many ms waited (0 = strict)")
     p.add_argument(
         "--kv-cache-dtype", default=os.environ.get("RINGSERVE_KV_CACHE_DTYPE", "auto"),
         choices=["auto", "float32", "bfloat16", "float16"],
         help="KV cache dtype (auto = the weights'); env RINGSERVE_KV_CACHE_DTYPE",
+    )  # fmt: skip
+    p.add_argument(
+        "--attention-backend", default=os.environ.get("RINGSERVE_ATTENTION_BACKEND", "auto"),
+        choices=["auto", "torch_sdpa", "triton_paged"],
+        help="workers' attention (auto = triton_paged on CUDA, torch_sdpa on CPU); env RINGSERVE_ATTENTION_BACKEND",
     )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -58,6 +65,7 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
         "--rank", str(rank), "--world-size", str(args.tensor_parallel_size),
         "--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
         "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--kv-cache-dtype", args.kv_cache_dtype,
+        "--attention-backend", args.attention_backend,
         "--step-ring", step_ring, "--result-ring", result_ring, "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     if args.num_kv_blocks is not None:
@@ -85,6 +93,7 @@ def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
     config.eos_token_ids = list(args.eos_token_ids)
     config.enable_prefix_caching = args.enable_prefix_caching
     config.long_prefill_token_threshold = args.long_prefill_token_threshold
+    config.priority_aging_ms = args.priority_aging_ms
     # num_blocks stays 0: the engine then sizes its pool from the workers' WorkerReady (the blocks they really
     # allocated) and reports ready only once every worker has loaded the model.
     return config

@@ -14,6 +14,7 @@
 #include "ringserve/core_bench.h"
 #include "ringserve/engine.h"
 #include "ringserve/records.h"
+#include "ringserve/ring_bench.h"
 #include "ringserve/ring_notifier.h"
 #include "ringserve/shm_ring.h"
 
@@ -45,13 +46,6 @@ auto from_array(const Array& a) {
   using T = typename Array::value_type;
   if (a.ndim() != 1) throw py::value_error("expected a 1-D array");
   return std::vector<T>(a.data(), a.data() + a.size());
-}
-
-std::vector<uint8_t> from_bool_array(const BoolArray& a) {
-  if (a.ndim() != 1) throw py::value_error("expected a 1-D array");
-  std::vector<uint8_t> v(static_cast<size_t>(a.size()));
-  for (py::ssize_t i = 0; i < a.size(); ++i) v[static_cast<size_t>(i)] = a.data()[i] ? 1 : 0;
-  return v;
 }
 
 // [rows, cols] row-major copy of a flattened matrix.
@@ -142,7 +136,189 @@ struct PyRingReader {
   PyRingReader(std::shared_ptr<ShmRing> ring, uint32_t index) : reader(std::move(ring), index) {}
 };
 
-py::object maybe_bytes(bool got, const ByteBuffer& b) { return got ? py::object(to_bytes(b)) : py::none(); }
+// Record strings are bytes on the wire (a sender may have cut a message inside a UTF-8 sequence); decode them
+// leniently so a diagnostic never makes its record unreadable in Python.
+template <class Record>
+py::str message_of(const Record& r) {
+  PyObject* text = PyUnicode_DecodeUTF8(r.message.data(), static_cast<py::ssize_t>(r.message.size()), "replace");
+  if (text == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(text);
+}
+
+template <class Record>
+void set_message(Record& r, std::string message) {
+  r.message = std::move(message);
+}
+
+// Locks `mutex` without holding the GIL while waiting for it: another Python thread may hold it across a blocking
+// ring call, and waiting with the GIL would stall every thread of the interpreter.
+std::unique_lock<std::mutex> lock_without_gil(std::mutex& mutex) {
+  std::unique_lock lock(mutex, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    py::gil_scoped_release release;
+    lock.lock();
+  }
+  return lock;
+}
+
+// The next record as bytes, copied once straight out of the ring, or None. Needs the GIL and the reader's mutex.
+py::object take_record(RingReader& reader) {
+  const auto record = reader.peek();
+  if (!record) return py::none();
+  py::bytes out(reinterpret_cast<const char*>(record->data()), record->size());
+  reader.release();  // only now may the writer reuse those bytes
+  return out;
+}
+
+// ---- StepPlan's Python face ------------------------------------------------------------------------------------
+// Arrays are numpy arrays. A decoded plan's arrays are read-only views of the record's bytes (the array's base keeps
+// them alive), so a worker reads token, block and slot ids without copying; a plan built in Python or returned by
+// Scheduler.schedule owns its arrays.
+struct PyNewRequestData {
+  NewRequestData fields;  // the scalars; its vectors stay empty (the arrays below hold the ids)
+  py::array token_ids = py::array_t<int32_t>(0);
+  py::array block_ids = py::array_t<int32_t>(0);
+  py::array suppress_token_ids = py::array_t<int32_t>(0);
+};
+
+struct PyBlockAppend {
+  int32_t slot = 0;
+  py::array block_ids = py::array_t<int32_t>(0);
+};
+
+struct PyStepPlan {
+  uint64_t step_id = 0;
+  py::list new_requests;   // of PyNewRequestData
+  py::list block_appends;  // of PyBlockAppend
+  py::array sched_slots = py::array_t<int32_t>(0);
+  py::array sched_start = py::array_t<int32_t>(0);
+  py::array sched_len = py::array_t<int32_t>(0);
+  py::array sched_sample = py::array_t<bool>(0);
+  py::array finished_slots = py::array_t<int32_t>(0);
+};
+
+// A 1-D array of T from anything numpy converts (the setters' input); keeps an int32 array as is.
+template <class T>
+py::array checked_1d(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
+  if (a.ndim() != 1) throw py::value_error("expected a 1-D array");
+  return a;
+}
+
+// Copies through memcpy: a view of a record may be unaligned for T.
+template <class T>
+std::vector<T> copy_out(const py::array& a) {
+  const auto c = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(a);
+  if (!c || c.ndim() != 1) throw py::value_error("expected a 1-D array");
+  std::vector<T> v(static_cast<size_t>(c.size()));
+  if (!v.empty()) std::memcpy(v.data(), c.data(), v.size() * sizeof(T));
+  return v;
+}
+
+std::vector<uint8_t> copy_out_bools(const py::array& a) {
+  const auto c = py::array_t<bool, py::array::c_style | py::array::forcecast>::ensure(a);
+  if (!c || c.ndim() != 1) throw py::value_error("expected a 1-D array");
+  std::vector<uint8_t> v(static_cast<size_t>(c.size()));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = c.data()[i] ? 1 : 0;
+  return v;
+}
+
+StepPlan to_native(const PyStepPlan& p) {
+  StepPlan plan;
+  plan.step_id = p.step_id;
+  for (const py::handle item : p.new_requests) {
+    const auto& n = item.cast<const PyNewRequestData&>();
+    NewRequestData nr = n.fields;
+    nr.token_ids = copy_out<int32_t>(n.token_ids);
+    nr.block_ids = copy_out<int32_t>(n.block_ids);
+    nr.suppress_token_ids = copy_out<int32_t>(n.suppress_token_ids);
+    plan.new_requests.push_back(std::move(nr));
+  }
+  for (const py::handle item : p.block_appends) {
+    const auto& b = item.cast<const PyBlockAppend&>();
+    plan.block_appends.push_back({b.slot, copy_out<int32_t>(b.block_ids)});
+  }
+  plan.sched_slots = copy_out<int32_t>(p.sched_slots);
+  plan.sched_start = copy_out<int32_t>(p.sched_start);
+  plan.sched_len = copy_out<int32_t>(p.sched_len);
+  plan.sched_sample = copy_out_bools(p.sched_sample);
+  plan.finished_slots = copy_out<int32_t>(p.finished_slots);
+  return plan;
+}
+
+py::object to_python(StepPlan&& plan) {
+  PyStepPlan p;
+  p.step_id = plan.step_id;
+  for (NewRequestData& nr : plan.new_requests) {
+    PyNewRequestData n;
+    n.token_ids = to_array(nr.token_ids);
+    n.block_ids = to_array(nr.block_ids);
+    n.suppress_token_ids = to_array(nr.suppress_token_ids);
+    nr.token_ids.clear();
+    nr.block_ids.clear();
+    nr.suppress_token_ids.clear();
+    n.fields = std::move(nr);
+    p.new_requests.append(py::cast(std::move(n)));
+  }
+  for (const BlockAppend& ba : plan.block_appends) {
+    p.block_appends.append(py::cast(PyBlockAppend{ba.slot, to_array(ba.block_ids)}));
+  }
+  p.sched_slots = to_array(plan.sched_slots);
+  p.sched_start = to_array(plan.sched_start);
+  p.sched_len = to_array(plan.sched_len);
+  p.sched_sample = to_bool_array(plan.sched_sample);
+  p.finished_slots = to_array(plan.finished_slots);
+  return py::cast(std::move(p));
+}
+
+// A read-only numpy view of `location` inside the record `bytes`; `owner` keeps those bytes alive and unchanged.
+template <class T>
+py::array view_of(const py::object& owner, std::span<const uint8_t> bytes, const ArrayLocation& location) {
+  py::array a(py::dtype::of<T>(), {static_cast<py::ssize_t>(location.count)}, {static_cast<py::ssize_t>(sizeof(T))},
+              bytes.data() + location.offset, owner);
+  py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return a;
+}
+
+py::object decode_worker_command_py(const py::buffer& record) {
+  const BytesView view(record);
+  StepPlanLayout layout;
+  WorkerCommand command = decode_worker_command(view.span(), layout);
+  auto* decoded = std::get_if<StepPlan>(&command);
+  if (decoded == nullptr) return py::cast(std::get<WorkerShutdown>(command));
+  // bytes are immutable; anything else is viewed through a memoryview, whose buffer export keeps a bytearray (say)
+  // from being resized under the views.
+  const py::object owner = PyBytes_Check(record.ptr()) ? py::object(record) : py::object(py::memoryview(record));
+  const auto bytes = view.span();
+  PyStepPlan p;
+  p.step_id = decoded->step_id;
+  for (size_t i = 0; i < decoded->new_requests.size(); ++i) {
+    PyNewRequestData n;
+    n.fields = std::move(decoded->new_requests[i]);
+    n.token_ids = view_of<int32_t>(owner, bytes, layout.new_requests[i].token_ids);
+    n.block_ids = view_of<int32_t>(owner, bytes, layout.new_requests[i].block_ids);
+    n.suppress_token_ids = view_of<int32_t>(owner, bytes, layout.new_requests[i].suppress_token_ids);
+    p.new_requests.append(py::cast(std::move(n)));
+  }
+  for (size_t i = 0; i < decoded->block_appends.size(); ++i) {
+    const py::array block_ids = view_of<int32_t>(owner, bytes, layout.block_appends[i]);
+    p.block_appends.append(py::cast(PyBlockAppend{decoded->block_appends[i].slot, block_ids}));
+  }
+  p.sched_slots = view_of<int32_t>(owner, bytes, layout.sched_slots);
+  p.sched_start = view_of<int32_t>(owner, bytes, layout.sched_start);
+  p.sched_len = view_of<int32_t>(owner, bytes, layout.sched_len);
+  p.sched_sample = view_of<bool>(owner, bytes, layout.sched_sample);  // validated 0/1 bytes: valid numpy bools
+  p.finished_slots = view_of<int32_t>(owner, bytes, layout.finished_slots);
+  return py::cast(std::move(p));
+}
+
+// A NewRequestData scalar as a read/write Python attribute.
+template <auto Member>
+void def_new_request_field(py::class_<PyNewRequestData>& cls, const char* name) {
+  using T = std::remove_cvref_t<decltype(std::declval<NewRequestData&>().*Member)>;
+  cls.def_property(
+      name, [](const PyNewRequestData& n) { return n.fields.*Member; },
+      [](PyNewRequestData& n, T value) { n.fields.*Member = value; });
+}
 
 // While Engine.run() holds no GIL, Python signal handlers only run when someone calls PyErr_CheckSignals.
 class InterruptCheckScope {
@@ -283,7 +459,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<>())
       .def_readwrite("request_id", &RequestRejected::request_id)
       .def_readwrite("status_code", &RequestRejected::status_code)
-      .def_readwrite("message", &RequestRejected::message);
+      .def_property("message", &message_of<RequestRejected>, &set_message<RequestRejected>);
 
   py::class_<EngineReady>(m, "EngineReady")
       .def(py::init<>())
@@ -291,61 +467,68 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("block_size", &EngineReady::block_size)
       .def_readwrite("max_model_len", &EngineReady::max_model_len);
 
-  py::class_<EngineFailed>(m, "EngineFailed").def(py::init<>()).def_readwrite("message", &EngineFailed::message);
-
-  py::class_<NewRequestData>(m, "NewRequestData")
+  py::class_<EngineFailed>(m, "EngineFailed")
       .def(py::init<>())
-      .def_readwrite("slot", &NewRequestData::slot)
-      .def_property(
-          "token_ids", [](const NewRequestData& n) { return to_array(n.token_ids); },
-          [](NewRequestData& n, const Int32Array& a) { n.token_ids = from_array(a); })
-      .def_property(
-          "block_ids", [](const NewRequestData& n) { return to_array(n.block_ids); },
-          [](NewRequestData& n, const Int32Array& a) { n.block_ids = from_array(a); })
-      .def_readwrite("num_computed_tokens", &NewRequestData::num_computed_tokens)
-      .def_readwrite("temperature", &NewRequestData::temperature)
-      .def_readwrite("top_p", &NewRequestData::top_p)
-      .def_readwrite("top_k", &NewRequestData::top_k)
-      .def_readwrite("seed", &NewRequestData::seed)
-      .def_readwrite("has_seed", &NewRequestData::has_seed)
-      .def_readwrite("num_prompt_tokens", &NewRequestData::num_prompt_tokens)
-      .def_readwrite("min_tokens", &NewRequestData::min_tokens)
-      .def_readwrite("min_p", &NewRequestData::min_p)
-      .def_readwrite("repetition_penalty", &NewRequestData::repetition_penalty)
-      .def_readwrite("frequency_penalty", &NewRequestData::frequency_penalty)
-      .def_readwrite("presence_penalty", &NewRequestData::presence_penalty)
-      .def_readwrite("num_logprobs", &NewRequestData::num_logprobs)
-      .def_property(
-          "suppress_token_ids", [](const NewRequestData& n) { return to_array(n.suppress_token_ids); },
-          [](NewRequestData& n, const Int32Array& a) { n.suppress_token_ids = from_array(a); });
+      .def_property("message", &message_of<EngineFailed>, &set_message<EngineFailed>);
 
-  py::class_<BlockAppend>(m, "BlockAppend")
-      .def(py::init<>())
-      .def_readwrite("slot", &BlockAppend::slot)
+  py::class_<PyNewRequestData> new_request(m, "NewRequestData");
+  new_request.def(py::init<>());
+  def_new_request_field<&NewRequestData::slot>(new_request, "slot");
+  def_new_request_field<&NewRequestData::num_computed_tokens>(new_request, "num_computed_tokens");
+  def_new_request_field<&NewRequestData::temperature>(new_request, "temperature");
+  def_new_request_field<&NewRequestData::top_p>(new_request, "top_p");
+  def_new_request_field<&NewRequestData::top_k>(new_request, "top_k");
+  def_new_request_field<&NewRequestData::seed>(new_request, "seed");
+  def_new_request_field<&NewRequestData::has_seed>(new_request, "has_seed");
+  def_new_request_field<&NewRequestData::num_prompt_tokens>(new_request, "num_prompt_tokens");
+  def_new_request_field<&NewRequestData::min_tokens>(new_request, "min_tokens");
+  def_new_request_field<&NewRequestData::min_p>(new_request, "min_p");
+  def_new_request_field<&NewRequestData::repetition_penalty>(new_request, "repetition_penalty");
+  def_new_request_field<&NewRequestData::frequency_penalty>(new_request, "frequency_penalty");
+  def_new_request_field<&NewRequestData::presence_penalty>(new_request, "presence_penalty");
+  def_new_request_field<&NewRequestData::num_logprobs>(new_request, "num_logprobs");
+  new_request
       .def_property(
-          "block_ids", [](const BlockAppend& b) { return to_array(b.block_ids); },
-          [](BlockAppend& b, const Int32Array& a) { b.block_ids = from_array(a); });
+          "token_ids", [](const PyNewRequestData& n) { return n.token_ids; },
+          [](PyNewRequestData& n, const Int32Array& a) { n.token_ids = checked_1d(a); })
+      .def_property(
+          "block_ids", [](const PyNewRequestData& n) { return n.block_ids; },
+          [](PyNewRequestData& n, const Int32Array& a) { n.block_ids = checked_1d(a); })
+      .def_property(
+          "suppress_token_ids", [](const PyNewRequestData& n) { return n.suppress_token_ids; },
+          [](PyNewRequestData& n, const Int32Array& a) { n.suppress_token_ids = checked_1d(a); });
 
-  py::class_<StepPlan>(m, "StepPlan")
+  py::class_<PyBlockAppend>(m, "BlockAppend")
       .def(py::init<>())
-      .def_readwrite("step_id", &StepPlan::step_id)
-      .def_readwrite("new_requests", &StepPlan::new_requests)
-      .def_readwrite("block_appends", &StepPlan::block_appends)
+      .def_readwrite("slot", &PyBlockAppend::slot)
       .def_property(
-          "sched_slots", [](const StepPlan& p) { return to_array(p.sched_slots); },
-          [](StepPlan& p, const Int32Array& a) { p.sched_slots = from_array(a); })
+          "block_ids", [](const PyBlockAppend& b) { return b.block_ids; },
+          [](PyBlockAppend& b, const Int32Array& a) { b.block_ids = checked_1d(a); });
+
+  py::class_<PyStepPlan>(m, "StepPlan")
+      .def(py::init<>())
+      .def_readwrite("step_id", &PyStepPlan::step_id)
       .def_property(
-          "sched_start", [](const StepPlan& p) { return to_array(p.sched_start); },
-          [](StepPlan& p, const Int32Array& a) { p.sched_start = from_array(a); })
+          "new_requests", [](const PyStepPlan& p) { return p.new_requests; },
+          [](PyStepPlan& p, const py::iterable& items) { p.new_requests = py::list(items); })
       .def_property(
-          "sched_len", [](const StepPlan& p) { return to_array(p.sched_len); },
-          [](StepPlan& p, const Int32Array& a) { p.sched_len = from_array(a); })
+          "block_appends", [](const PyStepPlan& p) { return p.block_appends; },
+          [](PyStepPlan& p, const py::iterable& items) { p.block_appends = py::list(items); })
       .def_property(
-          "sched_sample", [](const StepPlan& p) { return to_bool_array(p.sched_sample); },
-          [](StepPlan& p, const BoolArray& a) { p.sched_sample = from_bool_array(a); })
+          "sched_slots", [](const PyStepPlan& p) { return p.sched_slots; },
+          [](PyStepPlan& p, const Int32Array& a) { p.sched_slots = checked_1d(a); })
       .def_property(
-          "finished_slots", [](const StepPlan& p) { return to_array(p.finished_slots); },
-          [](StepPlan& p, const Int32Array& a) { p.finished_slots = from_array(a); });
+          "sched_start", [](const PyStepPlan& p) { return p.sched_start; },
+          [](PyStepPlan& p, const Int32Array& a) { p.sched_start = checked_1d(a); })
+      .def_property(
+          "sched_len", [](const PyStepPlan& p) { return p.sched_len; },
+          [](PyStepPlan& p, const Int32Array& a) { p.sched_len = checked_1d(a); })
+      .def_property(
+          "sched_sample", [](const PyStepPlan& p) { return p.sched_sample; },
+          [](PyStepPlan& p, const BoolArray& a) { p.sched_sample = checked_1d(a); })
+      .def_property(
+          "finished_slots", [](const PyStepPlan& p) { return p.finished_slots; },
+          [](PyStepPlan& p, const Int32Array& a) { p.finished_slots = checked_1d(a); });
 
   py::class_<WorkerShutdown>(m, "WorkerShutdown").def(py::init<>());
 
@@ -377,7 +560,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<WorkerFailed>(m, "WorkerFailed")
       .def(py::init<>())
       .def_readwrite("rank", &WorkerFailed::rank)
-      .def_readwrite("message", &WorkerFailed::message);
+      .def_property("message", &message_of<WorkerFailed>, &set_message<WorkerFailed>);
 
   // Encoders named by the contract.
   m.def("encode_add_request", &encode_py<AddRequest>, py::arg("r"));
@@ -414,7 +597,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("encode_record", &encode_py<RequestRejected>, py::arg("record"));
   m.def("encode_record", &encode_py<EngineReady>, py::arg("record"));
   m.def("encode_record", &encode_py<EngineFailed>, py::arg("record"));
-  m.def("encode_record", &encode_py<StepPlan>, py::arg("record"));
+  m.def("encode_record", [](const PyStepPlan& p) { return encode_py(to_native(p)); }, py::arg("record"));
   m.def("encode_record", &encode_py<WorkerShutdown>, py::arg("record"));
   m.def("encode_record", &encode_py<StepResult>, py::arg("record"));
   m.def("encode_record", &encode_py<WorkerReady>, py::arg("record"));
@@ -423,9 +606,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "decode_engine_event", [](const py::buffer& b) { return decode_engine_event(BytesView(b).span()); },
       py::arg("record"));
-  m.def(
-      "decode_worker_command", [](const py::buffer& b) { return decode_worker_command(BytesView(b).span()); },
-      py::arg("record"));
+  m.def("decode_worker_command", &decode_worker_command_py, py::arg("record"),
+        "StepPlan (arrays: read-only numpy views of `record`) or WorkerShutdown");
   m.def(
       "decode_request_record", [](const py::buffer& b) { return decode_request_record(BytesView(b).span()); },
       py::arg("record"));
@@ -443,13 +625,14 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("max_record_size", &ShmRing::max_record_size)
       .def("unlink", &ShmRing::unlink);
 
+  // Fast paths run with the GIL held (a memcpy); only waiting releases it.
   py::class_<PyRingWriter>(m, "RingWriter")
       .def(py::init<std::shared_ptr<ShmRing>>(), py::arg("ring"))
       .def(
           "try_write",
           [](PyRingWriter& w, const py::buffer& record) {
             const BytesView view(record);
-            std::lock_guard lock(w.mutex);
+            const auto lock = lock_without_gil(w.mutex);
             return w.writer.try_write(view.span());
           },
           py::arg("record"))
@@ -457,8 +640,9 @@ PYBIND11_MODULE(_core, m) {
           "write",
           [](PyRingWriter& w, const py::buffer& record, double timeout_s) {
             const BytesView view(record);  // stays exported while the GIL is released
+            const auto lock = lock_without_gil(w.mutex);
+            if (w.writer.try_write(view.span())) return true;
             py::gil_scoped_release release;
-            std::lock_guard lock(w.mutex);
             return w.writer.write(view.span(), to_timeout(timeout_s));
           },
           py::arg("record"), py::arg("timeout_s"));
@@ -467,25 +651,26 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<std::shared_ptr<ShmRing>, uint32_t>(), py::arg("ring"), py::arg("reader_index") = 0)
       .def("try_read",
            [](PyRingReader& r) {
-             ByteBuffer out;
-             bool got;
-             {
-               std::lock_guard lock(r.mutex);
-               got = r.reader.try_read(out);
-             }
-             return maybe_bytes(got, out);
+             const auto lock = lock_without_gil(r.mutex);
+             return take_record(r.reader);
            })
       .def(
           "read",
           [](PyRingReader& r, double timeout_s) {
-            ByteBuffer out;
-            bool got;
-            {
-              py::gil_scoped_release release;
-              std::lock_guard lock(r.mutex);
-              got = r.reader.read(out, to_timeout(timeout_s));
+            const auto deadline = std::chrono::steady_clock::now() + to_timeout(timeout_s);
+            const auto lock = lock_without_gil(r.mutex);
+            while (true) {
+              py::object record = take_record(r.reader);
+              if (!record.is_none()) return record;
+              const auto left = deadline - std::chrono::steady_clock::now();
+              if (left <= std::chrono::nanoseconds::zero()) return record;
+              bool ready;
+              {
+                py::gil_scoped_release release;
+                ready = r.reader.wait(left);
+              }
+              if (!ready) return record;  // None
             }
-            return maybe_bytes(got, out);
           },
           py::arg("timeout_s"));
 
@@ -503,6 +688,53 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("reclaim_stale_segments", &reclaim_stale_segments);
 
+  // Native halves of benchmarks/ring.py (GIL released: they spin and sleep on the rings).
+  m.def(
+      "bench_ring_ping",
+      [](const std::shared_ptr<ShmRing>& out, const std::shared_ptr<ShmRing>& in, size_t record_size, uint64_t count,
+         double timeout_s) {
+        std::vector<int64_t> rtt;
+        {
+          py::gil_scoped_release release;
+          rtt = bench_ring_ping(out, in, record_size, count, to_timeout(timeout_s));
+        }
+        return to_array(rtt);
+      },
+      py::arg("out_ring"), py::arg("in_ring"), py::arg("record_size"), py::arg("count"), py::arg("timeout_s") = 10.0,
+      "round trips (ns, np.int64) of `count` records sent on out_ring and echoed back on in_ring");
+  m.def(
+      "bench_ring_echo",
+      [](const std::shared_ptr<ShmRing>& in, const std::shared_ptr<ShmRing>& out, uint64_t count, double timeout_s) {
+        py::gil_scoped_release release;
+        return bench_ring_echo(in, out, count, to_timeout(timeout_s));
+      },
+      py::arg("in_ring"), py::arg("out_ring"), py::arg("count"), py::arg("timeout_s") = 10.0,
+      "echoes `count` records from in_ring back on out_ring");
+  m.def(
+      "bench_ring_produce",
+      [](const std::shared_ptr<ShmRing>& ring, size_t record_size, uint64_t count, double timeout_s) {
+        py::gil_scoped_release release;
+        return bench_ring_produce(ring, record_size, count, to_timeout(timeout_s));
+      },
+      py::arg("ring"), py::arg("record_size"), py::arg("count"), py::arg("timeout_s") = 10.0,
+      "writes `count` sequence-numbered records; returns the elapsed ns");
+  m.def(
+      "bench_ring_consume",
+      [](const std::shared_ptr<ShmRing>& ring, uint64_t count, double timeout_s) {
+        RingThroughput t;
+        {
+          py::gil_scoped_release release;
+          t = bench_ring_consume(ring, count, to_timeout(timeout_s));
+        }
+        py::dict d;
+        d["records"] = t.records;
+        d["bytes"] = t.bytes;
+        d["elapsed_ns"] = t.elapsed_ns;
+        return d;
+      },
+      py::arg("ring"), py::arg("count"), py::arg("timeout_s") = 10.0,
+      "reads and sequence-checks `count` records; elapsed_ns runs from the first record to the last");
+
   // ---- engine ---------------------------------------------------------------------------------------------------
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())
@@ -514,7 +746,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("eos_token_ids", &EngineConfig::eos_token_ids)
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("long_prefill_token_threshold", &EngineConfig::long_prefill_token_threshold)
-      .def_readwrite("stats_interval_ms", &EngineConfig::stats_interval_ms);
+      .def_readwrite("stats_interval_ms", &EngineConfig::stats_interval_ms)
+      .def_readwrite("priority_aging_ms", &EngineConfig::priority_aging_ms);
 
   // The scheduler on its own, for property tests with a fake worker in Python (not part of the serving path).
   py::class_<Scheduler>(m, "Scheduler")
@@ -531,7 +764,7 @@ PYBIND11_MODULE(_core, m) {
           "schedule",
           [](Scheduler& s, int64_t now_ns) -> py::object {
             StepPlan plan;
-            return s.schedule(plan, now_ns) ? py::cast(std::move(plan)) : py::none();
+            return s.schedule(plan, now_ns) ? to_python(std::move(plan)) : py::none();
           },
           py::arg("now_ns") = 0)
       .def("update", &Scheduler::update, py::arg("result"), py::arg("now_ns") = 0)

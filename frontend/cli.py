@@ -8,6 +8,12 @@ from collections.abc import Sequence
 
 import grpc
 from ringserve.frontend.cli_env import env_default, env_help, parse_bool
+from ringserve.frontend.security import (
+    SecurityConfigError,
+    add_channel_security_arguments,
+    channel_security_from_args,
+    open_channel,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -22,6 +28,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"served model name; empty = the server's default {env_help('MODEL_NAME')}")
     parser.add_argument("--timeout", type=float, default=env_default("TIMEOUT", None, float),
                         help=f"RPC deadline in seconds (default none) {env_help('TIMEOUT')}")
+    add_channel_security_arguments(parser)  # --tls, --tls-ca-file, client certificate, --api-key
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +50,16 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seed for reproducible sampling {env_help('SEED')}")
     parser.add_argument("--ignore-eos", action="store_true", default=env_default("IGNORE_EOS", False, parse_bool),
                         help=f"keep generating past end-of-sequence tokens {env_help('IGNORE_EOS')}")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the completion where this text appears (repeat for several)")
+    parser.add_argument("--include-stop-str-in-output", action="store_true",
+                        help="keep the matched stop text at the end of the completion")
+    parser.add_argument("--n", type=int, default=env_default("N", None, int),
+                        help="completions to generate; with n > 1 each is printed under a [index] header once all "
+                             f"are done {env_help('N')}")
+    parser.add_argument("--cache-salt", default=env_default("CACHE_SALT", "", str),
+                        help="share prefix-cache blocks only with requests using the same salt "
+                             + env_help("CACHE_SALT"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +94,11 @@ def _address(args: argparse.Namespace) -> str:
     return f"[{host}]:{args.port}" if ":" in host and not host.startswith("[") else f"{host}:{args.port}"
 
 
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to the server with the TLS and API key settings of `args`."""
+    return open_channel(_address(args), channel_security_from_args(args))
+
+
 def _generate_request(args: argparse.Namespace) -> object:
     from ringserve.v1 import generation_pb2 as pb
 
@@ -91,29 +113,37 @@ def _generate_request(args: argparse.Namespace) -> object:
         if value is not None:
             setattr(sampling, name, value)
     sampling.ignore_eos = args.ignore_eos
+    sampling.stop.extend(args.stop)
+    sampling.include_stop_str_in_output = args.include_stop_str_in_output
+    if args.n is not None:
+        sampling.n = args.n
+    request.cache_salt = args.cache_salt
     return request
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(_address(args)) as channel:
+    with _channel(args) as channel:
         stub = pb_grpc.GenerationStub(channel)
         call = stub.Generate(_generate_request(args), timeout=args.timeout)
-        pieces: list[str] = []
+        several = (args.n or 1) > 1
+        pieces: dict[int, list[str]] = {}
         try:
             for response in call:
-                if args.stream:
+                if args.stream and not several:
                     sys.stdout.write(response.text)
                     sys.stdout.flush()
                 else:
-                    pieces.append(response.text)
+                    pieces.setdefault(response.index, []).append(response.text)
         except KeyboardInterrupt:
             call.cancel()  # the server aborts the request in the engine
             print(file=sys.stderr)
             return 130
-        if not args.stream:
-            sys.stdout.write("".join(pieces))
+        if several:
+            sys.stdout.write("\n".join(f"[{index}]\n{''.join(pieces[index])}" for index in sorted(pieces)))
+        elif not args.stream:
+            sys.stdout.write("".join(pieces.get(0, [])))
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
@@ -128,7 +158,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         request.messages.messages.add(role="user", content=args.prompt)
     else:
         request.text = args.prompt
-    with grpc.insecure_channel(_address(args)) as channel:
+    with _channel(args) as channel:
         response = pb_grpc.GenerationStub(channel).Tokenize(request, timeout=args.timeout)
     print(" ".join(str(token_id) for token_id in response.token_ids))
     return 0
@@ -139,7 +169,7 @@ def run_model_info(args: argparse.Namespace) -> int:
     from ringserve.v1 import generation_pb2 as pb
     from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(_address(args)) as channel:
+    with _channel(args) as channel:
         stub = pb_grpc.GenerationStub(channel)
         if args.command == "stats":
             message = stub.GetEngineStats(pb.EngineStatsRequest(model=args.model), timeout=args.timeout)
@@ -164,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                "stats": run_model_info}
     try:
         return runners[args.command](args)
+    except SecurityConfigError as exc:
+        print(f"ringserve {args.command}: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as error:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = error.details() if hasattr(error, "details") else str(error)

@@ -76,6 +76,7 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     num_logprobs: int = 0  # top-n alternatives per sampled token; 0 = none
     priority: int = 0  # lower first
+    cache_salt: int = 0  # u64 mixed into the first block's prefix hash; 0 = none
     trace_id: bytes = bytes(16)  # zero = no trace context
     span_id: bytes = bytes(8)
     trace_flags: int = 0
@@ -331,6 +332,7 @@ class EngineClient:
         record.presence_penalty = params.presence_penalty
         record.num_logprobs = params.num_logprobs
         record.priority = params.priority
+        record.cache_salt = params.cache_salt
         record.arrival_time_ns = time.time_ns()  # wall clock, comparable with trace timestamps
         record.trace_id = params.trace_id
         record.span_id = params.span_id

@@ -2,19 +2,22 @@
 
 The Docker images run it as their HEALTHCHECK (`python -m ringserve.frontend.healthcheck`). It finds the server the
 same way `ringserve serve` was configured (RINGSERVE_HOST, RINGSERVE_PORT); a wildcard listen address such as 0.0.0.0
-is probed on loopback. Exit codes follow Docker's HEALTHCHECK convention: 0 healthy, 1 unhealthy (never 2, which
-Docker reserves).
+is probed on loopback. With TLS on (RINGSERVE_TLS_CERT_FILE, and RINGSERVE_TLS_CLIENT_CA_FILE for mutual TLS) it
+dials over TLS as `security.probe_security` describes; health needs no API key. Exit codes follow Docker's
+HEALTHCHECK convention: 0 healthy, 1 unhealthy (never 2, which Docker reserves).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.frontend.cli_env import env_default, env_help
+from ringserve.frontend.security import ChannelSecurity, SecurityConfigError, open_channel, probe_security
 
 HEALTHY = 0
 UNHEALTHY = 1
@@ -32,9 +35,14 @@ def probe_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
+def check_health(address: str, service: str = "", timeout_s: float = 3.0,
+                 security: ChannelSecurity | None = None) -> tuple[bool, str]:  # fmt: skip
     """(serving, what was observed) for one Health.Check call; every failure is reported, none raised."""
-    with grpc.insecure_channel(address) as channel:
+    try:
+        channel = open_channel(address, security)
+    except SecurityConfigError as exc:
+        return False, f"{address}: {exc}"
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -68,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return UNHEALTHY
     except SystemExit as exc:  # argparse: --help exits 0, a usage error exits 2, which Docker reserves
         return HEALTHY if exc.code in (0, None) else UNHEALTHY
-    serving, observed = check_health(probe_address(args.host, args.port), args.service, args.timeout)
+    serving, observed = check_health(probe_address(args.host, args.port), args.service, args.timeout,
+                                     probe_security(os.environ))
     print(observed)
     return HEALTHY if serving else UNHEALTHY
 

@@ -19,7 +19,8 @@ from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new
 from ringserve.frontend.cli_env import env_default, env_help, parse_bool
 from ringserve.frontend.engine_client import EngineClient
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
-from ringserve.frontend.server import build_server, describe_model
+from ringserve.frontend.security import ServerSecurity, add_server_security_arguments
+from ringserve.frontend.server import DEFAULT_MAX_WAITING_REQUESTS, build_server, describe_model
 from ringserve.frontend.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
 
 if TYPE_CHECKING:
@@ -46,12 +47,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--tensor-parallel-size", 1, int, "worker processes the model is split across (default %(default)s)")
     flag("--max-num-seqs", 256, int, "most sequences running in one step (default %(default)s)")
     flag("--max-num-batched-tokens", 2048, int, "token budget of one engine step (default %(default)s)")
+    flag("--max-waiting-requests", DEFAULT_MAX_WAITING_REQUESTS, int,
+         "requests admitted but not yet scheduled by the engine before new ones get RESOURCE_EXHAUSTED; a request "
+         "with n > 1 takes n places (default %(default)s; 0 = unbounded)")
     flag("--max-model-len", 0, int, "context length limit (default: the model's)")
     flag("--block-size", 16, int, "tokens per KV cache block (default %(default)s)")
     flag("--long-prefill-token-threshold", 0, int,
          "most prompt tokens one request may prefill per step (default %(default)s = no cap)")
+    flag("--priority-aging-ms", 1000, int,
+         "a waiting request's priority value improves by one per this many ms waited, so better-priority traffic "
+         "cannot starve it (default %(default)s; 0 = strict priority)")
     flag("--kv-cache-dtype", "auto", str, "KV cache dtype (default %(default)s = the weights')",
          choices=["auto", "float32", "bfloat16", "float16"])
+    flag("--attention-backend", "auto", str,
+         "workers' attention kernels (default %(default)s = triton_paged on CUDA when triton is installed, "
+         "torch_sdpa on CPU)", choices=["auto", "torch_sdpa", "triton_paged"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env_default("--enable-prefix-caching", True, parse_bool),
                    help="share the KV blocks of equal prompt prefixes (default on) "
@@ -78,6 +88,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--metrics-port", 0, int, "serve Prometheus metrics at http://HOST:PORT/metrics; 0 = off (default)")
     flag("--metrics-stats-interval", 1.0, float,
          "seconds between engine stats queries when the engine pushes none (default %(default)s)")
+    add_server_security_arguments(p)  # --tls-*, --api-key(-file), --max-message-size-mib
 
 
 def otel_traces_endpoint(environ: Mapping[str, str] = os.environ) -> str:
@@ -118,7 +129,8 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(max_model_len), "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
         "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-        "--kv-cache-dtype", args.kv_cache_dtype,
+        "--priority-aging-ms", str(args.priority_aging_ms),
+        "--kv-cache-dtype", args.kv_cache_dtype, "--attention-backend", args.attention_backend,
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
         "--eos-token-ids", *map(str, eos_token_ids),
     ]  # fmt: skip
@@ -134,6 +146,10 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})"
+    if args.max_waiting_requests < 0:
+        return f"--max-waiting-requests must be >= 0 (0 = unbounded; got {args.max_waiting_requests})"
+    if args.priority_aging_ms < 0:
+        return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {args.priority_aging_ms})"
     if args.max_model_len < 0 or args.num_kv_blocks < 0 or args.kv_cache_memory_gib <= 0:
         return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
     return None
@@ -201,8 +217,8 @@ async def watch_engine(engine: subprocess.Popen[bytes]) -> int:
 
 
 async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dtype: str, arch: str,
-                              tokenizer: ModelTokenizer, client: EngineClient,
-                              engine: subprocess.Popen[bytes]) -> int:  # fmt: skip
+                              tokenizer: ModelTokenizer, client: EngineClient, engine: subprocess.Popen[bytes],
+                              security: ServerSecurity | None = None) -> int:  # fmt: skip
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -227,10 +243,12 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
         tracer = start_tracing(args, info.context_length)
         metrics, metrics_http, stats_feed = start_metrics(args, info.model, client)
         server = build_server(client, tokenizer, info, args.host, args.port, tracer=tracer, metrics=metrics,
-                              model_url=str(source.path), max_num_seqs=args.max_num_seqs)
+                              model_url=str(source.path), max_num_seqs=args.max_num_seqs, security=security,
+                              max_waiting_requests=args.max_waiting_requests)
         await server.start()
         log.info("serving %s on %s:%d (%d KV blocks of %d tokens)", source.name, args.host, server.port,
                  ready.num_total_blocks, ready.block_size)  # fmt: skip
+        log.info("gRPC port: %s", (security or ServerSecurity()).describe())
         await asyncio.wait({engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if engine_exit.done():
             # Fail every stream now (UNAVAILABLE), but keep answering: health says NOT_SERVING and new requests get
@@ -260,6 +278,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"ringserve serve: {error}", file=sys.stderr)
         return 2
     try:
+        security = ServerSecurity.from_args(args)  # before the model loads: a bad TLS/key setting fails fast
         source = resolve_model(args.model, args.served_model_name or None)
         arch, context_length, tokenizer = model_metadata(source)
     except (ModelNotFoundError, OSError, ValueError) as exc:
@@ -280,7 +299,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              request_ring.name, event_ring.name)  # fmt: skip
         engine = subprocess.Popen(cmd, env={**os.environ, "RINGSERVE_LOG_LEVEL": args.log_level.upper()})
         client = EngineClient(request_ring, event_ring)
-        return asyncio.run(serve_until_stopped(args, source, dtype, arch, tokenizer, client, engine))
+        return asyncio.run(serve_until_stopped(args, source, dtype, arch, tokenizer, client, engine, security))
     finally:
         if engine is not None:
             stop_child(engine, timeout_s=15.0)

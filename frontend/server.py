@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -17,8 +19,9 @@ import jinja2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from ringserve.frontend.detokenizer import IncrementalDetokenizer
+from ringserve.frontend.detokenizer import CompletionText
 from ringserve.frontend.engine_client import EngineError, GenerationEngine, SamplingOptions
+from ringserve.frontend.security import ServerSecurity
 from ringserve.frontend.timeline import RequestTimeline, trace_headers
 from ringserve.frontend.tokenizer import ModelTokenizer
 from ringserve.frontend.torchserve import (
@@ -40,8 +43,16 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 DEFAULT_MAX_TOKENS = 256
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's default cap)
-# Prompts longer than this (characters) are tokenized off the event loop.
+MAX_N = 16  # completions one Generate request may ask for
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # also bounds the text held back while a stop string may be starting
+MAX_CACHE_SALT_CHARS = 1024
+# Requests admitted but not yet scheduled by the engine, per model, before new ones get RESOURCE_EXHAUSTED.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+# Prompts longer than this (characters) are tokenized, and id lists longer than this detokenized, off the event loop.
 _THREAD_TOKENIZE_CHARS = 32_768
+_THREAD_DETOKENIZE_IDS = 32_768
+_U64 = 1 << 64
 
 _FINISH_REASONS = {
     "NONE": pb.FINISH_REASON_UNSPECIFIED,
@@ -49,6 +60,8 @@ _FINISH_REASONS = {
     "LENGTH": pb.FINISH_REASON_LENGTH,
     "ABORT": pb.FINISH_REASON_ABORT,
 }
+_FINISH_REASON_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                        pb.FINISH_REASON_ABORT: "abort"}
 
 
 class _Rejection(Exception):
@@ -69,12 +82,33 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
     raise AssertionError("context.abort returned")  # it always raises; this keeps type checkers honest
 
 
+def cache_salt_hash(salt: str) -> int:
+    """The engine's u64 prefix-cache salt for a request's `cache_salt`: 0 (none) when empty, else nonzero."""
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(salt.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+@dataclass(eq=False)
+class _Sample:
+    """One of a Generate request's n completions: its engine request and its streamed text."""
+
+    index: int
+    params: SamplingOptions
+    text: CompletionText
+    engine_request_id: int = 0
+    completion_tokens: int = 0
+    waiting: bool = True  # holds a place in the model's waiting queue until its first engine output
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Validates, tokenizes, submits to the engine and streams detokenized deltas back."""
 
     def __init__(self, engine: GenerationEngine, tokenizer: ModelTokenizer, model_info: pb.ModelInfo,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, *, tracer: RequestTracer | None = None,
-                 metrics: ServingMetrics | None = None) -> None:
+                 metrics: ServingMetrics | None = None,
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
         self._engine = engine
         self._tracer = tracer
         self._metrics = metrics
@@ -83,6 +117,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._model_info = model_info
         self._default_max_tokens = default_max_tokens
         self._vocab_size = model_info.vocab_size or tokenizer.vocab_size
+        self._max_waiting = max_waiting_requests  # 0 = unbounded
+        self._num_waiting = 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Engine requests admitted (or reserved for n > 1) that have had no engine output yet."""
+        return self._num_waiting
 
     # -- RPCs -----------------------------------------------------------------------------------------------
 
@@ -96,7 +137,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if timeline is not None:
                 timeline.tokenize_end_ns = time.time_ns()
                 timeline.prompt_tokens = len(prompt_ids)
-            params = self._sampling_options(request.sampling, len(prompt_ids), request.priority)
+            sampling = request.sampling
+            params = self._sampling_options(sampling, len(prompt_ids), request.priority, request.cache_salt)
+            n = _num_samples(sampling)
+            stop = _stop_strings(sampling)
+            self._admit(n)  # last: nothing awaits between the queue check and the submission
         except _Rejection as rejection:
             if timeline is not None:
                 timeline.fail(rejection.code, rejection)
@@ -107,39 +152,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             timeline.request_id = request_id
             timeline.params = params
         skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        detokenizer = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip_special)
-        engine_request_id = self._engine.allocate_request_id()
-        completion_tokens = 0
+        samples = [
+            _Sample(index, _sample_params(params, index),
+                    CompletionText(self._tokenizer, skip_special, stop, sampling.include_stop_str_in_output))
+            for index in range(n)
+        ]  # fmt: skip
         try:
+            if n == 1:
+                stream = self._sample_responses(request_id, prompt_ids, samples[0], timeline)
+            else:
+                stream = self._fan_out(request_id, prompt_ids, samples, timeline)
             # aclosing: when the client cancels or its deadline passes, this task is cancelled and the engine
-            # stream's finally aborts the request in the engine.
-            async with contextlib.aclosing(self._engine.generate(engine_request_id, prompt_ids, params)) as outputs:
-                async for output in outputs:
-                    if timeline is not None:
-                        timeline.on_output(output)
-                    new_ids = list(output.new_token_ids)
-                    completion_tokens += len(new_ids)
-                    response = pb.GenerateResponse(request_id=request_id, token_ids=new_ids,
-                                                   text=detokenizer.push(new_ids), logprobs=list(output.logprobs))
-                    if params.num_logprobs and new_ids:
-                        _add_top_logprobs(response, output, len(new_ids), params.num_logprobs)
-                    reason = _FINISH_REASONS.get(output.finish_reason.name, pb.FINISH_REASON_ABORT)
-                    if reason != pb.FINISH_REASON_UNSPECIFIED:
-                        response.text += detokenizer.finish()
-                        response.finish_reason = reason
-                        response.usage.prompt_tokens = len(prompt_ids)
-                        response.usage.completion_tokens = completion_tokens
-                        response.usage.cached_tokens = output.num_cached_tokens
-                        if timeline is not None:
-                            timeline.finish_reason = output.finish_reason.name.lower()
-                        yield response
-                        if timeline is not None:
-                            timeline.mark_sent()
-                        return
-                    if response.token_ids or response.text:
-                        yield response
-                        if timeline is not None:
-                            timeline.mark_sent()
+            # streams' finally blocks abort every request in the engine.
+            async with contextlib.aclosing(stream) as responses:
+                async for response in responses:
+                    yield response
+                    if timeline is not None and response.index == 0:
+                        timeline.mark_sent()
         except EngineError as error:
             if timeline is not None:
                 timeline.fail(error.code, error)
@@ -149,8 +178,123 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 timeline.fail(grpc.StatusCode.CANCELLED, stopped)
             raise
         finally:
+            for sample in samples:  # places reserved for samples that were never submitted
+                self._scheduled(sample)
             if timeline is not None:
+                timeline.completion_tokens += sum(sample.completion_tokens for sample in samples[1:])
                 self._close_timeline(timeline)
+
+    async def _sample_responses(self, request_id: str, prompt_ids: list[int], sample: _Sample,
+                                timeline: RequestTimeline | None) -> AsyncIterator[pb.GenerateResponse]:
+        """One completion's messages, the last with its finish reason and usage."""
+        sample.engine_request_id = self._engine.allocate_request_id()
+        final: pb.GenerateResponse | None = None
+        try:
+            async with contextlib.aclosing(
+                self._engine.generate(sample.engine_request_id, prompt_ids, sample.params)
+            ) as outputs:
+                async for output in outputs:
+                    self._scheduled(sample)
+                    if timeline is not None:
+                        timeline.on_output(output)
+                    response = self._response(request_id, sample, output, len(prompt_ids))
+                    if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        final = response
+                        break  # leaving the block aborts the engine request that a stop string ended early
+                    if response.token_ids or response.text:
+                        yield response
+        finally:
+            self._scheduled(sample)
+        if final is not None:
+            if timeline is not None:
+                timeline.finish_reason = _FINISH_REASON_NAMES.get(final.finish_reason, "abort")
+            yield final
+
+    async def _fan_out(self, request_id: str, prompt_ids: list[int], samples: list[_Sample],
+                       timeline: RequestTimeline | None) -> AsyncIterator[pb.GenerateResponse]:
+        """The messages of n > 1 samples, interleaved as they come.
+
+        Sample 0 is submitted first and the others with its first message, once its prompt is computed: then they
+        find every full block of the prompt in the prefix cache instead of computing it again. Closing this stream
+        (cancellation, deadline, an error) stops every sample, which aborts it in the engine.
+        """
+        merged: asyncio.Queue[pb.GenerateResponse | BaseException | None] = asyncio.Queue()
+
+        async def pump(sample: _Sample) -> None:
+            stream = self._sample_responses(request_id, prompt_ids, sample, timeline if sample.index == 0 else None)
+            try:
+                async with contextlib.aclosing(stream) as responses:
+                    async for response in responses:
+                        merged.put_nowait(response)
+            except Exception as error:  # handed to the RPC, which fails with its status
+                merged.put_nowait(error)
+            else:
+                merged.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(samples[0]))]
+        try:
+            remaining = len(samples)
+            while remaining:
+                item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if len(tasks) < len(samples):  # sample 0's first message: its prompt's blocks are cached now
+                    tasks += [asyncio.create_task(pump(sample)) for sample in samples[1:]]
+                if item is None:
+                    remaining -= 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _response(self, request_id: str, sample: _Sample, output: Any, prompt_tokens: int) -> pb.GenerateResponse:
+        """The message for one engine output of a sample; the last one (finish reason set) carries its usage."""
+        new_ids = list(output.new_token_ids)
+        sample.completion_tokens += len(new_ids)
+        text, stopped = sample.text.push(new_ids)
+        response = pb.GenerateResponse(request_id=request_id, index=sample.index, token_ids=new_ids, text=text,
+                                       logprobs=list(output.logprobs))
+        if sample.params.num_logprobs and new_ids:
+            _add_top_logprobs(response, output, len(new_ids), sample.params.num_logprobs)
+        if stopped:
+            reason = pb.FINISH_REASON_STOP
+        else:
+            reason = _FINISH_REASONS.get(output.finish_reason.name, pb.FINISH_REASON_ABORT)
+            if reason == pb.FINISH_REASON_UNSPECIFIED:
+                return response
+            tail, stopped = sample.text.finish()
+            response.text += tail
+            if stopped:
+                reason = pb.FINISH_REASON_STOP
+        response.finish_reason = reason
+        response.usage.prompt_tokens = prompt_tokens
+        response.usage.completion_tokens = sample.completion_tokens
+        response.usage.cached_tokens = output.num_cached_tokens
+        return response
+
+    # -- the waiting queue ----------------------------------------------------------------------------------
+
+    def _admit(self, n: int) -> None:
+        """Reserve places for n engine requests in the model's waiting queue, or refuse with RESOURCE_EXHAUSTED.
+
+        Synchronous, so no other request checks or reserves in between (the event loop is the lock).
+        """
+        limit = self._max_waiting
+        if limit and self._num_waiting + n > limit:
+            needs = f"; this request's n = {n} needs {n} places" if n > 1 else ""
+            raise _Rejection(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"the waiting queue of model {self._model_info.model!r} is full: {self._num_waiting} "
+                             f"requests wait to be scheduled (the server's --max-waiting-requests is {limit})"
+                             f"{needs}; retry later")
+        self._num_waiting += n
+
+    def _scheduled(self, sample: _Sample) -> None:
+        """Release the sample's place: the engine reported on it (it was scheduled) or it ended."""
+        if sample.waiting:
+            sample.waiting = False
+            self._num_waiting -= 1
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -163,14 +307,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await _abort(context, rejection.code, rejection.message)
         return pb.TokenizeResponse(token_ids=ids, prompt=prompt)
 
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            self._check_model(request.model)
+            ids = list(request.token_ids)
+            self._check_token_ids(ids, "token_ids")
+        except _Rejection as rejection:
+            await _abort(context, rejection.code, rejection.message)
+        skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        if len(ids) > _THREAD_DETOKENIZE_IDS:
+            text = await asyncio.to_thread(self._tokenizer.decode, ids, skip_special)
+        else:
+            text = self._tokenizer.decode(ids, skip_special)
+        return pb.DetokenizeResponse(text=text)
+
     async def GetModelInfo(self, request: pb.ModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         try:
             self._check_model(request.model)
         except _Rejection as rejection:
             await _abort(context, rejection.code, rejection.message)
+        return self._describe()
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[self._describe()], default_model=self._model_info.model)
+
+    def _describe(self) -> pb.ModelInfo:
         info = pb.ModelInfo()
         info.CopyFrom(self._model_info)
+        info.state = pb.MODEL_STATE_FAILED if self._engine.failure is not None else pb.MODEL_STATE_READY
         return info
 
     async def GetEngineStats(self, request: pb.EngineStatsRequest,
@@ -273,12 +440,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self._tokenizer.encode(text, add_special_tokens)
 
     def _check_token_ids(self, ids: Sequence[int], field_name: str) -> None:
+        if not ids or max(ids) < self._vocab_size:
+            return
         for index, token_id in enumerate(ids):
             if token_id >= self._vocab_size:
                 raise _invalid(f"{field_name}[{index}] = {token_id} is out of range: the vocabulary has "
                                f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})")
 
-    def _sampling_options(self, sampling: pb.SamplingParams, prompt_len: int, priority: int = 0) -> SamplingOptions:
+    def _sampling_options(self, sampling: pb.SamplingParams, prompt_len: int, priority: int = 0,
+                          cache_salt: str = "") -> SamplingOptions:
         room = self._model_info.context_length - prompt_len if self._model_info.context_length else None
         if sampling.HasField("max_tokens"):
             max_tokens = sampling.max_tokens
@@ -310,12 +480,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
         if not 0 <= num_logprobs <= MAX_LOGPROBS:
             raise _invalid(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+        if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise _invalid(f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed")
         return SamplingOptions(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=sampling.seed if sampling.HasField("seed") else None, ignore_eos=sampling.ignore_eos,
             stop_token_ids=tuple(sampling.stop_token_ids), min_tokens=min_tokens, min_p=min_p,
             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, num_logprobs=num_logprobs, priority=priority,
+            cache_salt=cache_salt_hash(cache_salt),
         )
 
 
@@ -341,6 +514,8 @@ class FrontendServer:
     health: health_aio.HealthServicer
     engine: GenerationEngine
     serving: bool = False  # what health reports for the whole server
+    # grpc.health.v1 names that follow `serving`: the whole server (""), the served model's name, each service
+    health_services: tuple[str, ...] = ("", SERVICE_NAME)
     _readiness: asyncio.Task[None] | None = field(default=None, repr=False)
     _health_updates: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
 
@@ -379,7 +554,7 @@ class FrontendServer:
     async def _set_health(self, serving: bool) -> None:
         self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
+        for service in self.health_services:
             await self.health.set(service, status)
 
 
@@ -387,20 +562,28 @@ def build_server(engine: GenerationEngine, tokenizer: ModelTokenizer, model_info
                  host: str = "127.0.0.1", port: int = 50051, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                  max_concurrent_rpcs: int | None = None, tracer: RequestTracer | None = None,
                  metrics: ServingMetrics | None = None, model_url: str = "",
-                 max_num_seqs: int = 0) -> FrontendServer:
+                 max_num_seqs: int = 0, security: ServerSecurity | None = None,
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> FrontendServer:
     """A grpc.aio server with Generation, grpc.health.v1 (NOT_SERVING until the engine is ready) and reflection.
 
     Call from inside the running event loop; then `await result.start()`. Raises OSError when the address cannot
     be bound. `model_info.model` is the served name; `context_length`, `kv_capacity_tokens` and `vocab_size`
     (0 = take the tokenizer's) drive validation. TorchServe's inference and management services are served too;
-    `model_url` and `max_num_seqs` are what their DescribeModel reports.
+    `model_url` and `max_num_seqs` are what their DescribeModel reports. `security` sets TLS, API keys and message
+    size limits (default: plaintext, no keys, 64 MiB). `max_waiting_requests` bounds the requests admitted but not
+    yet scheduled by the engine (0 = unbounded).
     """
-    server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs)
-    servicer = GenerationServicer(engine, tokenizer, model_info, default_max_tokens, tracer=tracer, metrics=metrics)
+    security = security or ServerSecurity()
+    server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=security.interceptors(),
+                             options=security.options())
+    servicer = GenerationServicer(engine, tokenizer, model_info, default_max_tokens, tracer=tracer, metrics=metrics,
+                                  max_waiting_requests=max_waiting_requests)
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     frontend = FrontendServer(server=server, port=0, servicer=servicer, health=health, engine=engine)
+    frontend.health_services = tuple(dict.fromkeys(
+        ("", model_info.model, SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME)))
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(
         TorchServeInferenceServicer(servicer.Generate, lambda: frontend.serving), server)
     management_pb2_grpc.add_ManagementAPIsServiceServicer_to_server(
@@ -410,13 +593,40 @@ def build_server(engine: GenerationEngine, tokenizer: ModelTokenizer, model_info
     reflection.enable_server_reflection(service_names, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = security.add_port(server, address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {address}: {exc}; pick another --host/--port") from exc
     if bound == 0:
         raise OSError(f"cannot listen on {address}; pick another --host/--port")
     frontend.port = bound
     return frontend
+
+
+def _num_samples(sampling: pb.SamplingParams) -> int:
+    n = sampling.n if sampling.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise _invalid(f"sampling.n must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def _stop_strings(sampling: pb.SamplingParams) -> list[str]:
+    stop = list(sampling.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"sampling.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for index, text in enumerate(stop):
+        if not text:
+            raise _invalid(f"sampling.stop[{index}] must not be empty")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise _invalid(f"sampling.stop[{index}] has {len(text)} characters; at most {MAX_STOP_STRING_CHARS} "
+                           "are allowed")
+    return stop
+
+
+def _sample_params(params: SamplingOptions, index: int) -> SamplingOptions:
+    """Sample `index` of n: with a seed, seed + index (documented in SamplingParams.n)."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % _U64)
 
 
 def _bounded_float(sampling: pb.SamplingParams, name: str, default: float, low: float, high: float) -> float:

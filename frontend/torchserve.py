@@ -2,9 +2,12 @@
 
 Inference (`org.pytorch.serve.grpc.inference.InferenceAPIsService`): a prediction's `input` map carries a JSON body
 under `data` or `body` — TorchServe's LLM handler fields (`prompt`, `max_new_tokens`, `temperature`, `top_p`, `top_k`)
-and RingServe's own sampling names — or plain UTF-8 text as the prompt. Each prediction is translated into a
-`ringserve.v1.GenerateRequest` and served by the same `GenerationServicer.Generate` (validation, tracing, metrics and
-cancellation included); text comes back as UTF-8 bytes.
+and RingServe's own names (`messages`, `max_tokens`, `min_tokens`, `min_p`, `seed`, the three penalties,
+`ignore_eos`, `stop` (a string or a list), `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
+`priority`, `cache_salt`; `n` only as 1, since a prediction returns one text) — or plain UTF-8 text as the prompt.
+Each prediction is translated into a `ringserve.v1.GenerateRequest` and served by the same
+`GenerationServicer.Generate` (validation, tracing, metrics and cancellation included); text comes back as UTF-8
+bytes.
 
 Management (`org.pytorch.serve.grpc.management.ManagementAPIsService`): ListModels and DescribeModel describe the
 model served; run-time registration and scaling are not implemented yet and say so with UNIMPLEMENTED.
@@ -29,11 +32,23 @@ MANAGEMENT_SERVICE_NAME = management_pb2.DESCRIPTOR.services_by_name["Management
 _SAMPLING_KEYS: dict[str, tuple[str, type]] = {
     "max_new_tokens": ("max_tokens", int),
     "max_tokens": ("max_tokens", int),
+    "min_tokens": ("min_tokens", int),
     "temperature": ("temperature", float),
     "top_p": ("top_p", float),
     "top_k": ("top_k", int),
+    "min_p": ("min_p", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+    "presence_penalty": ("presence_penalty", float),
     "seed": ("seed", int),
     "ignore_eos": ("ignore_eos", bool),
+    "include_stop_str_in_output": ("include_stop_str_in_output", bool),
+}
+# JSON body key -> (GenerateRequest field, expected Python type), for request-level options.
+_REQUEST_KEYS: dict[str, tuple[str, type]] = {
+    "skip_special_tokens": ("skip_special_tokens", bool),
+    "priority": ("priority", int),
+    "cache_salt": ("cache_salt", str),
 }
 
 
@@ -81,26 +96,42 @@ def generate_request_from_prediction(request: inference_pb2.PredictionsRequest) 
             raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"input.{key}.messages: must be a list of {{role, content}} strings")
         out.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
-    for name, (field, kind) in _SAMPLING_KEYS.items():
-        if name not in body:
-            continue
-        value = body[name]
-        ok = isinstance(value, bool) if kind is bool else (
-            isinstance(value, (int, float)) and not isinstance(value, bool)
-            and (kind is float or float(value).is_integer()) and math.isfinite(value))
-        if not ok:
-            raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"input.{key}.{name}: expected {kind.__name__}, got {value!r}")
-        try:
-            setattr(out.sampling, field, kind(value))
-        except ValueError as exc:  # out of the proto field's range, e.g. a negative seed
-            raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT, f"input.{key}.{name}: {exc}") from None
+    for keys, target in ((_SAMPLING_KEYS, out.sampling), (_REQUEST_KEYS, out)):
+        for name, (field, kind) in keys.items():
+            if name in body:
+                _set_field(target, field, body[name], kind, f"input.{key}.{name}")
+    stop = body.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"input.{key}.stop: expected a string or a list of strings")
+    out.sampling.stop.extend(stop)
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"input.{key}.n: a TorchServe prediction returns one completion, so n must be 1; "
+                              "use ringserve.v1 Generate for n > 1")
     stop_ids = body.get("stop_token_ids", [])
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and t >= 0 for t in stop_ids):
         raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"input.{key}.stop_token_ids: expected a list of non-negative integers")
     out.sampling.stop_token_ids.extend(stop_ids)
     return out
+
+
+def _set_field(message: Any, field: str, value: Any, kind: type, where: str) -> None:
+    """Set a JSON value on a proto field if it has the field's type (no silent conversions from strings/bools)."""
+    if kind is bool or kind is str:
+        ok = isinstance(value, kind)
+    else:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and (kind is float or float(value).is_integer()) and math.isfinite(value))
+    if not ok:
+        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: expected {kind.__name__}, got {value!r}")
+    try:
+        setattr(message, field, kind(value))
+    except ValueError as exc:  # out of the proto field's range, e.g. a negative seed
+        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}") from None
 
 
 class _ContextWithoutAbort:

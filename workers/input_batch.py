@@ -115,7 +115,10 @@ class InputBatch:
         self.suppress[slot] = -1
         self.suppress[slot, : len(suppress)] = suppress
         for name, _dtype, _default in _PARAMS:
-            self.params[name][slot] = getattr(req, name)
+            value = getattr(req, name)
+            if name == "seed" and value >= 1 << 63:  # a u64 seed: keep its bits as int64 (the sampler hashes bits)
+                value -= 1 << 64
+            self.params[name][slot] = value
 
     def append_blocks(self, slot: int, block_ids: Any) -> None:
         if not (0 <= slot < len(self.occupied) and self.occupied[slot]):

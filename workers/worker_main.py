@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from ringserve.workers.attention import ATTENTION_BACKENDS
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.parallel import init_distributed
@@ -38,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="KV cache dtype (auto = the weights' dtype)",
     )  # fmt: skip
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
+    p.add_argument(
+        "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+        help="auto = triton_paged on CUDA (when triton is installed), torch_sdpa elsewhere",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must equal the engine's)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (overrides the budget)")
     p.add_argument(
@@ -141,10 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
             seed=args.seed,
             kv_cache_dtype=kv_dtype,
+            attention_backend=args.attention_backend,
         )
         print(
             f"worker {args.rank}/{args.world_size}: {args.model} ({args.dtype}, KV {args.kv_cache_dtype}) on {device}, "
-            f"{runner.num_kv_blocks} KV blocks of {args.block_size}, {threads} threads",
+            f"{runner.num_kv_blocks} KV blocks of {args.block_size}, {threads} threads, "
+            f"attention {args.attention_backend}",
             file=sys.stderr,
             flush=True,
         )

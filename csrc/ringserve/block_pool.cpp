@@ -1,9 +1,42 @@
 #include "ringserve/block_pool.h"
 
+#include <sys/mman.h>
+
+#include <new>
 #include <stdexcept>
 #include <string>
 
 namespace ringserve {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+}  // namespace
+
+void* allocate_huge_pages(size_t bytes) {
+  if (bytes < kHugePage) return ::operator new(bytes);
+  // Whole huge pages, aligned to one: an anonymous mapping the kernel may back with 2 MiB pages on first touch.
+  const size_t length = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = ::mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  // Trim the mapping to a 2 MiB-aligned start so every page can be a huge one.
+  auto* raw = static_cast<char*>(p);
+  const auto misalign = reinterpret_cast<uintptr_t>(raw) % kHugePage;
+  char* start = raw + (misalign == 0 ? 0 : kHugePage - misalign);
+  if (start > raw) ::munmap(raw, static_cast<size_t>(start - raw));
+  const size_t tail = static_cast<size_t>(raw + length + kHugePage - (start + length));
+  if (tail > 0) ::munmap(start + length, tail);
+  ::madvise(start, length, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
+  return start;
+}
+
+void free_huge_pages(void* p, size_t bytes) noexcept {
+  if (bytes < kHugePage) {
+    ::operator delete(p);
+    return;
+  }
+  ::munmap(p, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+}
 
 BlockPool::BlockPool(int32_t num_blocks) {
   if (num_blocks < 0) throw std::invalid_argument("num_blocks must be >= 0");

@@ -10,11 +10,33 @@
 // neither hits nor evictions allocate.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 namespace ringserve {
+
+// Backs the pool's two big arrays (the hash table and the block array, tens of MB for a large pool) with transparent
+// huge pages where the kernel allows it: cache hits touch them at random, and with 4 KiB pages nearly every such touch
+// would also miss the TLB. Small arrays and kernels without THP get ordinary pages.
+template <class T>
+struct HugePageAllocator {
+  using value_type = T;
+  HugePageAllocator() = default;
+  template <class U>
+  HugePageAllocator(const HugePageAllocator<U>&) noexcept {}
+  T* allocate(size_t n);
+  void deallocate(T* p, size_t n) noexcept;
+  template <class U>
+  bool operator==(const HugePageAllocator<U>&) const noexcept { return true; }
+};
+void* allocate_huge_pages(size_t bytes);
+void free_huge_pages(void* p, size_t bytes) noexcept;
+template <class T>
+T* HugePageAllocator<T>::allocate(size_t n) { return static_cast<T*>(allocate_huge_pages(n * sizeof(T))); }
+template <class T>
+void HugePageAllocator<T>::deallocate(T* p, size_t n) noexcept { free_huge_pages(p, n * sizeof(T)); }
 
 class BlockPool {
  public:
@@ -39,8 +61,11 @@ class BlockPool {
   // Registers a referenced, full, computed block under `hash`. False (and nothing changes) when another block already
   // holds that hash or this block is registered already.
   bool cache(int32_t block_id, uint64_t hash);
-  // Hints that cache()/lookup() of `hash` follows soon, so a batch of them overlaps its cache misses.
-  void prefetch(uint64_t hash) const { __builtin_prefetch(&table_[hash & mask_]); }
+  // Hints that cache(block_id, hash) follows soon, so a batch of them overlaps its cache misses.
+  void prefetch(uint64_t hash, int32_t block_id) const {
+    __builtin_prefetch(&table_[hash & mask_]);
+    __builtin_prefetch(&blocks_[static_cast<size_t>(block_id)]);
+  }
 
   int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
   int32_t num_free() const { return num_free_; }
@@ -69,8 +94,8 @@ class BlockPool {
   size_t find_slot(uint64_t hash) const;  // the slot holding `hash`, or the empty slot that ends its probe run
   void uncache(int32_t id);
 
-  std::vector<Block> blocks_;
-  std::vector<Slot> table_;  // power-of-two size >= 2 * num_blocks: probe runs stay short
+  std::vector<Block, HugePageAllocator<Block>> blocks_;
+  std::vector<Slot, HugePageAllocator<Slot>> table_;  // power-of-two size >= 2 * num_blocks: probe runs stay short
   size_t mask_ = 0;
   int32_t head_ = kNone;  // next block to allocate (least recently freed)
   int32_t tail_ = kNone;

@@ -180,26 +180,35 @@ bool Engine::await_result(StepResult& result) {
 }
 
 void Engine::flush_outputs() {
-  const std::span<const RequestOutput> outputs = scheduler_->outputs();
+  const std::span<const PackedOutput> outputs = scheduler_->outputs();
   if (outputs.empty()) return;
+  const std::span<const int32_t> top_ids = scheduler_->output_top_token_ids();
+  const std::span<const float> top_logprobs = scheduler_->output_top_logprobs();
   // One StepEvents per step; split only if it would not fit in one ring record.
   const size_t limit = events_.ring()->max_record_size();
-  constexpr size_t kFixedBytes = 32;
-  const uint64_t step_id = scheduler_->num_steps();
+  constexpr size_t kFixedBytes = 40;  // header, step_id, emit_time, output count, up to 7 bytes of padding
+  const uint64_t step_id = outputs_step_id_;  // the step the pending outputs came from (the next one may be running)
   const int64_t emit_time = realtime_ns();
   size_t first = 0;
+  size_t first_top = 0;  // side-array entries of outputs[first, i)
+  size_t top = 0;
   size_t bytes = kFixedBytes;
   for (size_t i = 0; i < outputs.size(); ++i) {
     const size_t b = encoded_size_bound(outputs[i]);
     if (i > first && bytes + b > limit) {
-      encode_step_events(step_id, emit_time, outputs.subspan(first, i - first), event_buffer_);
+      encode_step_events(step_id, emit_time, outputs.subspan(first, i - first),
+                         top_ids.subspan(first_top, top - first_top), top_logprobs.subspan(first_top, top - first_top),
+                         event_buffer_);
       emit(event_buffer_);
       first = i;
+      first_top = top;
       bytes = kFixedBytes;
     }
     bytes += b;
+    top += outputs[i].num_top;
   }
-  encode_step_events(step_id, emit_time, outputs.subspan(first), event_buffer_);
+  encode_step_events(step_id, emit_time, outputs.subspan(first), top_ids.subspan(first_top),
+                     top_logprobs.subspan(first_top), event_buffer_);
   emit(event_buffer_);
   scheduler_->clear_outputs();
 }
@@ -228,7 +237,7 @@ void Engine::run() {
       while (drain_requests()) {
         const auto step_start = std::chrono::steady_clock::now();
         if (!scheduler_->schedule(plan_, realtime_ns())) {
-          flush_outputs();  // e.g. aborts while nothing runs
+          flush_outputs();  // the last step's tokens, aborts while nothing runs
           if (busy && config_.stats_interval_ms > 0) maybe_emit_stats(true);  // once when turning idle
           busy = false;
           if (!wait_for_requests()) break;
@@ -244,17 +253,22 @@ void Engine::run() {
           }
           housekeeping(false);
         }
-        if (!sent || !await_result(result)) break;
+        if (!sent) break;
+        // The previous step's tokens go out while the workers compute this one: encoding events overlaps the
+        // forward pass instead of delaying the next plan. (schedule() leaves the pending outputs alone.)
+        flush_outputs();
+        if (!await_result(result)) break;
         try {
           scheduler_->update(result, realtime_ns());
         } catch (const std::runtime_error& e) {
           throw WorkerFailure(std::string("worker broke the step protocol: ") + e.what());
         }
+        outputs_step_id_ = scheduler_->num_steps();
         last_step_time_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                  std::chrono::steady_clock::now() - step_start).count();
-        flush_outputs();
         if (config_.stats_interval_ms > 0) maybe_emit_stats(false);
       }
+      if (!stopping()) flush_outputs();  // Shutdown: the last step's outputs still reach the frontend
     }
   } catch (const std::exception& e) {
     // Fatal: tell the frontend so it fails every in-flight request, stop the workers, then surface the error.

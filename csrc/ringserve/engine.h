@@ -1,5 +1,6 @@
-// The engine step loop: drain the request ring -> schedule -> write a StepPlan -> wait for the StepResult ->
-// update -> emit one StepEvents record. All of it runs in C++ without the GIL; Python only hosts the process.
+// The engine step loop: drain the request ring -> schedule -> write a StepPlan -> emit the previous step's StepEvents
+// record (while the workers compute) -> wait for the StepResult -> update. When nothing is runnable the pending
+// events go out at once. All of it runs in C++ without the GIL; Python only hosts the process.
 #pragma once
 
 #include <sys/types.h>
@@ -79,6 +80,7 @@ class Engine {
   ByteBuffer event_buffer_;
   StepPlan plan_;
   int64_t last_step_time_ns_ = 0;
+  uint64_t outputs_step_id_ = 0;  // StepEvents.step_id of the pending outputs: the step whose update made them
   std::chrono::steady_clock::time_point last_stats_{};
 };
 

@@ -99,17 +99,24 @@ class PayloadReader {
     return static_cast<FinishReason>(v);
   }
 
+  // Copies the next array into `out`; given `where`, records its location instead and leaves `out` alone.
+  // Returns the element count.
   template <class T>
-  void get_array(std::vector<T>& out, const char* what) {
+  uint32_t get_array(std::vector<T>& out, const char* what, ArrayLocation* where = nullptr) {
     const auto count = get<uint32_t>(what);
     // Divide instead of multiply so a huge count cannot overflow the comparison.
     if (count > (bytes_.size() - pos_) / sizeof(T)) {
       throw RecordError(std::string("truncated array ") + what + ": " + std::to_string(count) + " elements declared, " +
                         std::to_string(bytes_.size() - pos_) + " bytes left");
     }
-    out.resize(count);
-    if (count != 0) std::memcpy(out.data(), bytes_.data() + pos_, count * sizeof(T));
+    if (where != nullptr) {
+      *where = {pos_, count};
+    } else {
+      out.resize(count);
+      if (count != 0) std::memcpy(out.data(), bytes_.data() + pos_, count * sizeof(T));
+    }
     pos_ += count * sizeof(T);
+    return count;
   }
 
   std::string get_string(const char* what) {
@@ -255,6 +262,77 @@ void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const 
     w.put(o.num_preemptions);
   }
   w.finish();
+}
+
+void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const PackedOutput> outputs,
+                        std::span<const int32_t> top_token_ids, std::span<const float> top_logprobs, ByteBuffer& out) {
+  size_t num_top = 0;
+  for (const PackedOutput& o : outputs) {
+    if (o.num_top != 0 && !o.has_token) throw RecordError("PackedOutput has top logprobs but no token");
+    num_top += o.num_top;
+  }
+  if (top_token_ids.size() != num_top || top_logprobs.size() != num_top) {
+    throw RecordError("PackedOutput top arrays do not hold the outputs' num_top entries");
+  }
+  PayloadWriter w(out, StepEvents::kType);
+  w.put(step_id);
+  w.put(emit_time_ns);
+  w.put<uint32_t>(PayloadWriter::checked_count(outputs.size()));
+  size_t top = 0;
+  for (const PackedOutput& o : outputs) {
+    // The fields of the RequestOutput encoding above, in its order; gathered in one buffer so each output costs one
+    // append instead of one per field.
+    uint8_t fixed[kMinRequestOutputBytes + 2 * sizeof(int32_t)];
+    uint8_t* p = fixed;
+    auto put = [&p](const auto& value) {
+      std::memcpy(p, &value, sizeof(value));
+      p += sizeof(value);
+    };
+    const uint32_t n = o.has_token ? 1 : 0;
+    put(o.request_id);
+    put(static_cast<uint8_t>(o.finish_reason));
+    put(o.num_prompt_tokens);
+    put(o.num_cached_tokens);
+    put(o.arrival_time_ns);
+    put(o.first_scheduled_time_ns);
+    put(o.first_token_time_ns);
+    put(n);
+    if (n != 0) put(o.token_id);
+    put(n);
+    if (n != 0) put(o.logprob);
+    put(uint32_t{o.num_top});
+    w.append(fixed, static_cast<size_t>(p - fixed));
+    w.put_array(top_token_ids.subspan(top, o.num_top));
+    w.put_array(top_logprobs.subspan(top, o.num_top));
+    top += o.num_top;
+    w.put(o.num_computed_tokens);
+    w.put(o.num_scheduled_tokens);
+    w.put(o.num_preemptions);
+  }
+  w.finish();
+}
+
+RequestOutput unpack_output(const PackedOutput& o, std::span<const int32_t> top_token_ids,
+                            std::span<const float> top_logprobs) {
+  RequestOutput r;
+  r.request_id = o.request_id;
+  r.finish_reason = o.finish_reason;
+  r.num_prompt_tokens = o.num_prompt_tokens;
+  r.num_cached_tokens = o.num_cached_tokens;
+  r.arrival_time_ns = o.arrival_time_ns;
+  r.first_scheduled_time_ns = o.first_scheduled_time_ns;
+  r.first_token_time_ns = o.first_token_time_ns;
+  if (o.has_token) {
+    r.new_token_ids.push_back(o.token_id);
+    r.logprobs.push_back(o.logprob);
+    r.num_top = o.num_top;
+    r.top_token_ids.assign(top_token_ids.begin(), top_token_ids.end());
+    r.top_logprobs.assign(top_logprobs.begin(), top_logprobs.end());
+  }
+  r.num_computed_tokens = o.num_computed_tokens;
+  r.num_scheduled_tokens = o.num_scheduled_tokens;
+  r.num_preemptions = o.num_preemptions;
+  return r;
 }
 
 void encode(const EngineStats& r, ByteBuffer& out) {
@@ -507,63 +585,85 @@ EngineEvent decode_engine_event(std::span<const uint8_t> bytes) {
   }
 }
 
-WorkerCommand decode_worker_command(std::span<const uint8_t> bytes) {
+namespace {
+
+// Decodes a StepPlan payload; with a layout, its arrays are located instead of copied (see StepPlanLayout).
+StepPlan decode_step_plan(std::span<const uint8_t> bytes, PayloadReader& rd, StepPlanLayout* layout) {
+  auto at = [&](ArrayLocation& location) { return layout != nullptr ? &location : nullptr; };
+  StepPlan r;
+  r.step_id = rd.get<uint64_t>("step_id");
+  r.new_requests.resize(rd.get_struct_count(kMinNewRequestBytes, "new_requests"));
+  StepPlanLayout::NewRequest unused_request;
+  if (layout != nullptr) layout->new_requests.resize(r.new_requests.size());
+  for (size_t i = 0; i < r.new_requests.size(); ++i) {
+    NewRequestData& nr = r.new_requests[i];
+    StepPlanLayout::NewRequest& where = layout != nullptr ? layout->new_requests[i] : unused_request;
+    nr.slot = rd.get<int32_t>("slot");
+    nr.num_computed_tokens = rd.get<int32_t>("num_computed_tokens");
+    nr.temperature = rd.get<float>("temperature");
+    nr.top_p = rd.get<float>("top_p");
+    nr.top_k = rd.get<int32_t>("top_k");
+    nr.seed = rd.get<uint64_t>("seed");
+    nr.has_seed = rd.get_bool("has_seed");
+    const uint32_t num_tokens = rd.get_array(nr.token_ids, "token_ids", at(where.token_ids));
+    rd.get_array(nr.block_ids, "block_ids", at(where.block_ids));
+    nr.num_prompt_tokens = rd.get<int32_t>("num_prompt_tokens");
+    nr.min_tokens = rd.get<int32_t>("min_tokens");
+    nr.min_p = rd.get<float>("min_p");
+    nr.repetition_penalty = rd.get<float>("repetition_penalty");
+    nr.frequency_penalty = rd.get<float>("frequency_penalty");
+    nr.presence_penalty = rd.get<float>("presence_penalty");
+    nr.num_logprobs = rd.get<int32_t>("num_logprobs");
+    rd.get_array(nr.suppress_token_ids, "suppress_token_ids", at(where.suppress_token_ids));
+    if (nr.num_prompt_tokens < 0 || static_cast<uint32_t>(nr.num_prompt_tokens) > num_tokens) {
+      throw RecordError("NewRequestData num_prompt_tokens " + std::to_string(nr.num_prompt_tokens) + " outside its " +
+                        std::to_string(num_tokens) + " token_ids");
+    }
+  }
+  r.block_appends.resize(rd.get_struct_count(kMinBlockAppendBytes, "block_appends"));
+  if (layout != nullptr) layout->block_appends.resize(r.block_appends.size());
+  for (size_t i = 0; i < r.block_appends.size(); ++i) {
+    BlockAppend& ba = r.block_appends[i];
+    ba.slot = rd.get<int32_t>("slot");
+    rd.get_array(ba.block_ids, "block_ids", layout != nullptr ? &layout->block_appends[i] : nullptr);
+  }
+  StepPlanLayout unused_layout;
+  StepPlanLayout& where = layout != nullptr ? *layout : unused_layout;
+  const uint32_t n = rd.get_array(r.sched_slots, "sched_slots", at(where.sched_slots));
+  const uint32_t n_start = rd.get_array(r.sched_start, "sched_start", at(where.sched_start));
+  const uint32_t n_len = rd.get_array(r.sched_len, "sched_len", at(where.sched_len));
+  const uint32_t n_sample = rd.get_array(r.sched_sample, "sched_sample", at(where.sched_sample));
+  rd.get_array(r.finished_slots, "finished_slots", at(where.finished_slots));
+  rd.finish();
+  if (n_start != n || n_len != n || n_sample != n) throw RecordError("StepPlan scheduled arrays have different lengths");
+  const uint8_t* samples = layout != nullptr ? bytes.data() + layout->sched_sample.offset : r.sched_sample.data();
+  for (uint32_t i = 0; i < n_sample; ++i) {
+    if (samples[i] > 1) throw RecordError("StepPlan sched_sample holds a non-bool");
+  }
+  return r;
+}
+
+WorkerCommand decode_worker_command(std::span<const uint8_t> bytes, StepPlanLayout* layout) {
   const RecordHeader h = check_header(bytes);
   PayloadReader rd(bytes);
   switch (static_cast<RecordType>(h.type)) {
-    case RecordType::kStepPlan: {
-      StepPlan r;
-      r.step_id = rd.get<uint64_t>("step_id");
-      r.new_requests.resize(rd.get_struct_count(kMinNewRequestBytes, "new_requests"));
-      for (NewRequestData& nr : r.new_requests) {
-        nr.slot = rd.get<int32_t>("slot");
-        nr.num_computed_tokens = rd.get<int32_t>("num_computed_tokens");
-        nr.temperature = rd.get<float>("temperature");
-        nr.top_p = rd.get<float>("top_p");
-        nr.top_k = rd.get<int32_t>("top_k");
-        nr.seed = rd.get<uint64_t>("seed");
-        nr.has_seed = rd.get_bool("has_seed");
-        rd.get_array(nr.token_ids, "token_ids");
-        rd.get_array(nr.block_ids, "block_ids");
-        nr.num_prompt_tokens = rd.get<int32_t>("num_prompt_tokens");
-        nr.min_tokens = rd.get<int32_t>("min_tokens");
-        nr.min_p = rd.get<float>("min_p");
-        nr.repetition_penalty = rd.get<float>("repetition_penalty");
-        nr.frequency_penalty = rd.get<float>("frequency_penalty");
-        nr.presence_penalty = rd.get<float>("presence_penalty");
-        nr.num_logprobs = rd.get<int32_t>("num_logprobs");
-        rd.get_array(nr.suppress_token_ids, "suppress_token_ids");
-        if (nr.num_prompt_tokens < 0 || static_cast<size_t>(nr.num_prompt_tokens) > nr.token_ids.size()) {
-          throw RecordError("NewRequestData num_prompt_tokens " + std::to_string(nr.num_prompt_tokens) +
-                            " outside its " + std::to_string(nr.token_ids.size()) + " token_ids");
-        }
-      }
-      r.block_appends.resize(rd.get_struct_count(kMinBlockAppendBytes, "block_appends"));
-      for (BlockAppend& ba : r.block_appends) {
-        ba.slot = rd.get<int32_t>("slot");
-        rd.get_array(ba.block_ids, "block_ids");
-      }
-      rd.get_array(r.sched_slots, "sched_slots");
-      rd.get_array(r.sched_start, "sched_start");
-      rd.get_array(r.sched_len, "sched_len");
-      rd.get_array(r.sched_sample, "sched_sample");
-      rd.get_array(r.finished_slots, "finished_slots");
-      rd.finish();
-      const size_t n = r.sched_slots.size();
-      if (r.sched_start.size() != n || r.sched_len.size() != n || r.sched_sample.size() != n) {
-        throw RecordError("StepPlan scheduled arrays have different lengths");
-      }
-      for (uint8_t s : r.sched_sample) {
-        if (s > 1) throw RecordError("StepPlan sched_sample holds a non-bool");
-      }
-      return r;
-    }
+    case RecordType::kStepPlan:
+      return decode_step_plan(bytes, rd, layout);
     case RecordType::kWorkerShutdown:
       rd.finish();
       return WorkerShutdown{};
     default:
       unknown_type(h.type, "step");
   }
+}
+
+}  // namespace
+
+WorkerCommand decode_worker_command(std::span<const uint8_t> bytes) { return decode_worker_command(bytes, nullptr); }
+
+WorkerCommand decode_worker_command(std::span<const uint8_t> bytes, StepPlanLayout& layout) {
+  layout = {};
+  return decode_worker_command(bytes, &layout);
 }
 
 bool decode_step_result_into(std::span<const uint8_t> bytes, StepResult& r) {
@@ -622,6 +722,10 @@ WorkerResult decode_worker_result(std::span<const uint8_t> bytes) {
 size_t encoded_size_bound(const RequestOutput& o) {
   return kMinRequestOutputBytes + o.new_token_ids.size() * sizeof(int32_t) + o.logprobs.size() * sizeof(float) +
          o.top_token_ids.size() * sizeof(int32_t) + o.top_logprobs.size() * sizeof(float);
+}
+
+size_t encoded_size_bound(const PackedOutput& o) {
+  return kMinRequestOutputBytes + (o.has_token ? 2 * sizeof(int32_t) : 0) + size_t{o.num_top} * 2 * sizeof(int32_t);
 }
 
 size_t encoded_size_bound(const NewRequestData& n) {

@@ -126,6 +126,27 @@ struct RequestOutput {
   uint32_t num_preemptions = 0;
 };
 
+// A RequestOutput with at most one new token in a fixed-size form: what the scheduler writes for every scheduled
+// request in every step (one cache line, no arrays to refill). Not a record of its own: it encodes byte for byte as
+// the RequestOutput it stands for. Its top logprobs (num_top, only with a token) are the next num_top entries of two
+// side arrays shared by a step's outputs, in output order.
+struct PackedOutput {
+  uint64_t request_id = 0;
+  int64_t arrival_time_ns = 0;
+  int64_t first_scheduled_time_ns = 0;
+  int64_t first_token_time_ns = 0;
+  uint32_t num_prompt_tokens = 0;
+  uint32_t num_cached_tokens = 0;
+  uint32_t num_computed_tokens = 0;
+  uint32_t num_scheduled_tokens = 0;
+  uint32_t num_preemptions = 0;
+  int32_t token_id = 0;  // the new token, when has_token
+  float logprob = 0.0f;
+  FinishReason finish_reason = FinishReason::kNone;
+  bool has_token = false;
+  uint16_t num_top = 0;
+};
+
 struct StepEvents {
   static constexpr RecordType kType = RecordType::kStepEvents;
   uint64_t step_id = 0;
@@ -283,18 +304,45 @@ ByteBuffer encode_to_bytes(const Record& r) {
 
 // StepEvents straight from a span of outputs (the engine's hot path: no copy into a StepEvents first).
 void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const RequestOutput> outputs, ByteBuffer& out);
+// The same record from packed outputs; `top_token_ids` / `top_logprobs` hold their top entries in output order (the
+// sum of their num_top each). Throws RecordError when the side arrays do not match.
+void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const PackedOutput> outputs,
+                        std::span<const int32_t> top_token_ids, std::span<const float> top_logprobs, ByteBuffer& out);
+// The RequestOutput a packed one stands for, given its own num_top top entries.
+RequestOutput unpack_output(const PackedOutput& o, std::span<const int32_t> top_token_ids,
+                            std::span<const float> top_logprobs);
 // Decodes a result-ring record into `out`, reusing its arrays, when it is a StepResult; returns false (out untouched)
 // for any other valid result-ring type. Throws RecordError on malformed input.
 bool decode_step_result_into(std::span<const uint8_t> bytes, StepResult& out);
+
+// Where an array of a decoded record lies in the record's bytes: `count` elements starting at byte `offset`.
+struct ArrayLocation {
+  size_t offset = 0;
+  uint32_t count = 0;
+};
+
+// Every array of a StepPlan as its location in the record, for callers that view the arrays in place (the binding's
+// zero-copy numpy arrays) instead of copying them.
+struct StepPlanLayout {
+  struct NewRequest {
+    ArrayLocation token_ids, block_ids, suppress_token_ids;
+  };
+  std::vector<NewRequest> new_requests;      // parallel to StepPlan::new_requests
+  std::vector<ArrayLocation> block_appends;  // each BlockAppend's block_ids
+  ArrayLocation sched_slots, sched_start, sched_len, sched_sample, finished_slots;
+};
 
 // Bounds-checked decoders, one per ring. Each rejects (RecordError) a record of another ring's type.
 RequestRecord decode_request_record(std::span<const uint8_t> bytes);
 EngineEvent decode_engine_event(std::span<const uint8_t> bytes);
 WorkerCommand decode_worker_command(std::span<const uint8_t> bytes);
+// The same checks; a StepPlan comes back with every array empty and `layout` saying where each one lies in `bytes`.
+WorkerCommand decode_worker_command(std::span<const uint8_t> bytes, StepPlanLayout& layout);
 WorkerResult decode_worker_result(std::span<const uint8_t> bytes);
 
 // Upper bound of the encoded size of one RequestOutput inside a StepEvents record (used to split large steps).
 size_t encoded_size_bound(const RequestOutput& o);
+size_t encoded_size_bound(const PackedOutput& o);
 // Upper bound of the encoded size a NewRequestData adds to a StepPlan.
 size_t encoded_size_bound(const NewRequestData& n);
 

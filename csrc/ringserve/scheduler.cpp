@@ -1,11 +1,15 @@
 #include "ringserve/scheduler.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 namespace ringserve {
 namespace {
+
+// Output tokens whose storage add_request() touches up front (32 KiB).
+constexpr int64_t kPrefaultedOutputTokens = 8192;
 
 // Fixed bytes of a StepPlan record and per entry, used to keep a plan under the ring's record size.
 constexpr size_t kPlanFixedBytes = 64;
@@ -15,6 +19,7 @@ constexpr size_t kPlanBytesPerNewRequest = 128;  // NewRequestData fixed fields 
 
 bool contains(const std::vector<int32_t>& v, int32_t x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
+
 // splitmix64's finalizer: a bijective 64-bit mix.
 uint64_t mix64(uint64_t x) {
   x ^= x >> 30;
@@ -23,6 +28,42 @@ uint64_t mix64(uint64_t x) {
   x *= 0x94d049bb133111ebull;
   x ^= x >> 31;
   return x;
+}
+
+// The ids that end a request: the first two sit in its hot line, the rest (rare) in suppress_token_ids.
+[[gnu::always_inline]] inline bool is_stop_token(const RequestState& r, int32_t token) {
+  if (r.num_stop_ids == 0) return false;
+  if (token == r.stop_ids[0] || (r.num_stop_ids > 1 && token == r.stop_ids[1])) return true;
+  return r.num_stop_ids > 2 && contains(r.suppress_token_ids, token);
+}
+
+// Below min_tokens only the length limits apply (the sampler masks EOS and stop ids meanwhile).
+// length_limit = min(prompt + max_tokens, max_model_len); stop_check_from = prompt + min_tokens.
+[[gnu::always_inline]] inline FinishReason stop_reason(const RequestState& r, int32_t token) {
+  const int32_t n = r.num_tokens();
+  if (n >= r.stop_check_from && is_stop_token(r, token)) return FinishReason::kStop;
+  return n >= r.length_limit ? FinishReason::kLength : FinishReason::kNone;
+}
+
+// Every field written once (no value-initialization first): this runs for every scheduled request in every step.
+[[gnu::always_inline]] inline PackedOutput make_output(const RequestState& r, FinishReason reason, int32_t num_scheduled,
+                                                       bool has_token, int32_t token, float logprob) {
+  return PackedOutput{
+      .request_id = r.request_id,
+      .arrival_time_ns = r.arrival_time_ns,
+      .first_scheduled_time_ns = r.first_scheduled_time_ns,
+      .first_token_time_ns = r.first_token_time_ns,
+      .num_prompt_tokens = static_cast<uint32_t>(r.num_prompt_tokens),
+      .num_cached_tokens = static_cast<uint32_t>(std::max(r.num_cached_tokens, 0)),
+      .num_computed_tokens = static_cast<uint32_t>(std::min(r.num_computed_tokens, r.num_prompt_tokens)),
+      .num_scheduled_tokens = static_cast<uint32_t>(num_scheduled),
+      .num_preemptions = r.num_preemptions,
+      .token_id = token,
+      .logprob = logprob,
+      .finish_reason = reason,
+      .has_token = has_token,
+      .num_top = 0,
+  };
 }
 
 // Takes an element with storage from `spare` (or a new one) onto the back of `v`.
@@ -44,9 +85,26 @@ void recycle(std::vector<T>& v, std::vector<T>& spare) {
 
 uint64_t block_hash(uint64_t parent, bool is_first, uint64_t cache_salt, std::span<const int32_t> tokens) {
   // The salt seeds the chain's root, so requests with different salts never share a block.
-  uint64_t h = is_first ? mix64(cache_salt ^ 0x243f6a8885a308d3ull) : parent;
-  for (const int32_t t : tokens) h = mix64(h ^ (uint64_t{static_cast<uint32_t>(t)} + 0x9e3779b97f4a7c15ull));
-  return h;
+  const uint64_t chain = is_first ? mix64(cache_salt ^ 0x243f6a8885a308d3ull) : parent;
+  // Two tokens at a time as one 64-bit word (their bits as stored: an injective packing), each word keyed by its
+  // position and folded with one 64x64->128-bit multiply; the products are independent (they overlap in the
+  // pipeline instead of forming a serial chain) and their sum joins the chain through a full mix. A decode step that
+  // completes a block pays for this, so it is kept to a few instructions per token.
+  uint64_t sum = tokens.size();
+  uint64_t key = 0x9e3779b97f4a7c15ull;
+  size_t i = 0;
+  for (; i + 1 < tokens.size(); i += 2, key += 0x9e3779b97f4a7c15ull) {
+    uint64_t word;
+    std::memcpy(&word, &tokens[i], sizeof(word));
+    const unsigned __int128 product = static_cast<unsigned __int128>(word ^ key) * 0xd6e8feb86659fd93ull;
+    sum += static_cast<uint64_t>(product) ^ static_cast<uint64_t>(product >> 64);
+  }
+  if (i < tokens.size()) {
+    const uint64_t word = uint64_t{static_cast<uint32_t>(tokens[i])} | (uint64_t{1} << 63);  // an odd last token
+    const unsigned __int128 product = static_cast<unsigned __int128>(word ^ key) * 0xd6e8feb86659fd93ull;
+    sum += static_cast<uint64_t>(product) ^ static_cast<uint64_t>(product >> 64);
+  }
+  return mix64(chain ^ mix64(sum));
 }
 
 Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
@@ -56,19 +114,22 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   if (config_.max_num_batched_tokens <= 0) throw std::invalid_argument("max_num_batched_tokens must be > 0");
   if (config_.num_blocks <= 0) throw std::invalid_argument("num_blocks must be > 0");
   if (config_.long_prefill_token_threshold < 0) throw std::invalid_argument("long_prefill_token_threshold must be >= 0");
+  if (config_.priority_aging_ms < 0) throw std::invalid_argument("priority_aging_ms must be >= 0");
   if (config_.max_model_len <= 0) config_.max_model_len = config_.num_blocks * config_.block_size;
   const auto seqs = static_cast<size_t>(config_.max_num_seqs);
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
   slot_owner_.assign(seqs, -1);
-  result_of_slot_.assign(seqs, -1);
+  sample_mark_.assign(seqs, SampleMark{});
   running_.reserve(seqs);
   in_flight_.reserve(seqs);
   released_slots_.reserve(seqs);
   outputs_.reserve(seqs);
+  static_assert(sizeof(PackedOutput) == 64, "a packed output is one cache line");
   spare_appends_.reserve(seqs);
   hits_.reserve(static_cast<size_t>(config_.num_blocks));
   pending_cache_.reserve(static_cast<size_t>(config_.num_blocks));
   finished_.reserve(seqs);
+  registering_.reserve(seqs);
 }
 
 RequestRejected Scheduler::reject(uint64_t id, uint32_t code, std::string message) const {
@@ -78,8 +139,22 @@ RequestRejected Scheduler::reject(uint64_t id, uint32_t code, std::string messag
 bool Scheduler::runs_before(int32_t a, int32_t b) const {
   const RequestState& x = table_[static_cast<size_t>(a)];
   const RequestState& y = table_[static_cast<size_t>(b)];
-  if (x.priority != y.priority) return x.priority < y.priority;
+  if (x.rank != y.rank) return x.rank < y.rank;
   return x.arrival_seq < y.arrival_seq;
+}
+
+int64_t Scheduler::rank_of(int32_t priority, int64_t now_ns) {
+  if (config_.priority_aging_ms == 0) return priority;
+  // Comparing priority - waited / A across requests at any instant equals comparing priority x A + arrival, a key
+  // fixed at arrival: the sorted queues stay sorted as time passes. Saturating, for extreme priorities.
+  arrival_clock_ = std::max(arrival_clock_, now_ns);
+  const int64_t aging_ns = int64_t{config_.priority_aging_ms} * 1'000'000;
+  int64_t rank;
+  if (__builtin_mul_overflow(int64_t{priority}, aging_ns, &rank) ||
+      __builtin_add_overflow(rank, arrival_clock_, &rank)) {
+    rank = priority < 0 ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
+  }
+  return rank;
 }
 
 void Scheduler::insert_waiting(int32_t index) {
@@ -93,11 +168,6 @@ void Scheduler::insert_running(int32_t index) {
   const auto at = std::partition_point(running_.begin(), running_.end(),
                                        [&](int32_t r) { return runs_before(r, index); });
   running_.insert(at, index);
-}
-
-int32_t Scheduler::chunk_cap(int32_t budget) const {
-  const int32_t cap = config_.long_prefill_token_threshold;
-  return cap > 0 ? std::min(budget, cap) : budget;
 }
 
 std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int64_t now_ns) {
@@ -156,9 +226,16 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   r.num_cached_tokens = -1;
   r.num_registered_blocks = 0;
   r.num_preemptions = 0;
+  r.length_limit = static_cast<int32_t>(std::min<int64_t>(total, config_.max_model_len));
+  r.stop_check_from = static_cast<int32_t>(prompt) + req.min_tokens;
+  r.rank = rank_of(req.priority, now_ns);
   r.arrival_seq = next_arrival_seq_++;
-  r.token_ids.assign(req.prompt_token_ids.begin(), req.prompt_token_ids.end());
   r.token_ids.reserve(static_cast<size_t>(total));  // no reallocation while generating
+  // Writing the capacity once faults its pages in now: a decode step appending into fresh memory would otherwise
+  // stop on a page fault (clearing a page) whenever a request's tokens cross into a new page. Bounded, so a huge
+  // max_tokens does not commit memory the request may never use (later pages fault once per 1,024 tokens).
+  r.token_ids.resize(static_cast<size_t>(std::min<int64_t>(total, prompt + kPrefaultedOutputTokens)));
+  r.token_ids.assign(req.prompt_token_ids.begin(), req.prompt_token_ids.end());
   r.block_ids.clear();
   r.block_ids.reserve(static_cast<size_t>(blocks));
   r.block_hashes.clear();
@@ -182,6 +259,9 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   r.suppress_token_ids.clear();
   if (!req.ignore_eos) r.suppress_token_ids = config_.eos_token_ids;
   r.suppress_token_ids.insert(r.suppress_token_ids.end(), req.stop_token_ids.begin(), req.stop_token_ids.end());
+  // The ids that end the request are exactly the ones masked before min_tokens.
+  r.num_stop_ids = static_cast<uint8_t>(std::min<size_t>(r.suppress_token_ids.size(), 255));
+  for (size_t k = 0; k < 2; ++k) r.stop_ids[k] = k < r.suppress_token_ids.size() ? r.suppress_token_ids[k] : 0;
   r.arrival_time_ns = now_ns;
   r.first_scheduled_time_ns = 0;
   r.first_token_time_ns = 0;
@@ -248,29 +328,23 @@ void Scheduler::extend_block_hashes(RequestState& r, int32_t num_blocks) {
 }
 
 void Scheduler::register_computed_blocks(RequestState& r) {
-  if (!config_.enable_prefix_caching) return;
   // Only full blocks whose KV is computed may be shared: their contents never change again.
   const int32_t full = std::min(r.num_computed_tokens / config_.block_size, static_cast<int32_t>(r.block_ids.size()));
   if (full <= r.num_registered_blocks) return;
   extend_block_hashes(r, full);
   for (int32_t j = r.num_registered_blocks; j < full; ++j) {
     const uint64_t hash = r.block_hashes[static_cast<size_t>(j)];
-    pool_.prefetch(hash);  // registered after the update loop, so these table misses overlap
+    pool_.prefetch(hash, r.block_ids[static_cast<size_t>(j)]);  // registered after the update loop: misses overlap
     pending_cache_.push_back({r.block_ids[static_cast<size_t>(j)], hash});
   }
   r.num_registered_blocks = full;
 }
 
-void Scheduler::schedule_chunk(StepPlan& plan, int32_t index, int32_t num_tokens, int64_t now_ns) {
-  RequestState& r = table_[static_cast<size_t>(index)];
-  const bool sample = r.num_computed_tokens + num_tokens == r.num_tokens();
-  plan.sched_slots.push_back(r.slot);
-  plan.sched_start.push_back(r.num_computed_tokens);
-  plan.sched_len.push_back(num_tokens);
-  plan.sched_sample.push_back(sample ? 1 : 0);
-  in_flight_.push_back({index, r.slot, num_tokens, sample});
+[[gnu::always_inline]] inline void Scheduler::schedule_chunk(int32_t index, int32_t slot, int32_t start,
+                                                             int32_t num_tokens, int32_t total) {
+  const bool sample = start + num_tokens == total;  // the chunk reaches the last known token: sample after it
   num_in_flight_samples_ += sample ? 1 : 0;
-  if (r.first_scheduled_time_ns == 0) r.first_scheduled_time_ns = now_ns;
+  in_flight_.push_back({index, slot, start, num_tokens, -1, sample});
 }
 
 bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns) {
@@ -339,7 +413,8 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   nr.token_ids.assign(r.token_ids.begin(), r.token_ids.end());
   nr.block_ids.assign(r.block_ids.begin(), r.block_ids.end());
   nr.suppress_token_ids.assign(r.suppress_token_ids.begin(), r.suppress_token_ids.end());
-  schedule_chunk(plan, index, n, now_ns);
+  if (r.first_scheduled_time_ns == 0) r.first_scheduled_time_ns = now_ns;
+  schedule_chunk(index, r.slot, r.num_computed_tokens, n, r.num_tokens());
   plan_bytes += bytes;
   budget -= n;
   return true;
@@ -349,11 +424,7 @@ void Scheduler::recycle_plan(StepPlan& plan) {
   recycle(plan.new_requests, spare_new_requests_);
   recycle(plan.block_appends, spare_appends_);
   plan.step_id = 0;
-  plan.sched_slots.clear();
-  plan.sched_start.clear();
-  plan.sched_len.clear();
-  plan.sched_sample.clear();
-  plan.finished_slots.clear();
+  plan.finished_slots.clear();  // the sched_* arrays are rewritten whole by write_entries()
 }
 
 bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
@@ -369,35 +440,42 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   bool preempted = false;
 
   // 1. Running requests first, highest priority / earliest arrival first.
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
-    const int32_t index = running_[i];
-    RequestState& r = table_[static_cast<size_t>(index)];
-    const int32_t n = std::min(r.num_tokens() - r.num_computed_tokens, chunk_cap(budget));
+  const int32_t bs = config_.block_size;
+  RequestState* const table = table_.data();  // add_request() alone grows the table
+  size_t num_running = running_.size();        // re-read after a preemption shrinks running_
+  for (size_t i = 0; i < num_running && budget > 0; ++i) {
+    const int32_t* const run = running_.data();
+    const int32_t index = run[i];
+    RequestState& r = table[index];
+    const int32_t computed = r.num_computed_tokens;
+    const int32_t total = r.num_tokens();
+    const int32_t n = std::min(total - computed, chunk_cap(budget));
     if (n <= 0) continue;
-    const int32_t needed = blocks_for(r.num_computed_tokens + n) - static_cast<int32_t>(r.block_ids.size());
-    bool preempted_self = false;
-    while (needed > pool_.num_free()) {
-      // running_ is in priority order, so its back is the lowest-priority, latest-arrived request; it sits behind
-      // position i (or is this request), so nothing of it is in the plan yet.
-      const int32_t victim = running_.back();
-      running_.pop_back();
-      preempt(victim, plan);
-      preempted = true;
-      if (victim == index) {
-        preempted_self = true;
-        break;
+    const auto have = static_cast<int32_t>(r.block_ids.size());
+    if (computed + n > have * bs) {  // needs blocks (a decode step does once every block_size tokens)
+      const int32_t needed = blocks_for(computed + n) - have;
+      bool preempted_self = false;
+      while (needed > pool_.num_free()) {
+        // running_ is in priority order, so its back is the lowest-priority, latest-arrived request; it sits behind
+        // position i (or is this request), so nothing of it is in the plan yet.
+        const int32_t victim = running_.back();
+        running_.pop_back();
+        preempt(victim, plan);
+        preempted = true;
+        if (victim == index) {
+          preempted_self = true;
+          break;
+        }
       }
-    }
-    if (preempted_self) break;
-    if (needed > 0) {
-      const size_t first_new = r.block_ids.size();
+      num_running = running_.size();
+      if (preempted_self) break;
       pool_.allocate(needed, r.block_ids);
       BlockAppend& append = reuse_back(plan.block_appends, spare_appends_);
       append.slot = r.slot;
-      append.block_ids.assign(r.block_ids.begin() + static_cast<std::ptrdiff_t>(first_new), r.block_ids.end());
+      append.block_ids.assign(r.block_ids.begin() + have, r.block_ids.end());
       plan_bytes += kPlanBytesPerAppend + static_cast<size_t>(needed) * sizeof(int32_t);
     }
-    schedule_chunk(plan, index, n, now_ns);
+    schedule_chunk(index, r.slot, computed, n, total);
     plan_bytes += kPlanBytesPerScheduled;
     budget -= n;
   }
@@ -408,6 +486,7 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     if (!try_admit(waiting_.back(), plan, budget, plan_bytes, now_ns)) break;
   }
 
+  write_entries(plan);
   if (in_flight_.empty()) {
     // Nothing runs: keep the released slots for the next plan that is actually sent.
     released_slots_.swap(plan.finished_slots);
@@ -422,35 +501,66 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   return true;
 }
 
-FinishReason Scheduler::stop_reason(const RequestState& r, int32_t token) const {
-  // Below min_tokens only the length limits apply (the sampler masks EOS and stop ids meanwhile).
-  if (r.num_output_tokens() >= r.min_tokens) {
-    if (!r.ignore_eos && contains(config_.eos_token_ids, token)) return FinishReason::kStop;
-    if (contains(r.stop_token_ids, token)) return FinishReason::kStop;
+void Scheduler::write_entries(StepPlan& plan) const {
+  // One pass at the end through raw pointers: stores into the uint8 sample array may alias anything, so writing the
+  // plan while scheduling would make the compiler reload every pointer after each entry.
+  const size_t n = in_flight_.size();
+  plan.sched_slots.resize(n);
+  plan.sched_start.resize(n);
+  plan.sched_len.resize(n);
+  plan.sched_sample.resize(n);
+  int32_t* slots = plan.sched_slots.data();
+  int32_t* starts = plan.sched_start.data();
+  int32_t* lens = plan.sched_len.data();
+  uint8_t* samples = plan.sched_sample.data();
+  const Scheduled* entries = in_flight_.data();
+  for (size_t k = 0; k < n; ++k) {
+    slots[k] = entries[k].slot;
+    starts[k] = entries[k].start;
+    lens[k] = entries[k].num_tokens;
+    samples[k] = entries[k].sample ? 1 : 0;
   }
-  if (r.num_output_tokens() >= r.max_tokens) return FinishReason::kLength;
-  if (r.num_tokens() >= config_.max_model_len) return FinishReason::kLength;
-  return FinishReason::kNone;
 }
 
-RequestOutput& Scheduler::new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled) {
-  if (num_outputs_ == outputs_.size()) outputs_.emplace_back();
-  RequestOutput& o = outputs_[num_outputs_++];
-  o.request_id = r.request_id;
-  o.finish_reason = reason;
-  o.num_prompt_tokens = static_cast<uint32_t>(r.num_prompt_tokens);
-  o.num_cached_tokens = static_cast<uint32_t>(std::max(r.num_cached_tokens, 0));
-  o.arrival_time_ns = r.arrival_time_ns;
-  o.first_scheduled_time_ns = r.first_scheduled_time_ns;
-  o.first_token_time_ns = r.first_token_time_ns;
-  o.new_token_ids.clear();
-  o.logprobs.clear();
-  o.num_top = 0;
-  o.top_token_ids.clear();
-  o.top_logprobs.clear();
-  o.num_computed_tokens = static_cast<uint32_t>(std::min(r.num_computed_tokens, r.num_prompt_tokens));
-  o.num_scheduled_tokens = static_cast<uint32_t>(num_scheduled);
-  o.num_preemptions = r.num_preemptions;
+void Scheduler::match_result_rows(const StepResult& result) {
+  // Workers normally answer in plan order: one pass confirms that. As many rows as sampled entries, each matched
+  // to a different one, means every sampled slot got exactly one token.
+  const int32_t* slots = result.slots.data();
+  size_t row = 0;
+  bool in_order = true;
+  for (Scheduled& s : in_flight_) {
+    if (!s.sample) continue;
+    if (slots[row] != s.slot) {
+      in_order = false;
+      break;
+    }
+    s.result = static_cast<int32_t>(row++);
+  }
+  if (in_order) return;
+  // Any other order: match the rows through a slot -> entry map, stamped with this step so it needs no clearing.
+  for (Scheduled& s : in_flight_) s.result = -1;
+  for (size_t k = 0; k < in_flight_.size(); ++k) {
+    if (in_flight_[k].sample) {
+      sample_mark_[static_cast<size_t>(in_flight_[k].slot)] = {in_flight_step_, static_cast<int32_t>(k)};
+    }
+  }
+  for (size_t i = 0; i < result.slots.size(); ++i) {
+    const int32_t slot = slots[i];
+    Scheduled* s = nullptr;
+    if (slot >= 0 && slot < config_.max_num_seqs) {
+      const SampleMark& mark = sample_mark_[static_cast<size_t>(slot)];
+      if (mark.step == in_flight_step_) s = &in_flight_[static_cast<size_t>(mark.pos)];
+    }
+    if (s == nullptr || s->result != -1) {
+      for (Scheduled& t : in_flight_) t.result = -1;
+      throw std::runtime_error("StepResult has a slot that was not sampled or is repeated: " + std::to_string(slot));
+    }
+    s->result = static_cast<int32_t>(i);
+  }
+}
+
+PackedOutput& Scheduler::new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled) {
+  PackedOutput& o = outputs_.emplace_back(make_output(r, reason, num_scheduled, false, 0, 0.0f));
   return o;
 }
 
@@ -469,54 +579,59 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       result.top_logprobs.size() != result.top_token_ids.size()) {
     throw std::runtime_error("StepResult top arrays are not [sampled slots, num_top]");
   }
-  for (size_t i = 0; i < result.slots.size(); ++i) {
-    const int32_t slot = result.slots[i];
-    if (slot < 0 || slot >= config_.max_num_seqs || result_of_slot_[static_cast<size_t>(slot)] != -1) {
-      for (size_t j = 0; j < i; ++j) result_of_slot_[static_cast<size_t>(result.slots[j])] = -1;
-      throw std::runtime_error("StepResult has an invalid or repeated slot " + std::to_string(slot));
-    }
-    result_of_slot_[static_cast<size_t>(slot)] = static_cast<int32_t>(i);
-  }
-  // Check every sampled slot got a token before changing any state.
-  for (const Scheduled& s : in_flight_) {
-    if (s.sample && result_of_slot_[static_cast<size_t>(s.slot)] == -1) {
-      for (const int32_t slot : result.slots) result_of_slot_[static_cast<size_t>(slot)] = -1;
-      throw std::runtime_error("StepResult misses a sampled slot");
-    }
-  }
+  match_result_rows(result);  // throws, changing nothing, unless every sampled entry got exactly one row
   step_in_flight_ = false;
 
   pending_cache_.clear();
   finished_.clear();
-  for (const Scheduled& s : in_flight_) {
+  registering_.clear();
+  const bool caching = config_.enable_prefix_caching;
+  const int32_t bs = config_.block_size;
+  const size_t count = in_flight_.size();
+  // One output per scheduled request; growing the array happens only until it reached its high-water mark.
+  const int32_t* tokens = result.token_ids.data();
+  const float* logprobs = result.logprobs.empty() ? nullptr : result.logprobs.data();
+  for (size_t k = 0; k < count; ++k) {
+    const Scheduled& s = in_flight_[k];
     RequestState& r = table_[static_cast<size_t>(s.index)];
     r.num_computed_tokens += s.num_tokens;
-    register_computed_blocks(r);
+    // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
+    if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
     if (!s.sample) {
       new_output(r, FinishReason::kNone, s.num_tokens);  // a prefill chunk: progress only, for tracing
       continue;
     }
-    const auto at = static_cast<size_t>(result_of_slot_[static_cast<size_t>(r.slot)]);
-    result_of_slot_[static_cast<size_t>(r.slot)] = -1;
-    const int32_t token = result.token_ids[at];
-    r.token_ids.push_back(token);
-    ++total_generation_tokens_;
+    const auto at = static_cast<size_t>(s.result);
+    const int32_t token = tokens[at];
+    r.token_ids.push_back(token);  // within the capacity reserved at add_request
     if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
     const FinishReason reason = stop_reason(r, token);
-    RequestOutput& o = new_output(r, reason, s.num_tokens);
-    o.new_token_ids.push_back(token);
-    o.logprobs.push_back(result.logprobs.empty() ? 0.0f : result.logprobs[at]);
-    const uint32_t top = std::min(result.num_top, static_cast<uint32_t>(r.num_logprobs));
+    PackedOutput& o = outputs_.emplace_back(
+        make_output(r, reason, s.num_tokens, true, token, logprobs != nullptr ? logprobs[at] : 0.0f));
+    // num_logprobs sits in the request's cold part: read it only when the worker sent top logprobs at all.
+    const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(r.num_logprobs),
+                                                             uint32_t{std::numeric_limits<uint16_t>::max()}});
     if (top > 0) {
-      const size_t row = at * result.num_top;
-      o.num_top = top;
-      o.top_token_ids.assign(result.top_token_ids.begin() + static_cast<std::ptrdiff_t>(row),
-                             result.top_token_ids.begin() + static_cast<std::ptrdiff_t>(row + top));
-      o.top_logprobs.assign(result.top_logprobs.begin() + static_cast<std::ptrdiff_t>(row),
-                            result.top_logprobs.begin() + static_cast<std::ptrdiff_t>(row + top));
+      const auto row = static_cast<std::ptrdiff_t>(at * result.num_top);
+      o.num_top = static_cast<uint16_t>(top);
+      top_token_ids_.insert(top_token_ids_.end(), result.top_token_ids.begin() + row,
+                            result.top_token_ids.begin() + row + top);
+      top_logprobs_.insert(top_logprobs_.end(), result.top_logprobs.begin() + row,
+                           result.top_logprobs.begin() + row + top);
     }
     if (reason != FinishReason::kNone) finished_.push_back(s.index);
   }
+  total_generation_tokens_ += expected;
+  // Registrations read three arrays of their own per request (hash chain, block table, the block's tokens), cold by
+  // now: touch them all first so their misses overlap, then hash and register.
+  for (const int32_t index : registering_) {
+    const RequestState& r = table_[static_cast<size_t>(index)];
+    const auto next = static_cast<size_t>(r.num_registered_blocks);
+    if (next > 0) __builtin_prefetch(&r.block_hashes[next - 1]);
+    __builtin_prefetch(&r.block_ids[next]);
+    __builtin_prefetch(&r.token_ids[next * static_cast<size_t>(bs)]);
+  }
+  for (const int32_t index : registering_) register_computed_blocks(table_[static_cast<size_t>(index)]);
   // Register before releasing: a block must still be referenced when it enters the cache.
   for (const PendingBlock& b : pending_cache_) pool_.cache(b.block, b.hash);
   for (const int32_t index : finished_) release(index);  // status becomes kFree; removed from running_ below
@@ -527,8 +642,14 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
 }
 
 void Scheduler::take_outputs(std::vector<RequestOutput>& out) {
-  out.assign(outputs_.begin(), outputs_.begin() + static_cast<std::ptrdiff_t>(num_outputs_));
-  num_outputs_ = 0;
+  out.clear();
+  size_t top = 0;
+  for (const PackedOutput& o : outputs_) {
+    out.push_back(unpack_output(o, std::span(top_token_ids_).subspan(top, o.num_top),
+                                std::span(top_logprobs_).subspan(top, o.num_top)));
+    top += o.num_top;
+  }
+  clear_outputs();
 }
 
 EngineStats Scheduler::stats(uint64_t query_id) const {

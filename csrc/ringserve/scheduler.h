@@ -3,12 +3,16 @@
 // Every request has num_computed_tokens catching up to its token count (prompt + outputs). Each step spends
 // max_num_batched_tokens on running requests first, then admits waiting requests while fewer than max_num_seqs run;
 // a prompt longer than the remaining budget (or than long_prefill_token_threshold) is chunked. Both lists are kept in
-// priority order: lower `priority` value first, then earlier arrival (FCFS within a priority). On admission a request
+// priority order: lower `priority` value first, then earlier arrival (FCFS within a priority). With aging
+// (priority_aging_ms = A > 0) the order is by priority x A + arrival time instead: a request's effective priority
+// improves by one per A waited, so one of priority p is overtaken only by requests of priority q < p that arrived
+// less than (p - q) x A after it, and nobody waits forever behind a stream of better ones. On admission a request
 // reuses every cached leading full block (chained prefix hashes), so it starts at num_computed_tokens > 0; it always
 // computes at least its last token. KV blocks are allocated as a request grows. When a running request cannot get a
-// block even after evicting unreferenced cached blocks, the lowest-priority, latest-arrived running request is
-// preempted by recompute: its blocks are freed (full ones stay cached), it goes back to the waiting queue ahead of
-// every later arrival of its priority with its generated tokens kept, and it is re-sent later as a new request.
+// block even after evicting unreferenced cached blocks, the running request last in that order (lowest priority,
+// latest arrival) is preempted by recompute: its blocks are freed (full ones stay cached), it goes back to the
+// waiting queue at its old place (ahead of every later arrival of its priority) with its generated tokens kept, and
+// it is re-sent later as a new request.
 //
 // Slots: a running request owns a batch slot in [0, max_num_seqs) that the workers use to index their persistent
 // batch. A slot released (finish, abort, preemption) is listed in the next plan's finished_slots; the workers drop it
@@ -39,24 +43,39 @@ struct EngineConfig {
   bool enable_prefix_caching = true;
   int32_t long_prefill_token_threshold = 0;  // 0 = no per-request cap on a step's prefill chunk
   int32_t stats_interval_ms = 100;           // unsolicited EngineStats at most this often while busy
+  // Aging: a request's effective priority value drops by one for every priority_aging_ms it has waited since it
+  // arrived, so later arrivals of a better priority stop overtaking it after a bounded time (0 = strict priority).
+  int32_t priority_aging_ms = 0;
 };
 
 enum class RequestStatus : uint8_t { kFree, kWaiting, kRunning };
 
-struct RequestState {
-  uint64_t request_id = 0;
-  RequestStatus status = RequestStatus::kFree;
-  int32_t slot = -1;  // batch slot while running, else -1
-  int32_t num_prompt_tokens = 0;
-  int32_t num_computed_tokens = 0;
-  int32_t num_cached_tokens = -1;  // prefix-cache hit at first admission; -1 = not admitted yet
-  int32_t num_registered_blocks = 0;  // leading blocks already offered to the prefix cache
-  uint32_t num_preemptions = 0;
-  uint64_t arrival_seq = 0;        // FCFS order within a priority
-  std::vector<int32_t> token_ids;  // prompt then outputs
+// One request's state. The fields every scheduled request touches in every step come first and fill two cache
+// lines (the table is aligned to them), so a decode step reads at most two lines of a request's entry.
+struct alignas(64) RequestState {
+  // Line 1: schedule() and update() for every running request.
+  std::vector<int32_t> token_ids;  // prompt then outputs (capacity reserved for prompt + max_tokens)
   std::vector<int32_t> block_ids;  // covers at least num_computed_tokens tokens
+  int32_t num_computed_tokens = 0;
+  int32_t slot = -1;  // batch slot while running, else -1
+  int32_t num_registered_blocks = 0;  // leading blocks already offered to the prefix cache
+  int32_t length_limit = 0;  // num_tokens() at which the request ends with LENGTH: prompt + max_tokens
+  // Line 2: update()'s stop check and output.
+  uint64_t request_id = 0;
+  int64_t arrival_time_ns = 0;  // engine timestamps, CLOCK_REALTIME ns (0 = not yet)
+  int64_t first_scheduled_time_ns = 0;
+  int64_t first_token_time_ns = 0;
+  int32_t num_prompt_tokens = 0;
+  int32_t num_cached_tokens = -1;  // prefix-cache hit at first admission; -1 = not admitted yet
+  uint32_t num_preemptions = 0;
+  int32_t stop_check_from = 0;  // num_tokens() from which EOS / stop ids end it: prompt + min_tokens
+  int32_t stop_ids[2] = {0, 0};  // the first two of suppress_token_ids (its ids end the request), kept in this line
+  RequestStatus status = RequestStatus::kFree;
+  uint8_t num_stop_ids = 0;  // size of suppress_token_ids, capped at 255 (more are searched there)
+  // Cold: admission, preemption, prefix hashing and the plan's NewRequestData.
+  int64_t rank = 0;            // queue order key, lower first: priority, or priority x aging + arrival with aging
+  uint64_t arrival_seq = 0;    // FCFS order among equal ranks
   std::vector<uint64_t> block_hashes;  // chained hash of each full block of token_ids known so far
-  // sampling and stop parameters, as received
   int32_t max_tokens = 0;
   int32_t min_tokens = 0;
   float temperature = 1.0f;
@@ -74,10 +93,6 @@ struct RequestState {
   uint64_t cache_salt = 0;
   std::vector<int32_t> stop_token_ids;
   std::vector<int32_t> suppress_token_ids;  // EOS (unless ignore_eos) + stop ids, masked before min_tokens
-  // engine timestamps, CLOCK_REALTIME ns (0 = not yet)
-  int64_t arrival_time_ns = 0;
-  int64_t first_scheduled_time_ns = 0;
-  int64_t first_token_time_ns = 0;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
@@ -102,10 +117,18 @@ class Scheduler {
   // appends sampled tokens, applies stop rules, frees finished requests. Throws std::runtime_error when the result
   // does not match the plan.
   void update(const StepResult& result, int64_t now_ns);
-  // The outputs produced since the last clear_outputs() (valid until the next schedule/update/abort).
-  std::span<const RequestOutput> outputs() const { return {outputs_.data(), num_outputs_}; }
-  void clear_outputs() { num_outputs_ = 0; }
-  // Copies the pending outputs into `out` and clears them (tests and bindings).
+  // The outputs since the last clear_outputs(): one per scheduled request per step and one per abort, packed, their
+  // top logprobs in the two side arrays (see PackedOutput). Valid until the next update/abort: schedule() leaves
+  // them, so the engine sends them while the workers run the next step.
+  std::span<const PackedOutput> outputs() const { return outputs_; }
+  std::span<const int32_t> output_top_token_ids() const { return top_token_ids_; }
+  std::span<const float> output_top_logprobs() const { return top_logprobs_; }
+  void clear_outputs() {
+    outputs_.clear();
+    top_token_ids_.clear();
+    top_logprobs_.clear();
+  }
+  // Unpacks the pending outputs into `out` and clears them (tests and bindings).
   void take_outputs(std::vector<RequestOutput>& out);
 
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
@@ -124,8 +147,14 @@ class Scheduler {
   struct Scheduled {
     int32_t index;
     int32_t slot;
+    int32_t start;  // num_computed_tokens when scheduled
     int32_t num_tokens;
+    int32_t result;  // update(): this request's row in the StepResult, -1 until matched
     bool sample;
+  };
+  struct SampleMark {  // slot -> the in-flight entry that samples it, valid while step == in_flight_step_
+    uint64_t step = 0;
+    int32_t pos = -1;
   };
   struct PendingBlock {
     int32_t block;
@@ -133,19 +162,24 @@ class Scheduler {
   };
 
   int32_t blocks_for(int32_t num_tokens) const { return (num_tokens + config_.block_size - 1) / config_.block_size; }
-  // True when request a runs before request b: lower priority value, then earlier arrival.
+  // True when request a runs before request b: lower rank (priority, aged when aging is on), then earlier arrival.
   bool runs_before(int32_t a, int32_t b) const;
+  int64_t rank_of(int32_t priority, int64_t now_ns);
   void insert_waiting(int32_t index);
   void insert_running(int32_t index);
-  int32_t chunk_cap(int32_t budget) const;
+  int32_t chunk_cap(int32_t budget) const {
+    const int32_t cap = config_.long_prefill_token_threshold;
+    return cap > 0 && cap < budget ? cap : budget;
+  }
   void extend_block_hashes(RequestState& r, int32_t num_blocks);
   void register_computed_blocks(RequestState& r);
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
-  void schedule_chunk(StepPlan& plan, int32_t index, int32_t num_tokens, int64_t now_ns);
+  void schedule_chunk(int32_t index, int32_t slot, int32_t start, int32_t num_tokens, int32_t total);  // -> in_flight_
+  void write_entries(StepPlan& plan) const;                // in_flight_ -> the plan's sched_* arrays
+  void match_result_rows(const StepResult& result);        // sets in_flight_[*].result
   void preempt(int32_t index, StepPlan& plan);
   void release(int32_t index);  // frees blocks, slot and table entry
-  FinishReason stop_reason(const RequestState& r, int32_t token) const;
-  RequestOutput& new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled);
+  PackedOutput& new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled);
   RequestRejected reject(uint64_t id, uint32_t code, std::string message) const;
   void recycle_plan(StepPlan& plan);
 
@@ -167,18 +201,21 @@ class Scheduler {
   uint64_t in_flight_step_ = 0;
   bool step_in_flight_ = false;
   size_t num_in_flight_samples_ = 0;
-  std::vector<int32_t> result_of_slot_;  // scratch for update(): slot -> index into StepResult, or -1
+  std::vector<SampleMark> sample_mark_;      // by batch slot: matches rows a worker sent out of plan order
   std::vector<PendingBlock> pending_cache_;  // scratch for update(): full blocks to register, prefetched first
   std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
+  std::vector<int32_t> registering_;         // scratch for update(): requests that completed a block
 
   // Plan entries and outputs keep their arrays' storage between steps.
   std::vector<BlockAppend> spare_appends_;
   std::vector<NewRequestData> spare_new_requests_;
-  std::vector<RequestOutput> outputs_;
-  size_t num_outputs_ = 0;
+  std::vector<PackedOutput> outputs_;
+  std::vector<int32_t> top_token_ids_;  // the outputs' top logprobs, in output order
+  std::vector<float> top_logprobs_;
 
   uint64_t next_step_id_ = 1;
   uint64_t next_arrival_seq_ = 0;
+  int64_t arrival_clock_ = 0;  // latest arrival time seen: the aging key never runs backwards with the wall clock
   uint64_t num_steps_ = 0;
   uint64_t num_preemptions_ = 0;
   int32_t last_step_tokens_ = 0;

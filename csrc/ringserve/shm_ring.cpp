@@ -22,7 +22,9 @@
 namespace ringserve {
 namespace {
 
-constexpr int kSpinIterations = 256;
+// How long a waiting side spins before it sleeps on the futex. Long enough to cover a peer's turnaround in a
+// ping-pong (a Python call included), short enough that a waiter costs nothing measurable once traffic stops.
+constexpr auto kSpinTime = std::chrono::microseconds(20);
 // Keeps deadline arithmetic far away from overflow for "wait forever"-style timeouts.
 constexpr std::chrono::nanoseconds kMaxTimeout = std::chrono::hours(24 * 365);
 
@@ -32,6 +34,21 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// Spins until ready() or the deadline or *cancel; reads the clock only every 64 polls (a clock read costs more than
+// a poll).
+template <class Ready>
+bool spin_until(Ready ready, std::chrono::steady_clock::time_point until, const std::atomic<bool>* cancel) {
+  for (uint32_t i = 1;; ++i) {
+    cpu_relax();
+    if (ready()) return true;
+    if (i % 64 == 0) {
+      // relaxed: a late look at the flag only delays the return by one round.
+      if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) return false;
+      if (std::chrono::steady_clock::now() >= until) return false;
+    }
+  }
 }
 
 constexpr uint64_t align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
@@ -224,11 +241,9 @@ bool RingWriter::try_write(std::span<const uint8_t> record) {
 bool RingWriter::write(std::span<const uint8_t> record, std::chrono::nanoseconds timeout,
                        const std::atomic<bool>* cancel) {
   if (try_write(record)) return true;
-  const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, kMaxTimeout);
-  for (int i = 0; i < kSpinIterations; ++i) {
-    cpu_relax();
-    if (try_write(record)) return true;
-  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::min(timeout, kMaxTimeout);
+  if (spin_until([&] { return try_write(record); }, std::min(start + kSpinTime, deadline), cancel)) return true;
   while (true) {
     // acquire: a wake_writer() that bumped the word after setting *cancel makes that store visible below.
     const uint32_t seq = header_.space_seq.load(std::memory_order_acquire);
@@ -261,21 +276,24 @@ RingReader::RingReader(std::shared_ptr<ShmRing> ring, uint32_t reader_index)
       data_(ring_->data()),
       capacity_(ring_->capacity()),
       index_(reader_index),
-      position_(0) {
+      position_(0),
+      published_(0),
+      cached_end_(0) {
   if (reader_index >= ring_->num_readers()) {
     throw std::invalid_argument("reader_index " + std::to_string(reader_index) + " out of range: ring " +
                                 ring_->name() + " has " + std::to_string(ring_->num_readers()) + " readers");
   }
   // acquire: resume where a previous reader with this index stopped.
-  position_ = header_.readers[index_].read_index.load(std::memory_order_acquire);
+  position_ = published_ = cached_end_ = header_.readers[index_].read_index.load(std::memory_order_acquire);
 }
 
 bool RingReader::has_data() const {
-  // relaxed: only a hint; try_read re-loads with acquire before touching the bytes.
+  // relaxed: only a hint; peek() re-loads with acquire before touching the bytes.
   return header_.write_index.load(std::memory_order_relaxed) != position_;
 }
 
 void RingReader::publish_position() {
+  published_ = position_;
   // release: our copy-out of the consumed bytes happens-before the writer (acquire in has_space) reuses them.
   header_.readers[index_].read_index.store(position_, std::memory_order_release);
   // seq_cst fence (Dekker, reader half of the space handshake): the index store is ordered before the
@@ -285,21 +303,28 @@ void RingReader::publish_position() {
   if (header_.writer_sleeping.load(std::memory_order_relaxed) != 0) ring_->wake_writer();
 }
 
-bool RingReader::try_read(std::vector<uint8_t>& out) {
-  // acquire: pairs with the writer's release store; the frames before `end` are fully written.
-  const uint64_t end = header_.write_index.load(std::memory_order_acquire);
-  const uint64_t start = position_;
+std::optional<std::span<const uint8_t>> RingReader::peek() {
   auto corrupt = [&](const char* why) {
     throw std::runtime_error(std::string("ring ") + ring_->name() + " is corrupt: " + why);
   };
-  if (end - position_ > capacity_) corrupt("write index is more than a capacity ahead of the read index");
-  while (position_ != end) {
+  while (true) {
+    if (position_ == cached_end_) {
+      // acquire: pairs with the writer's release store; the frames before the loaded index are fully written.
+      // Loading write_index only when the frames seen so far are used up keeps its cache line from bouncing
+      // between writer and reader on every record.
+      cached_end_ = header_.write_index.load(std::memory_order_acquire);
+      if (cached_end_ - position_ > capacity_) corrupt("write index is more than a capacity ahead of the read index");
+      if (position_ == cached_end_) {
+        if (published_ != position_) publish_position();  // consumed only padding since the last publication
+        return std::nullopt;
+      }
+    }
     const uint64_t offset = position_ & (capacity_ - 1);
     FrameHeader fh;
     std::memcpy(&fh, data_ + offset, sizeof(fh));
     // Validate before trusting the sizes, so a corrupt segment cannot make us read out of bounds.
     if (fh.size < sizeof(FrameHeader) || fh.size % 8 != 0 || fh.size > capacity_ - offset ||
-        fh.size > end - position_) {
+        fh.size > cached_end_ - position_) {
       corrupt("bad frame size");
     }
     if (fh.payload_len == kPaddingFrame) {
@@ -307,23 +332,35 @@ bool RingReader::try_read(std::vector<uint8_t>& out) {
       continue;
     }
     if (fh.payload_len > fh.size - sizeof(FrameHeader)) corrupt("payload larger than its frame");
-    const uint8_t* payload = data_ + offset + sizeof(FrameHeader);
-    out.assign(payload, payload + fh.payload_len);
-    position_ += fh.size;
-    publish_position();
-    return true;
+    pending_frame_ = fh.size;
+    return std::span<const uint8_t>(data_ + offset + sizeof(FrameHeader), fh.payload_len);
   }
-  if (position_ != start) publish_position();  // consumed only padding
-  return false;
 }
 
-bool RingReader::read(std::vector<uint8_t>& out, std::chrono::nanoseconds timeout, const std::atomic<bool>* cancel) {
-  if (try_read(out)) return true;
-  const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, kMaxTimeout);
-  for (int i = 0; i < kSpinIterations; ++i) {
-    cpu_relax();
-    if (has_data() && try_read(out)) return true;
-  }
+void RingReader::release() {
+  if (pending_frame_ == 0) return;
+  position_ += pending_frame_;
+  pending_frame_ = 0;
+  // Publishing after every record would move read_index's cache line to the writer once per record. Publish when
+  // the records seen are used up (always before this reader can sleep) or once a quarter of the ring is consumed
+  // unpublished, so a writer waiting for space never waits on more than that.
+  if (position_ == cached_end_ || position_ - published_ >= capacity_ / 4) publish_position();
+}
+
+bool RingReader::try_read(std::vector<uint8_t>& out) {
+  const auto record = peek();
+  if (!record) return false;
+  out.assign(record->begin(), record->end());
+  release();
+  return true;
+}
+
+bool RingReader::wait(std::chrono::nanoseconds timeout, const std::atomic<bool>* cancel) {
+  if (has_data()) return true;
+  if (published_ != position_) publish_position();  // never sleep while holding consumed bytes back from the writer
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::min(timeout, kMaxTimeout);
+  if (spin_until([&] { return has_data(); }, std::min(start + kSpinTime, deadline), cancel)) return true;
   while (true) {
     // acquire: a wake_readers() that bumped the word after setting *cancel makes that store visible below.
     const uint32_t seq = header_.data_seq.load(std::memory_order_acquire);
@@ -332,13 +369,24 @@ bool RingReader::read(std::vector<uint8_t>& out, std::chrono::nanoseconds timeou
     // fences between storing write_index and loading sleeping_readers.
     header_.sleeping_readers.fetch_add(1, std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    const bool got = try_read(out);
+    const bool ready = has_data();
     const auto now = std::chrono::steady_clock::now();
-    if (!got && now < deadline) futex_wait(header_.data_seq, seq, deadline - now);
+    if (!ready && now < deadline) futex_wait(header_.data_seq, seq, deadline - now);
     // relaxed: a late decrement only costs the writer one extra wake syscall.
     header_.sleeping_readers.fetch_sub(1, std::memory_order_relaxed);
-    if (got || try_read(out)) return true;
+    if (ready || has_data()) return true;
     if (std::chrono::steady_clock::now() >= deadline) return false;
+  }
+}
+
+bool RingReader::read(std::vector<uint8_t>& out, std::chrono::nanoseconds timeout, const std::atomic<bool>* cancel) {
+  if (try_read(out)) return true;  // before reading the clock: the common case when records are flowing
+  const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, kMaxTimeout);
+  while (true) {
+    // wait() can report bytes that turn out to be only a padding frame: loop until a record or the deadline.
+    const auto left = deadline - std::chrono::steady_clock::now();
+    if (left <= std::chrono::nanoseconds::zero() || !wait(left, cancel)) return false;
+    if (try_read(out)) return true;
   }
 }
 

@@ -11,6 +11,10 @@
 // Broadcast: every reader has its own read index and sees every record; the writer never overwrites bytes that the
 // slowest reader has not consumed, so all `num_readers` readers must keep reading or the writer blocks.
 //
+// Index traffic: a reader loads write_index only when it has used up the records it saw, and publishes its read index
+// when it has caught up (always before it can sleep) or after consuming a quarter of the ring, so the two indices'
+// cache lines do not travel between the cores once per record.
+//
 // Waiting: a reader spins briefly, then sleeps on a shared futex word in the segment (data_seq) with a timeout; the
 // writer issues FUTEX_WAKE only when some reader announced that it sleeps. A writer waiting for space sleeps on
 // space_seq the same way and readers wake it only when it announced it sleeps. Both are Dekker-style handshakes:
@@ -24,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -139,7 +144,15 @@ class RingReader {
   bool try_read(std::vector<uint8_t>& out);
   // Waits up to `timeout` (spin, then futex sleep); false on timeout or when *cancel becomes true.
   bool read(std::vector<uint8_t>& out, std::chrono::nanoseconds timeout, const std::atomic<bool>* cancel = nullptr);
+  // Waits until the writer has published bytes this reader has not consumed (a record, or padding before one);
+  // false on timeout or cancel. Consumes nothing.
+  bool wait(std::chrono::nanoseconds timeout, const std::atomic<bool>* cancel = nullptr);
   bool has_data() const;
+
+  // Zero-copy access: the next record in place in the ring, or an empty optional when none is readable. The bytes
+  // stay valid (the writer cannot reuse them) until release(), which consumes the record.
+  std::optional<std::span<const uint8_t>> peek();
+  void release();
 
   const std::shared_ptr<ShmRing>& ring() const { return ring_; }
   uint32_t reader_index() const { return index_; }
@@ -152,7 +165,10 @@ class RingReader {
   uint8_t* data_;
   uint64_t capacity_;
   uint32_t index_;
-  uint64_t position_;  // local copy of this reader's read_index: only this reader writes it
+  uint64_t position_;           // this reader's consumed bytes; only this reader advances it
+  uint64_t published_;          // the value last stored to read_index
+  uint64_t cached_end_;         // write_index as last loaded: frames before it are complete
+  uint64_t pending_frame_ = 0;  // size of the frame peek() returned, 0 when none
 };
 
 // Unlinks /dev/shm/ringserve-<pid>-* segments whose creator pid is dead; returns their names ("/ringserve-...").

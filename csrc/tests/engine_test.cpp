@@ -150,4 +150,44 @@ TEST(worker_failure_is_reported_and_thrown) {
   CHECK(failed.message.find("out of memory") != std::string::npos);
 }
 
+TEST(packed_outputs_encode_byte_for_byte_like_request_outputs) {
+  // A decode token with top logprobs, a prefill chunk's progress, an abort and a plain final token.
+  std::vector<PackedOutput> packed(4);
+  packed[0] = {.request_id = 11, .arrival_time_ns = 100, .first_scheduled_time_ns = 110, .first_token_time_ns = 120,
+               .num_prompt_tokens = 7, .num_cached_tokens = 4, .num_computed_tokens = 7, .num_scheduled_tokens = 1,
+               .num_preemptions = 2, .token_id = 42, .logprob = -0.25f, .finish_reason = FinishReason::kNone,
+               .has_token = true, .num_top = 2};
+  packed[1] = {.request_id = 12, .arrival_time_ns = 200, .first_scheduled_time_ns = 210, .num_prompt_tokens = 900,
+               .num_computed_tokens = 256, .num_scheduled_tokens = 256};
+  packed[2] = {.request_id = 13, .arrival_time_ns = 300, .num_prompt_tokens = 5, .finish_reason = FinishReason::kAbort};
+  packed[3] = {.request_id = 14, .arrival_time_ns = 400, .first_scheduled_time_ns = 410, .first_token_time_ns = 430,
+               .num_prompt_tokens = 3, .num_computed_tokens = 3, .num_scheduled_tokens = 3, .token_id = 2,
+               .logprob = -1.5f, .finish_reason = FinishReason::kStop, .has_token = true};
+  const std::vector<int32_t> top_ids{42, 17};
+  const std::vector<float> top_logprobs{-0.25f, -2.0f};
+
+  std::vector<RequestOutput> full;
+  size_t top = 0;
+  for (const PackedOutput& o : packed) {
+    full.push_back(unpack_output(o, std::span(top_ids).subspan(top, o.num_top),
+                                 std::span(top_logprobs).subspan(top, o.num_top)));
+    top += o.num_top;
+  }
+  CHECK(full[0].new_token_ids == std::vector<int32_t>{42} && full[0].num_top == 2 && full[0].top_token_ids == top_ids);
+  CHECK(full[1].new_token_ids.empty() && full[1].num_scheduled_tokens == 256);
+  ByteBuffer from_packed, from_full;
+  encode_step_events(5, 999, packed, top_ids, top_logprobs, from_packed);
+  encode_step_events(5, 999, full, from_full);
+  CHECK(from_packed == from_full);
+  const auto decoded = std::get<StepEvents>(decode_engine_event(from_packed));
+  CHECK(decoded.outputs.size() == 4 && decoded.outputs[3].finish_reason == FinishReason::kStop);
+  CHECK(decoded.outputs[0].top_logprobs == top_logprobs && decoded.outputs[2].finish_reason == FinishReason::kAbort);
+  size_t bound = 0;
+  for (const PackedOutput& o : packed) bound += encoded_size_bound(o);
+  CHECK(from_packed.size() <= bound + 40);  // header, step id, emit time, count, padding
+  // Side arrays that do not hold the outputs' top entries are refused, not read past.
+  CHECK_THROWS(RecordError, encode_step_events(5, 999, packed, std::span(top_ids).first(1),
+                                               std::span(top_logprobs).first(1), from_packed));
+}
+
 TEST_MAIN()

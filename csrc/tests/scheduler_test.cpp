@@ -486,6 +486,72 @@ TEST(lower_priority_value_runs_first_and_fcfs_within_a_priority) {
   CHECK((order == std::vector<uint64_t>{2, 3, 1}));
 }
 
+namespace {
+
+// Steps 1 ms apart; before each step a new priority-0 request (3-token prompt, 2 tokens) arrives, so better work never
+// runs out. Returns the step in which request `low` finished, or -1 if it was still unfinished after `steps` steps.
+int serve_low_priority_under_a_stream(Harness& h, uint64_t low, int steps) {
+  constexpr int64_t kMs = 1'000'000;
+  for (int step = 0; step < steps; ++step) {
+    h.now += kMs;
+    CHECK(h.add(make_request(1000 + static_cast<uint64_t>(step), 3, 2)));
+    h.step();
+    if (h.finished.contains(low)) return step;
+  }
+  return -1;
+}
+
+}  // namespace
+
+TEST(without_aging_a_stream_of_better_requests_starves_a_low_priority_one) {
+  Harness h(make_config(256, 1, 64));
+  AddRequest low = make_request(1, 3, 2);
+  low.priority = 3;
+  CHECK(h.add(low));
+  CHECK(serve_low_priority_under_a_stream(h, 1, 300) == -1);
+  CHECK(h.scheduler.num_waiting() > 100);  // the better ones pile up too: the stream outpaces one seat
+}
+
+TEST(aging_serves_a_low_priority_request_despite_a_stream_of_better_ones) {
+  EngineConfig c = make_config(256, 1, 64);
+  c.priority_aging_ms = 10;
+  Harness h(c);
+  AddRequest low = make_request(1, 3, 2);
+  low.priority = 3;
+  CHECK(h.add(low));
+  // Its effective priority reaches 0 after 3 x 10 ms: only the ~30 better requests that arrived before then run
+  // first (two steps each), every later one waits behind it.
+  const int finished_at = serve_low_priority_under_a_stream(h, 1, 300);
+  CHECK(finished_at > 0 && finished_at <= 2 * 30 + 4);
+  CHECK(h.finished[1] == FinishReason::kLength && h.tokens[1].size() == 2);
+}
+
+TEST(aging_lets_better_requests_overtake_only_within_the_priority_gap) {
+  EngineConfig c = make_config(256, 1, 64);
+  c.priority_aging_ms = 10;
+  Harness h(c);
+  constexpr int64_t kMs = 1'000'000;
+  auto add_at = [&](uint64_t id, int32_t priority, int64_t at_ms) {
+    AddRequest r = make_request(id, 3, 2);
+    r.priority = priority;
+    h.now = at_ms * kMs - 1;  // add() advances the clock by one tick
+    CHECK(h.add(r));
+  };
+  add_at(1, 0, 0);   // holds the only seat while the others queue
+  add_at(2, 2, 1);   // effective rank 2 x 10 + 1 = 21 ms
+  add_at(3, 0, 15);  // arrived within the gap: overtakes request 2
+  add_at(4, 0, 25);  // arrived after it: waits behind request 2
+  add_at(5, 2, 26);  // same priority as request 2, later: FCFS
+  std::vector<uint64_t> order;
+  while (h.scheduler.has_unfinished()) {
+    h.step();
+    for (const RequestOutput& o : h.outputs) {
+      if (o.finish_reason != FinishReason::kNone) order.push_back(o.request_id);
+    }
+  }
+  CHECK((order == std::vector<uint64_t>{1, 3, 2, 4, 5}));
+}
+
 TEST(preemption_picks_the_lowest_priority_latest_arrival) {
   // 12 blocks of 4 tokens; three requests grow until someone must yield.
   Harness h(make_config(12, 4, 64));
@@ -576,6 +642,29 @@ TEST(steady_state_decode_steps_do_not_allocate) {
   int64_t allocations = 0;
   for (int i = 0; i < 200; ++i) allocations += one_step(true);  // crosses many block boundaries
   CHECK(allocations == 0);
+  s.check_invariants();
+}
+
+TEST(a_result_that_does_not_match_the_plan_is_rejected_and_changes_nothing) {
+  Scheduler s(make_config(64));
+  CHECK(!s.add_request(make_request(1, 3, 4), 0) && !s.add_request(make_request(2, 5, 4), 0));
+  StepPlan plan;
+  CHECK(s.schedule(plan, 0) && plan.sched_slots.size() == 2);
+  const int32_t a = plan.sched_slots[0];
+  const int32_t b = plan.sched_slots[1];
+  const uint64_t step = plan.step_id;
+  CHECK_THROWS(std::runtime_error, s.update(StepResult{step + 1, {a, b}, {7, 8}, {0.0f, 0.0f}}, 0));  // wrong step
+  CHECK_THROWS(std::runtime_error, s.update(StepResult{step, {a}, {7}, {0.0f}}, 0));                // a row missing
+  CHECK_THROWS(std::runtime_error, s.update(StepResult{step, {a, a}, {7, 8}, {0.0f, 0.0f}}, 0));    // repeated
+  CHECK_THROWS(std::runtime_error, s.update(StepResult{step, {a, 5}, {7, 8}, {0.0f, 0.0f}}, 0));    // not sampled
+  CHECK_THROWS(std::runtime_error, s.update(StepResult{step, {a, -1}, {7, 8}, {0.0f, 0.0f}}, 0));   // out of range
+  std::vector<RequestOutput> out;
+  s.take_outputs(out);
+  CHECK(out.empty());
+  s.update(StepResult{step, {b, a}, {8, 7}, {0.0f, 0.0f}}, 0);  // any row order
+  s.take_outputs(out);
+  CHECK(out.size() == 2 && out[0].request_id == 1 && out[0].new_token_ids == std::vector<int32_t>{7});
+  CHECK(out[1].request_id == 2 && out[1].new_token_ids == std::vector<int32_t>{8});
   s.check_invariants();
 }
 

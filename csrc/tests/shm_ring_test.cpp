@@ -221,6 +221,46 @@ TEST(cancel_wakes_a_sleeping_reader) {
   CHECK(returned.load());
 }
 
+TEST(peeked_record_stays_in_place_until_released) {
+  TestRing t("peek", 128);
+  RingWriter w(t.ring);
+  RingReader r(t.ring, 0);
+  CHECK(!r.peek().has_value());
+  const std::vector<uint8_t> rec(24, 7);  // 32-byte frames: 4 fill the ring
+  while (w.try_write(rec)) {
+  }
+  const auto first = r.peek();
+  CHECK(first.has_value() && std::equal(first->begin(), first->end(), rec.begin(), rec.end()));
+  CHECK(!w.try_write(rec));  // a peeked record is not consumed: its bytes cannot be reused yet
+  const auto again = r.peek();
+  CHECK(again.has_value() && again->data() == first->data());
+  r.release();
+  // Consumed records are published to the writer once the reader has caught up with what it saw.
+  int consumed = 1;
+  while (r.peek()) {
+    r.release();
+    ++consumed;
+  }
+  CHECK(consumed == 4);
+  for (int i = 0; i < 4; ++i) CHECK(w.try_write(rec));
+}
+
+TEST(wait_reports_data_without_consuming_it) {
+  TestRing t("wait", 256);
+  RingWriter w(t.ring);
+  RingReader r(t.ring, 0);
+  CHECK(!r.wait(20ms));
+  std::thread late([&] {
+    std::this_thread::sleep_for(30ms);  // the reader is asleep on the futex by now
+    w.try_write(std::vector<uint8_t>{1, 2, 3});
+  });
+  CHECK(r.wait(10s));
+  late.join();
+  CHECK(r.wait(0ms));  // still there: wait() consumed nothing
+  std::vector<uint8_t> out;
+  CHECK(r.try_read(out) && out == std::vector<uint8_t>({1, 2, 3}));
+}
+
 TEST(reader_times_out_on_an_empty_ring) {
   TestRing t("timeout", 256);
   RingReader r(t.ring, 0);

@@ -6,16 +6,21 @@ against it, and "samples" next = last token + 1, so every request's output is pr
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 from core_testkit import segment_name
 from ringserve import _core
+from ringserve.backend import engine_main
+from ringserve.frontend import launcher
+from ringserve.frontend.model_source import ModelSource
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -416,3 +421,16 @@ def test_worker_failed_record_fails_the_engine(frontend_factory: FrontendFactory
     assert "out of memory" in failed.message
     f.engine_thread.join(10)
     assert isinstance(f.run_error, RuntimeError)
+
+
+def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    launcher.add_serve_arguments(parser)
+    for flags, want in (([], 1000), (["--priority-aging-ms", "250"], 250), (["--priority-aging-ms", "0"], 0)):
+        args = parser.parse_args(flags)
+        assert launcher.check_serve_arguments(args) is None
+        source = ModelSource("m", tmp_path / "m.gguf")
+        cmd = launcher.engine_command(args, source, "float32", 128, [EOS], "/req", "/evt")
+        engine_args = engine_main.parse_args(cmd[3:])  # after `python -m ringserve.backend.engine_main`
+        assert engine_main.engine_config(engine_args).priority_aging_ms == want
+    assert "--priority-aging-ms" in launcher.check_serve_arguments(parser.parse_args(["--priority-aging-ms", "-1"]))

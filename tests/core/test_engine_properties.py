@@ -1,9 +1,10 @@
 """Property tests of the whole C++ engine loop through the binding: real shared-memory rings, Engine.run() in a
 thread and the fake worker of test_engine.py (it samples last token + 1, so every output is known in advance).
 
-Random arrivals, prompt lengths with shared prefixes, priorities, aborts and pool sizes; every accepted request must
-finish exactly once with exactly its expected tokens, no step may exceed its budgets, and once the workload drained
-every block is free again (cached blocks count as free) while the engine reports nothing running or waiting.
+Random arrivals, prompt lengths with shared prefixes, priorities (with and without aging), aborts and pool sizes;
+every accepted request must finish exactly once with exactly its expected tokens, no step may exceed its budgets, and
+once the workload drained every block is free again (cached blocks count as free) while the engine reports nothing
+running or waiting.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ request_strategy = st.fixed_dictionaries({
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(16, 96),
     caching=st.booleans(),
+    aging_ms=st.sampled_from([0, 1]),
     requests=st.lists(request_strategy, min_size=1, max_size=10),
 )
 def test_engine_finishes_every_request_exactly_once_with_its_tokens(num_blocks: int, max_num_seqs: int, budget: int,
-                                                                    caching: bool, requests: list[dict]) -> None:
+                                                                    caching: bool, aging_ms: int,
+                                                                    requests: list[dict]) -> None:
     config = make_config(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=caching,
-                         stats_interval_ms=5)
+                         stats_interval_ms=5, priority_aging_ms=aging_ms)
     f = Frontend(config, num_blocks, [], 0.0)
     try:
         f.start()

@@ -1,4 +1,5 @@
-"""Shared-memory rings through the binding: across processes, into asyncio, and stale-segment cleanup."""
+"""Shared-memory rings through the binding: across processes, into asyncio, GIL release, zero-copy record views and
+stale-segment cleanup."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from core_testkit import segment_name
 from ringserve import _core
@@ -133,3 +135,79 @@ def test_stale_segments_of_dead_processes_are_reclaimed(make_ring: MakeRing) -> 
     assert live.name not in reclaimed
     assert not os.path.exists("/dev/shm" + stale)
     assert os.path.exists("/dev/shm" + live.name)
+
+
+def plan_record() -> bytes:
+    new = _core.NewRequestData()
+    new.slot, new.token_ids, new.block_ids, new.num_prompt_tokens = 4, np.arange(100, 164, dtype=np.int32), [7, 8], 64
+    append = _core.BlockAppend()
+    append.slot, append.block_ids = 1, [9, 10, 11]
+    plan = _core.StepPlan()
+    plan.step_id, plan.new_requests, plan.block_appends = 3, [new], [append]
+    plan.sched_slots, plan.sched_start, plan.sched_len, plan.sched_sample = [1, 4], [20, 0], [1, 64], [True, True]
+    plan.finished_slots = [2]
+    return bytes(_core.encode_record(plan))
+
+
+def test_a_step_plan_off_the_ring_is_decoded_as_read_only_views_of_the_record(make_ring: MakeRing) -> None:
+    ring = make_ring(capacity=4096)
+    assert _core.RingWriter(ring).try_write(plan_record())
+    record = _core.RingReader(ring).try_read()
+    assert isinstance(record, bytes)
+    plan = _core.decode_worker_command(record)
+    (new,), (append,) = plan.new_requests, plan.block_appends
+    record_memory = np.frombuffer(record, np.uint8)
+    arrays = [new.token_ids, new.block_ids, new.suppress_token_ids, append.block_ids, plan.sched_slots,
+              plan.sched_start, plan.sched_len, plan.sched_sample, plan.finished_slots]  # fmt: skip
+    for array in arrays:
+        assert array.base is record  # no copy: the array's memory is the record's, and it keeps the record alive
+        assert not array.flags.writeable
+    for array in arrays[:2] + arrays[3:]:  # (an empty array occupies no memory to share)
+        assert np.shares_memory(array, record_memory)
+    assert new.token_ids.tolist() == list(range(100, 164)) and append.block_ids.tolist() == [9, 10, 11]
+    assert plan.sched_sample.dtype == np.bool_ and plan.sched_sample.tolist() == [True, True]
+    with pytest.raises(ValueError, match="read-only"):
+        new.token_ids[0] = 1
+
+
+def test_views_of_a_mutable_buffer_pin_it_until_the_plan_is_gone() -> None:
+    buffer = bytearray(plan_record())
+    plan = _core.decode_worker_command(buffer)
+    assert np.shares_memory(plan.sched_len, np.frombuffer(buffer, np.uint8))
+    with pytest.raises(BufferError):
+        buffer.extend(b"12345678")  # a resize would move the bytes out from under the views
+    del plan
+    buffer.extend(b"12345678")
+
+
+def test_a_plan_built_in_python_owns_writable_arrays() -> None:
+    plan = _core.StepPlan()
+    plan.sched_slots, plan.sched_start, plan.sched_len, plan.sched_sample = [5, 6], [0, 0], [1, 1], [False, True]
+    assert plan.sched_slots.dtype == np.int32 and plan.sched_slots.flags.writeable
+    assert _core.decode_worker_command(_core.encode_record(plan)).sched_slots.tolist() == [5, 6]
+
+
+def test_a_blocked_read_lets_other_python_threads_run(make_ring: MakeRing) -> None:
+    ring = make_ring(capacity=1024)
+    reader, writer = _core.RingReader(ring), _core.RingWriter(ring)
+    got: list[bytes | None] = []
+    waiting = threading.Thread(target=lambda: got.append(reader.read(30.0)))
+    waiting.start()
+    time.sleep(0.1)  # the thread is now asleep inside read(); with the GIL held this line would not run until then
+    assert writer.try_write(b"wake up")
+    waiting.join(timeout=30)
+    assert got == [b"wake up"]
+
+
+def test_a_blocked_write_lets_other_python_threads_run(make_ring: MakeRing) -> None:
+    ring = make_ring(capacity=1024)
+    reader, writer = _core.RingReader(ring), _core.RingWriter(ring)
+    while writer.try_write(bytes(100)):
+        pass
+    accepted: list[bool] = []
+    waiting = threading.Thread(target=lambda: accepted.append(writer.write(b"last", 30.0)))
+    waiting.start()
+    time.sleep(0.1)  # the thread is now waiting inside write(); with the GIL held this line would not run until then
+    assert reader.try_read() == bytes(100)  # frees room while the writer thread waits without the GIL
+    waiting.join(timeout=30)
+    assert accepted == [True]

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ringserve import _core
 
 EOS = 2
+MS = 1_000_000  # ns
 BASES = [list(range(100, 160)), list(range(300, 340)), [7] * 50]
 
 
@@ -135,15 +136,16 @@ request_strategy = st.fixed_dictionaries({
     budget=st.integers(4, 64),
     threshold=st.sampled_from([0, 0, 3, 8]),
     caching=st.booleans(),
+    aging_ms=st.sampled_from([0, 0, 1, 4]),
     requests=st.lists(request_strategy, min_size=1, max_size=14),
 )
 def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_blocks: int, max_num_seqs: int,
-                                                         budget: int, threshold: int, caching: bool,
+                                                         budget: int, threshold: int, caching: bool, aging_ms: int,
                                                          requests: list[dict]) -> None:
     config = _core.EngineConfig()
     config.block_size, config.num_blocks, config.max_num_seqs = block_size, num_blocks, max_num_seqs
     config.max_num_batched_tokens, config.long_prefill_token_threshold = budget, threshold
-    config.enable_prefix_caching = caching
+    config.enable_prefix_caching, config.priority_aging_ms = caching, aging_ms
     config.eos_token_ids = [EOS]
     scheduler = _core.Scheduler(config)
     worker = FakeWorker(block_size, num_blocks)
@@ -169,7 +171,7 @@ def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_b
     while step <= 40 or scheduler.has_unfinished:
         assert step < 5000, "the workload did not drain: a request starved"
         for r in arrivals.get(step, []):
-            rejected = scheduler.add_request(r, step)
+            rejected = scheduler.add_request(r, step * MS)  # steps are 1 ms apart (it matters only to aging)
             fits = len(r.prompt_token_ids) + r.max_tokens <= num_blocks * block_size
             assert (rejected is None) == fits
             if rejected is None:
@@ -179,11 +181,11 @@ def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_b
         for rid, at in abort_at.items():
             if at == step and rid in accepted:
                 scheduler.abort_request(rid)
-        plan = scheduler.schedule(step)
+        plan = scheduler.schedule(step * MS)
         if plan is not None:
             assert sum(plan.sched_len.tolist()) <= budget
             assert len(plan.sched_slots) <= max_num_seqs and scheduler.num_running <= max_num_seqs
-            scheduler.update(worker.execute(plan, threshold), step)
+            scheduler.update(worker.execute(plan, threshold), step * MS)
         for o in scheduler.take_outputs():
             assert o.request_id not in finished, "an output after the final one"
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -229,3 +231,63 @@ def test_a_shared_prefix_is_served_from_the_cache_with_the_same_output() -> None
     assert outputs[1][-1].num_cached_tokens == 0 and outputs[2][-1].num_cached_tokens == 36
     stats = scheduler.stats()
     assert stats.prefix_cache_hits == 36 and stats.prefix_cache_queries == 80
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    aging_ms=st.integers(1, 6),
+    low_priority=st.integers(1, 4),
+    low_arrival=st.integers(0, 5),
+    max_num_seqs=st.integers(1, 3),
+    budget=st.integers(4, 32),
+    per_step=st.integers(1, 2),
+    stream=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 4)), min_size=1, max_size=8),
+    num_blocks=st.integers(12, 40),
+)
+def test_aging_serves_a_low_priority_request_despite_a_stream_of_better_ones(
+        aging_ms: int, low_priority: int, low_arrival: int, max_num_seqs: int, budget: int, per_step: int,
+        stream: list[tuple[int, int]], num_blocks: int) -> None:
+    """Better requests arrive every step (often more work than the scheduler can finish, so without aging the queue
+    never empties and the low one starves), yet the low-priority request finishes, and no better request that
+    arrived more than (priority gap) x aging after it is scheduled before it."""
+    config = _core.EngineConfig()
+    config.block_size, config.num_blocks, config.max_num_seqs = 4, num_blocks, max_num_seqs
+    config.max_num_batched_tokens, config.priority_aging_ms, config.eos_token_ids = budget, aging_ms, [EOS]
+    scheduler = _core.Scheduler(config)
+    worker = FakeWorker(4, num_blocks)
+    low_id = 1
+    arrival: dict[int, int] = {}
+    first_scheduled: dict[int, int] = {}
+    finished: set[int] = set()
+    next_id, step = 2, 0
+    while low_id not in finished:
+        assert step < 3000, "the low-priority request starved"
+        if step == low_arrival:
+            r = _core.AddRequest()
+            r.request_id, r.prompt_token_ids, r.max_tokens = low_id, list(range(200, 206)), 3
+            r.priority, r.ignore_eos = low_priority, True
+            assert scheduler.add_request(r, step * MS) is None
+            arrival[low_id] = step
+        for k in range(per_step):  # the stream of better requests never stops while the low one waits
+            prompt_len, max_tokens = stream[(step * per_step + k) % len(stream)]
+            r = _core.AddRequest()
+            r.request_id, r.prompt_token_ids = next_id, [300 + next_id % 50 + i for i in range(prompt_len)]
+            r.max_tokens, r.ignore_eos = max_tokens, True
+            assert scheduler.add_request(r, step * MS) is None
+            arrival[next_id] = step
+            next_id += 1
+        plan = scheduler.schedule(step * MS)
+        if plan is not None:
+            scheduler.update(worker.execute(plan, 0), step * MS)
+        for o in scheduler.take_outputs():
+            first_scheduled.setdefault(o.request_id, step)
+            if o.finish_reason != _core.FinishReason.NONE:
+                finished.add(o.request_id)
+        scheduler.check_invariants()
+        step += 1
+    # The queue order: requests of priority 0 that arrived after the low one's effective priority reached 0 waited
+    # behind it (the same step at the earliest, when both fit).
+    reached_zero = arrival[low_id] + low_priority * aging_ms
+    overtook = [rid for rid, at in arrival.items()
+                if rid != low_id and at > reached_zero and first_scheduled.get(rid, step) < first_scheduled[low_id]]
+    assert not overtook, f"requests {overtook[:5]} overtook the aged request"

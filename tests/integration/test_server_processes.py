@@ -1,4 +1,4 @@
-"""Process architecture: the processes `ringserve serve` starts, their idle cost, and a clean stop."""
+"""Process architecture: the processes `ringserve serve` starts and a clean stop (idle cost: test_idle_cpu.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -14,7 +13,8 @@ from server_harness import RunningServer, start_server
 
 
 def ringserve_segments(pids: set[int]) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith("ringserve-") and int(n.split("-")[1]) in pids]
+    owned = [(n, n.split("-")[1]) for n in os.listdir("/dev/shm") if n.startswith("ringserve-")]
+    return [n for n, pid in owned if pid.isdigit() and int(pid) in pids]  # (skips e.g. C++ tests' ringserve-test-*)
 
 
 def server_tree(server: RunningServer) -> list[psutil.Process]:
@@ -33,12 +33,7 @@ def test_serve_runs_frontend_engine_and_worker_processes_and_sigterm_removes_the
         pids = {p.pid for p in tree}
         assert len(ringserve_segments(pids)) == 4, os.listdir("/dev/shm")  # request, event, step, result rings
 
-        # an idle server (all of its processes) uses (almost) no CPU: nobody busy-spins
-        before = sum(sum(p.cpu_times()[:2]) for p in tree)
-        time.sleep(5.0)
-        used = sum(sum(p.cpu_times()[:2]) for p in tree) - before
-        assert used < 0.25, f"idle server used {used:.2f} CPU seconds in 5 s"
-
+        # (the idle-CPU bound of these processes: test_idle_cpu.py)
         assert server.stop() == 0, server.log()
         _gone, alive = psutil.wait_procs(tree, timeout=10)
         assert not alive, f"processes left running: {alive}"
