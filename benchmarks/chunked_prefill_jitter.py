@@ -104,7 +104,8 @@ def measure(server: LiveServer, seed: int, before_s: float, long_prompt_tokens: 
         long_request = greedy(random_prompt(rng, long_prompt_tokens), 1)
         responses = list(stub.Generate(long_request, timeout=600))
         prefilled = time.perf_counter()  # its first (and only) token: the prefill is done
-        assert responses and responses[-1].usage.prompt_tokens == long_prompt_tokens, responses[-1:]
+        if not responses or responses[-1].usage.prompt_tokens != long_prompt_tokens:
+            raise RuntimeError(f"the long prompt was not served whole: {responses[-1:]}")
         time.sleep(0.2)  # the gap that ends after the last prefill step
         with lock:
             for call in calls:

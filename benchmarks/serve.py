@@ -407,9 +407,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_channel_security_arguments(parser.add_argument_group("connection (TLS, API key)"))  # type: ignore[arg-type]
     args = parser.parse_args(argv)
     if args.quick:
-        args.duration = min(args.duration, 8.0)
+        args.duration = min(args.duration, 6.0)
         args.concurrency = min(args.concurrency, 4)
         args.input_len, args.output_len = min(args.input_len, 16), min(args.output_len, 8)
+        args.len_dist = "fixed"  # no long tail after the window closes
         args.baseline_requests = min(args.baseline_requests, 2)
     if args.request_rate < 0 or args.concurrency < (0 if args.request_rate else 1):
         parser.error("--request-rate must be >= 0 and --concurrency >= 1 (or 0 with a --request-rate: unbounded)")
