@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
+import os
 import signal
 import subprocess
 
@@ -26,4 +28,18 @@ def stop_child(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             continue
+    return proc.wait()
+
+
+async def wait_for_exit(proc: subprocess.Popen[bytes]) -> int:
+    """Completes when the child exits, with its exit code: a pidfd turns readable then, so nothing polls."""
+    exited = asyncio.Event()
+    pidfd = os.pidfd_open(proc.pid)
+    loop = asyncio.get_running_loop()
+    loop.add_reader(pidfd, exited.set)
+    try:
+        await exited.wait()
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
     return proc.wait()

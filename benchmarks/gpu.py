@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,6 +46,9 @@ if "--dry-run" in sys.argv:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+if TYPE_CHECKING:  # imported at run time once the package is linked (see ensure_ringserve_importable)
+    from ringserve.workers.model_runner import StepPlan
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
@@ -163,57 +166,29 @@ def cuda_test_targets() -> list[str]:
 # ---- engine-shaped step plans (the attributes ModelRunner reads from `_core.StepPlan`) --------------------------
 
 
-@dataclass
-class NewRequest:
-    slot: int
-    token_ids: np.ndarray
-    block_ids: np.ndarray
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0
-    temperature: float = 0.0  # greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int = 0
-    has_seed: bool = False
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    num_logprobs: int = 0
-    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-
-
-@dataclass
-class StepPlan:
-    step_id: int
-    sched_slots: np.ndarray
-    sched_start: np.ndarray
-    sched_len: np.ndarray
-    sched_sample: np.ndarray
-    new_requests: list[NewRequest] = field(default_factory=list)
-    block_appends: list[Any] = field(default_factory=list)
-    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-
-
 def schedule(step_id: int, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, **deltas: Any) -> StepPlan:
+    from ringserve.workers.model_runner import StepPlan
+
     n = len(slots)
-    return StepPlan(step_id, slots.astype(np.int32), starts.astype(np.int32), lens.astype(np.int32),
-                    np.ones(n, bool), **deltas)  # fmt: skip
+    return StepPlan(step_id, sched_slots=slots.astype(np.int32), sched_start=starts.astype(np.int32),
+                    sched_len=lens.astype(np.int32), sched_sample=np.ones(n, bool), **deltas)  # fmt: skip
 
 
 def finish(step_id: int, slots: np.ndarray) -> StepPlan:
-    empty = np.zeros(0, np.int32)
-    return StepPlan(step_id, empty, empty, empty, np.zeros(0, bool), finished_slots=slots.astype(np.int32))
+    from ringserve.workers.model_runner import StepPlan
+
+    return StepPlan(step_id, finished_slots=slots.astype(np.int32))
 
 
 def offline_tok_s(runner: Any, prompts: np.ndarray, output_len: int, budget: int = 2048) -> float:
     """Every prompt prefilled (whole prompts per step within the token budget, first token sampled), then all
     decoded together; every block a request will need is handed out up front, as a large enough pool allows."""
+    from ringserve.workers.model_runner import NewRequest
+
     n, p = prompts.shape
     blocks_each = -(-(p + output_len) // runner.block_size)
     requests = [
-        NewRequest(i, prompts[i].astype(np.int32), np.arange(i * blocks_each, (i + 1) * blocks_each, dtype=np.int32), p)
+        NewRequest(i, prompts[i].astype(np.int32), np.arange(i * blocks_each, (i + 1) * blocks_each, dtype=np.int32))
         for i in range(n)
     ]
     per_step, step = max(1, budget // p), 0
@@ -235,9 +210,11 @@ def offline_tok_s(runner: Any, prompts: np.ndarray, output_len: int, budget: int
 
 
 def single_stream_tok_s(runner: Any, prompt: np.ndarray, output_len: int) -> float:
+    from ringserve.workers.model_runner import NewRequest
+
     blocks = np.arange(-(-(len(prompt) + output_len) // runner.block_size), dtype=np.int32)
     one = np.zeros(1)
-    request = NewRequest(0, prompt.astype(np.int32), blocks, len(prompt))
+    request = NewRequest(0, prompt.astype(np.int32), blocks)
     runner.execute(schedule(0, one, one, np.array([len(prompt)]), new_requests=[request]))
     synchronize(runner.device)
     start = time.perf_counter()

@@ -20,46 +20,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-
-DEFAULT_MODEL = os.environ.get("RINGSERVE_TEST_GGUF", "/work/cache/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@dataclass
-class NewRequest:
-    slot: int
-    token_ids: np.ndarray
-    block_ids: np.ndarray
-    num_computed_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    has_seed: bool = False
-    num_prompt_tokens: int = 0
-    min_tokens: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    num_logprobs: int = 0
-    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-
-
-@dataclass
-class StepPlan:
-    step_id: int
-    new_requests: list[NewRequest] = field(default_factory=list)
-    block_appends: list = field(default_factory=list)
-    sched_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
-    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+from ringserve.frontend.model_source import embedded_model_path
+from ringserve.workers.model_runner import NewRequest, StepPlan
 
 
 def run_offline(runner, prompts: np.ndarray, gen: int, block_size: int, budget: int = 2048) -> float:
@@ -148,7 +114,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a .gguf file or Hugging Face folder (default %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or Hugging Face folder (default: $RINGSERVE_TEST_GGUF, else the embedded model)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=40)
@@ -167,7 +134,7 @@ def main() -> None:
     from ringserve.workers.model_runner import ModelRunner
 
     dtype = parse_dtype(args.dtype)
-    model_path = Path(args.model)
+    model_path = Path(args.model or os.environ.get("RINGSERVE_TEST_GGUF") or embedded_model_path())
     t0 = time.perf_counter()
     model = load_model(model_path, dtype)
     load_s = time.perf_counter() - t0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from ringserve.backend.process import stop_child
+from ringserve.backend.process import stop_child, wait_for_exit
 from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
 from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
 from ringserve.frontend.tokenizer import ModelTokenizer
@@ -96,17 +96,8 @@ class EngineReplica:
         return self.ready
 
     async def _watch_process(self, process: subprocess.Popen[bytes]) -> None:
-        """Fails the client when the engine process exits: a pidfd turns readable then, so nothing polls."""
-        exited = asyncio.Event()
-        pidfd = os.pidfd_open(process.pid)
-        loop = asyncio.get_running_loop()
-        loop.add_reader(pidfd, exited.set)
-        try:
-            await exited.wait()
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-        code = process.wait()
+        """Fails the client when the engine process exits."""
+        code = await wait_for_exit(process)
         if self.state not in ("STOPPED", "DRAINING") and self.client is not None:
             self.state = "FAILED"
             self.client.fail(f"the engine process of replica {self.index} exited with code {code}")

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ringserve.backend.process import stop_child
+from ringserve.backend.process import stop_child, wait_for_exit
 from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
 from ringserve.frontend.cli_env import env_default, env_help, parse_bool
 from ringserve.frontend.engine_client import EngineClient
@@ -202,20 +202,6 @@ async def stop_observability(tracer: RequestTracer | None, metrics_http: Any, st
             log.warning("could not export the last traces within 8 s")
 
 
-async def watch_engine(engine: subprocess.Popen[bytes]) -> int:
-    """Completes when the engine process exits: a pidfd turns readable then, so nothing polls."""
-    exited = asyncio.Event()
-    pidfd = os.pidfd_open(engine.pid)
-    loop = asyncio.get_running_loop()
-    loop.add_reader(pidfd, exited.set)
-    try:
-        await exited.wait()
-    finally:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-    return engine.wait()
-
-
 async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dtype: str, arch: str,
                               tokenizer: ModelTokenizer, client: EngineClient, engine: subprocess.Popen[bytes],
                               security: ServerSecurity | None = None) -> int:  # fmt: skip
@@ -223,7 +209,7 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine_exit = asyncio.create_task(watch_engine(engine))
+    engine_exit = asyncio.create_task(wait_for_exit(engine))
     tracer: RequestTracer | None = None
     metrics_http: Any = None
     stats_feed: Any = None

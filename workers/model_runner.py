@@ -8,7 +8,7 @@ gathers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -59,6 +59,53 @@ class StepPlanLike(Protocol):
     sched_len: Any
     sched_sample: Any
     finished_slots: Any
+
+
+@dataclass
+class NewRequest:
+    """A `NewRequestLike` built in process (tests, benchmarks, offline use) rather than decoded from a record."""
+
+    slot: int
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    num_computed_tokens: int = 0
+    temperature: float = 0.0  # greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    has_seed: bool = False
+    num_prompt_tokens: int | None = None  # None = the whole of token_ids is the prompt
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    num_logprobs: int = 0
+    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.token_ids)
+
+
+@dataclass
+class BlockAppend:
+    slot: int
+    block_ids: np.ndarray
+
+
+@dataclass
+class StepPlan:
+    """A `StepPlanLike` built in process; the engine's come from `_core.decode_worker_command`."""
+
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    block_appends: list[BlockAppend] = field(default_factory=list)
+    sched_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclass

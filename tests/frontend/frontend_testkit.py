@@ -207,3 +207,12 @@ async def start_harness(tokenizer: ModelTokenizer, engine: ScriptedEngine) -> Ha
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     return Harness(server, engine, channel)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Polls: the conditions are counters of the engine fake and the servicer, which signal nothing."""
+    for _ in range(int(timeout_s / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not met in time")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 import pytest
-from frontend_testkit import COMPLETION, Harness, ScriptedEngine, completion_chunks, start_harness
+from frontend_testkit import COMPLETION, Harness, ScriptedEngine, completion_chunks, start_harness, until
 from ringserve.frontend.engine_client import SamplingOptions
 from ringserve.frontend.tokenizer import ModelTokenizer
 from ringserve.v1 import generation_pb2 as pb
@@ -36,15 +35,6 @@ async def collect(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> 
 
 def request_n(n: int, **sampling: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(text="hi there", sampling=pb.SamplingParams(n=n, max_tokens=8, **sampling))
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Polls: the conditions are counters of the engine fake and the servicer, which signal nothing."""
-    for _ in range(int(timeout_s / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture

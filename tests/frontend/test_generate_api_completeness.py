@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -17,7 +16,7 @@ from frontend_testkit import (
     Harness,
     ScriptedEngine,
     completion_chunks,
-    start_harness,
+    until,
 )
 from ringserve.frontend.server import build_server, cache_salt_hash
 from ringserve.frontend.tokenizer import ModelTokenizer
@@ -25,15 +24,6 @@ from ringserve.frontend.torchserve import PredictionError, generate_request_from
 from ringserve.torchserve import inference_pb2
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
-from test_fanout import until
-
-
-@pytest.fixture
-async def harness(tiny_tokenizer: ModelTokenizer) -> AsyncIterator[Harness]:
-    h = await start_harness(tiny_tokenizer, ScriptedEngine(completion_chunks(tiny_tokenizer)))
-    yield h
-    await h.channel.close()
-    await h.server.stop(grace=None)
 
 
 async def start_bounded_harness(tokenizer: ModelTokenizer, engine: ScriptedEngine, max_waiting: int) -> Harness:

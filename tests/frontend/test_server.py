@@ -26,14 +26,6 @@ from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
 
-@pytest.fixture
-async def harness(tiny_tokenizer: ModelTokenizer) -> AsyncIterator[Harness]:
-    h = await start_harness(tiny_tokenizer, ScriptedEngine(completion_chunks(tiny_tokenizer)))
-    yield h
-    await h.channel.close()
-    await h.server.stop(grace=None)
-
-
 async def collect(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     return [response async for response in stub.Generate(request, timeout=10)]
 

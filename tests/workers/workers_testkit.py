@@ -1,61 +1,19 @@
-"""Stand-ins for the `_core` StepPlan records and tiny random Hugging Face models for worker tests."""
+"""Step plans and tiny random Hugging Face models for worker tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.model import KVCache, LlamaForCausalLM
+from ringserve.workers.model_runner import BlockAppend as BlockAppend
+from ringserve.workers.model_runner import NewRequest as NewRequest
+from ringserve.workers.model_runner import StepPlan
 from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM as HfLlamaForCausalLM
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-
-@dataclass
-class NewRequest:
-    slot: int
-    token_ids: np.ndarray
-    block_ids: np.ndarray
-    num_computed_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    has_seed: bool = False
-    # Layout version 2 (docs/contracts.md); None = the whole of token_ids is the prompt.
-    num_prompt_tokens: int | None = None
-    min_tokens: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    num_logprobs: int = 0
-    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-
-    def __post_init__(self) -> None:
-        if self.num_prompt_tokens is None:
-            self.num_prompt_tokens = len(self.token_ids)
-
-
-@dataclass
-class BlockAppend:
-    slot: int
-    block_ids: np.ndarray
-
-
-@dataclass
-class StepPlan:
-    step_id: int
-    new_requests: list[NewRequest] = field(default_factory=list)
-    block_appends: list[BlockAppend] = field(default_factory=list)
-    sched_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
-    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 def plan(step_id: int, sched: list[tuple[int, int, int, bool]], **deltas: object) -> StepPlan:
