@@ -3,10 +3,8 @@
 A `ModelDeployment` is one served model (its tokenizer, its ModelInfo) with one or more `EngineReplica`s, each an
 engine process with its own workers, rings and KV cache (data parallelism). The deployment is the servicer's
 `GenerationEngine`: each request goes to the ready replica with the fewest outstanding tokens (prompt tokens not
-yet prefilled plus tokens still to generate). The `ModelRegistry` maps names to deployments.
-
-Status: tested on its own (tests/frontend/test_deployment_routing.py); the launcher does not use it yet and still
-starts its one engine directly, so RegisterModel/ScaleWorker/UnregisterModel still answer UNIMPLEMENTED.
+yet prefilled plus tokens still to generate). The launcher starts every served model as a deployment; the
+`ModelCatalog` (frontend/catalog.py) maps names to them.
 """
 
 from __future__ import annotations
@@ -23,8 +21,10 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 from ringserve.backend.process import stop_child, wait_for_exit
 from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
+from ringserve.frontend.catalog import ModelError
 from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
 from ringserve.frontend.tokenizer import ModelTokenizer
 
@@ -32,15 +32,6 @@ log = logging.getLogger(__name__)
 
 # (request ring name, event ring name) -> the engine process's argv.
 EngineCommand = Callable[[str, str], list[str]]
-
-
-class ModelRegistryError(Exception):
-    """A registry operation that cannot be done; `code` is the gRPC status name to answer with."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class EngineReplica:
@@ -85,7 +76,7 @@ class EngineReplica:
             await asyncio.wait({ready, self._watch}, return_when=asyncio.FIRST_COMPLETED)
             if not ready.done():
                 ready.cancel()
-                raise ModelRegistryError("INTERNAL", f"the engine exited with code {self.process.poll()} while "
+                raise ModelError(grpc.StatusCode.INTERNAL, f"the engine exited with code {self.process.poll()} while "
                                                      "loading the model (see the server log)")  # fmt: skip
             self.ready = ready.result()
         except BaseException:
@@ -166,7 +157,7 @@ class ModelDeployment:
     async def scale(self, count: int, drain_s: float) -> None:
         """Start or stop replicas until `count` are serving; the newest are stopped first, after draining."""
         if count < 1:
-            raise ModelRegistryError("INVALID_ARGUMENT", f"a model needs at least one worker (got {count}); use "
+            raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, f"a model needs at least one worker (got {count}); use "
                                                          "UnregisterModel to remove it")  # fmt: skip
         async with self._scale_lock:
             self.replicas = [r for r in self.replicas if r.state not in ("FAILED", "STOPPED")] or self.replicas
@@ -286,81 +277,3 @@ def combine_stats(stats: Sequence[Any]) -> Any:
     combined.step_time_ns = max(getattr(s, "step_time_ns", 0) for s in stats)
     combined.kv_usage = sum(getattr(s, "kv_usage", 0.0) for s in stats) / len(stats)
     return combined
-
-
-class ModelRegistry:
-    """Served models by name, with the default model requests without a name go to."""
-
-    def __init__(self) -> None:
-        self._models: dict[str, ModelDeployment] = {}
-        self.default_name: str | None = None
-        self._pending: set[str] = set()
-        self._listeners: list[Callable[[str, ModelDeployment | None], None]] = []
-
-    def add_listener(self, callback: Callable[[str, ModelDeployment | None], None]) -> None:
-        """`callback(name, deployment or None)` runs when a model is registered or removed."""
-        self._listeners.append(callback)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._models
-
-    def names(self) -> list[str]:
-        return list(self._models)
-
-    def deployments(self) -> list[ModelDeployment]:
-        return list(self._models.values())
-
-    def get(self, name: str) -> ModelDeployment:
-        """The named model ("" = the default); ModelRegistryError NOT_FOUND naming what is registered."""
-        key = name or self.default_name or ""
-        deployment = self._models.get(key)
-        if deployment is None:
-            known = ", ".join(repr(n) for n in self._models) or "none"
-            raise ModelRegistryError("NOT_FOUND", f"model {name!r} is not served here; served models: {known}")
-        return deployment
-
-    def set_default(self, name: str) -> None:
-        self.get(name)
-        self.default_name = name
-
-    async def register(self, deployment: ModelDeployment, initial_replicas: int,
-                       describe: Callable[[ModelDeployment, Any], Any]) -> ModelDeployment:  # fmt: skip
-        """Start the model's replicas and add it; `describe(deployment, ready)` builds its ModelInfo."""
-        name = deployment.name
-        if name in self._models or name in self._pending:
-            raise ModelRegistryError("ALREADY_EXISTS", f"model {name!r} is already registered")
-        if initial_replicas < 1:
-            raise ModelRegistryError("INVALID_ARGUMENT", f"initial_workers must be at least 1 (got {initial_replicas})")
-        self._pending.add(name)
-        try:
-            replica = await deployment.add_replica()
-            deployment.info = describe(deployment, replica.ready)
-            if initial_replicas > 1:
-                await deployment.scale(initial_replicas, 0.0)
-        except BaseException:
-            await deployment.stop(0.0)
-            raise
-        finally:
-            self._pending.discard(name)
-        self._models[name] = deployment
-        if self.default_name is None:
-            self.default_name = name
-        for callback in self._listeners:
-            callback(name, deployment)
-        return deployment
-
-    async def unregister(self, name: str, drain_s: float) -> None:
-        deployment = self.get(name)
-        if not name:
-            raise ModelRegistryError("INVALID_ARGUMENT", "model_name is required")
-        del self._models[name]
-        if self.default_name == name:
-            self.default_name = next(iter(self._models), None)
-        for callback in self._listeners:
-            callback(name, None)
-        await deployment.stop(drain_s)
-
-    async def stop_all(self, drain_s: float) -> None:
-        deployments = list(self._models.values())
-        self._models.clear()
-        await asyncio.gather(*(d.stop(drain_s) for d in deployments))

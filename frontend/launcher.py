@@ -1,5 +1,7 @@
-"""`ringserve serve`: this process is the frontend; it creates the request/event rings, starts the engine process
-(which starts the workers), serves gRPC until SIGTERM/SIGINT, then stops everything and removes every segment."""
+"""`ringserve serve`: this process is the frontend. For each served model it creates the request/event rings of
+each engine replica and starts the engine process (which starts its workers); it serves gRPC until SIGTERM/SIGINT,
+then drains, stops everything and removes every segment. Models come from `--model` or
+`--models-config` at start-up and from TorchServe's RegisterModel at run time."""
 
 from __future__ import annotations
 
@@ -9,19 +11,30 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ringserve.backend.process import stop_child, wait_for_exit
-from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
+import grpc
+from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
 from ringserve.frontend.cli_env import env_default, env_help, parse_bool
-from ringserve.frontend.engine_client import EngineClient
+from ringserve.frontend.deployment import ModelDeployment
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
 from ringserve.frontend.security import ServerSecurity, add_server_security_arguments
-from ringserve.frontend.server import DEFAULT_MAX_WAITING_REQUESTS, build_server, describe_model
+from ringserve.frontend.server import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    GenerationServicer,
+    build_catalog_server,
+    describe_model,
+)
 from ringserve.frontend.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
+from ringserve.v1 import generation_pb2 as pb
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 if TYPE_CHECKING:
     from ringserve.frontend.metrics import ServingMetrics
@@ -69,7 +82,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--num-kv-blocks", 0, int, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
     flag("--kv-cache-memory-gib", 1.0, float, "KV cache memory budget per worker in GiB (default %(default)s)")
     flag("--engine-start-timeout", 600.0, float, "seconds to wait for the model to load (default %(default)s)")
-    flag("--shutdown-grace", 5.0, float, "seconds in-flight streams get to finish on SIGTERM (default %(default)s)")
+    flag("--shutdown-grace", 5.0, float,
+         "seconds in-flight streams get to finish on SIGTERM, and when a model is unregistered or scaled down "
+         "(default %(default)s)")
+    flag("--data-parallel-size", 1, int,
+         "engine replicas of --model, each with its own workers and KV cache; requests go to the replica with the "
+         "fewest outstanding tokens (default %(default)s)")
+    flag("--models-config", "", str,
+         "a TOML file of models to serve from the start ([[models]] tables: model, name, data_parallel_size, "
+         "tensor_parallel_size, dtype, max_model_len, max_num_seqs, kv_cache_memory_gib, num_kv_blocks; optional "
+         "top-level default_model); replaces --model")
+    p.add_argument("--model-management", action=argparse.BooleanOptionalAction,
+                   default=env_default("--model-management", True, parse_bool),
+                   help="let clients register, scale, unregister and set the default model at run time through "
+                        "TorchServe's management API (default on) " + env_help("--model-management"))
     flag("--log-level", "INFO", str, "logging level (default %(default)s)")
     # Observability: tracing is off unless an OTLP endpoint is named; metrics are off unless a port is.
     flag("--otlp-traces-endpoint", otel_traces_endpoint(), str,
@@ -141,6 +167,8 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
 
 def check_serve_arguments(args: argparse.Namespace) -> str | None:
     """An error message saying what to change, or None."""
+    if getattr(args, "data_parallel_size", 1) < 1:
+        return f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})"
     if args.tensor_parallel_size < 1:
         return f"--tensor-parallel-size must be at least 1 (got {args.tensor_parallel_size})"
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -170,24 +198,20 @@ def start_tracing(args: argparse.Namespace, context_length: int) -> RequestTrace
     return tracer
 
 
-def start_metrics(args: argparse.Namespace, model_name: str,
-                  client: EngineClient) -> tuple[ServingMetrics | None, Any, Any]:  # fmt: skip
-    """(metrics, their HTTP server, the engine stats feed) when --metrics-port is set, else Nones."""
+def start_metrics(args: argparse.Namespace, model_name: str) -> tuple[ServingMetrics | None, Any]:
+    """(the metrics of the first model, their HTTP server) when --metrics-port is set, else Nones; every other
+    model's come from `.for_model(name)` and share the registry and the endpoint."""
     if not args.metrics_port:
-        return None, None, None
-    from ringserve.frontend.metrics import EngineStatsFeed, ServingMetrics, serve_metrics
+        return None, None
+    from ringserve.frontend.metrics import ServingMetrics, serve_metrics
 
     metrics = ServingMetrics(model_name)
     http = serve_metrics(metrics, args.host, args.metrics_port)
-    feed = EngineStatsFeed(client, metrics, args.metrics_stats_interval)
-    feed.start()
     log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
-    return metrics, http, feed
+    return metrics, http
 
 
-async def stop_observability(tracer: RequestTracer | None, metrics_http: Any, stats_feed: Any) -> None:
-    if stats_feed is not None:
-        await stats_feed.stop()
+async def stop_observability(tracer: RequestTracer | None, metrics_http: Any) -> None:
     if metrics_http is not None:
         metrics_http.shutdown()
     if tracer is not None:
@@ -202,60 +226,200 @@ async def stop_observability(tracer: RequestTracer | None, metrics_http: Any, st
             log.warning("could not export the last traces within 8 s")
 
 
-async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dtype: str, arch: str,
-                              tokenizer: ModelTokenizer, client: EngineClient, engine: subprocess.Popen[bytes],
-                              security: ServerSecurity | None = None) -> int:  # fmt: skip
+@dataclass
+class LoadedMetadata:
+    source: ModelSource
+    architecture: str
+    context_length: int
+    tokenizer: ModelTokenizer
+
+
+_CONFIG_KEYS = {"name", "model", "data_parallel_size", "tensor_parallel_size", "dtype", "max_model_len",
+                "max_num_seqs", "kv_cache_memory_gib", "num_kv_blocks"}  # fmt: skip
+
+
+def load_models_config(path: str) -> tuple[list[ModelSpec], str | None]:
+    """The `--models-config` TOML file: `[[models]]` tables and an optional top-level `default_model`.
+
+    Each table: `model` (a .gguf file, a Hugging Face folder or the embedded model's name; required), `name`
+    (default: from the file), and any of data_parallel_size, tensor_parallel_size, dtype, max_model_len,
+    max_num_seqs, kv_cache_memory_gib, num_kv_blocks (default: the server's flags). Errors name the entry and key.
+    """
+    try:
+        with open(path, "rb") as file:
+            config = tomllib.load(file)
+    except OSError as exc:
+        raise ValueError(f"--models-config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--models-config {path}: not valid TOML: {exc}") from None
+    unknown = set(config) - {"models", "default_model"}
+    if unknown:
+        raise ValueError(f"--models-config {path}: unknown top-level key(s) {sorted(unknown)}; expected [[models]] "
+                         "tables and default_model")  # fmt: skip
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"--models-config {path}: needs at least one [[models]] table")
+    specs: list[ModelSpec] = []
+    for index, entry in enumerate(entries):
+        where = f"--models-config {path}: models[{index}]"
+        if bad := set(entry) - _CONFIG_KEYS:
+            raise ValueError(f"{where}: unknown key(s) {sorted(bad)}; known: {', '.join(sorted(_CONFIG_KEYS))}")
+        if not isinstance(entry.get("model"), str):
+            raise ValueError(f"{where}: `model` (a .gguf file, a Hugging Face folder or {EMBEDDED_MODEL_NAME!r}) "
+                             "is required")  # fmt: skip
+        try:
+            source = resolve_model(entry["model"], entry.get("name") or None)
+            options = {k: v for k, v in entry.items() if k not in ("name", "model", "data_parallel_size")}
+            specs.append(ModelSpec(name=source.name, path=str(source.path),
+                                   replicas=int(entry.get("data_parallel_size", 1)), **options))
+        except ModelError as exc:
+            raise ValueError(f"{where}: {exc.message}") from None
+        except (ModelNotFoundError, TypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--models-config {path}: model names must be unique (got {names})")
+    default = config.get("default_model")
+    if default is not None and default not in names:
+        raise ValueError(f"--models-config {path}: default_model {default!r} is not one of {names}")
+    return specs, default
+
+
+class ModelLauncher:
+    """Starts a model's engine replicas for the ModelManager (startup models and RegisterModel alike)."""
+
+    def __init__(self, args: argparse.Namespace, catalog: ModelCatalog, tracer: RequestTracer | None,
+                 metrics: ServingMetrics | None) -> None:  # fmt: skip
+        self._args = args
+        self._catalog = catalog
+        self._tracer = tracer
+        self._metrics = metrics
+        self._metadata: dict[str, LoadedMetadata] = {}
+
+    def remember(self, metadata: LoadedMetadata) -> None:
+        """Metadata read before the event loop started, so a startup model is not read twice."""
+        self._metadata[str(metadata.source.path)] = metadata
+
+    def settings(self, spec: ModelSpec) -> argparse.Namespace:
+        """The server's flags with the spec's own settings over them."""
+        overrides = {name: getattr(spec, name) for name in ("tensor_parallel_size", "dtype", "max_model_len",
+                                                            "max_num_seqs", "kv_cache_memory_gib", "num_kv_blocks")
+                     if getattr(spec, name) is not None}  # fmt: skip
+        return argparse.Namespace(**{**vars(self._args), **overrides})
+
+    async def load(self, spec: ModelSpec, model: ServedModel) -> None:
+        settings = self.settings(spec)
+        if (error := check_serve_arguments(settings)) is not None:
+            raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, error)
+        metadata = self._metadata.pop(spec.path, None)
+        if metadata is None:
+            try:
+                metadata = await asyncio.to_thread(read_metadata, spec.path, spec.name)
+            except (ModelNotFoundError, OSError, ValueError) as exc:
+                raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, f"url: {exc}") from None
+        source, tokenizer = metadata.source, metadata.tokenizer
+        dtype = "float32" if settings.dtype == "auto" else settings.dtype
+        max_model_len = min(settings.max_model_len or metadata.context_length, metadata.context_length)
+
+        def command(request_ring: str, event_ring: str) -> list[str]:
+            return engine_command(settings, source, dtype, max_model_len, tokenizer.eos_token_ids, request_ring,
+                                  event_ring)  # fmt: skip
+
+        deployment = ModelDeployment(name=spec.name, url=str(source.path), tokenizer=tokenizer, command=command,
+                                     start_timeout_s=settings.engine_start_timeout, log_level=settings.log_level)
+        model.deployment, model.url, model.max_num_seqs = deployment, str(source.path), settings.max_num_seqs
+        try:
+            log.info("loading model %s from %s (%d engine replica(s), tensor parallel %d)", spec.name, source.path,
+                     spec.replicas, settings.tensor_parallel_size)  # fmt: skip
+            replica = await deployment.add_replica()
+            info = describe_model(spec.name, metadata.architecture, dtype, settings.tensor_parallel_size,
+                                  replica.ready, tokenizer)  # fmt: skip
+            deployment.info = info
+            if spec.replicas > 1:
+                await deployment.scale(spec.replicas, 0.0)
+        except BaseException:
+            await deployment.stop(0.0)
+            raise
+        metrics = None
+        if self._metrics is not None:
+            from ringserve.frontend.metrics import EngineStatsFeed
+
+            metrics = self._metrics if self._metrics.model_name == spec.name else self._metrics.for_model(spec.name)
+            model.metrics = metrics
+            model.stats_feed = EngineStatsFeed(deployment, metrics, settings.metrics_stats_interval)
+            model.stats_feed.start()
+        servicer = GenerationServicer(deployment, tokenizer, info, tracer=self._tracer, metrics=metrics,
+                                      max_waiting_requests=settings.max_waiting_requests)
+        self._catalog.attach(model, servicer, deployment, info)
+        log.info("model %s is serving (%d KV blocks of %d tokens per replica)", spec.name,
+                 replica.ready.num_total_blocks, replica.ready.block_size)  # fmt: skip
+
+
+def read_metadata(model: str, served_name: str | None = None) -> LoadedMetadata:
+    source = resolve_model(model, served_name)
+    architecture, context_length, tokenizer = model_metadata(source)
+    return LoadedMetadata(source, architecture, context_length, tokenizer)
+
+
+def startup_models(args: argparse.Namespace) -> tuple[list[ModelSpec], str | None]:
+    """The models to serve from the start: `--models-config`'s, else `--model` (with --data-parallel-size)."""
+    if args.models_config:
+        return load_models_config(args.models_config)
+    source = resolve_model(args.model, args.served_model_name or None)
+    try:
+        return [ModelSpec(name=source.name, path=str(source.path), replicas=args.data_parallel_size)], None
+    except ModelError as exc:
+        raise ValueError(exc.message) from None
+
+
+async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], default_model: str | None,
+                              metadata: list[LoadedMetadata], security: ServerSecurity | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine_exit = asyncio.create_task(wait_for_exit(engine))
-    tracer: RequestTracer | None = None
-    metrics_http: Any = None
-    stats_feed: Any = None
     stop_wait = asyncio.create_task(stop.wait())
-    client.start()
+    tracer = start_tracing(args, max(m.context_length for m in metadata))
+    metrics, metrics_http = start_metrics(args, specs[0].name)
+    catalog = ModelCatalog()
+    launcher = ModelLauncher(args, catalog, tracer, metrics)
+    for loaded in metadata:
+        launcher.remember(loaded)
+    manager = ModelManager(catalog, launcher.load, drain_s=args.shutdown_grace,
+                           runtime_changes=args.model_management)
+    server = build_catalog_server(manager, args.host, args.port, security=security)
+    server.starting = True
     try:
-        ready_task = asyncio.create_task(client.wait_ready(args.engine_start_timeout))
-        await asyncio.wait({ready_task, engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-        if not ready_task.done():
-            ready_task.cancel()
-            if engine_exit.done():
-                log.error("the engine exited with code %s while loading the model", engine_exit.result())
+        await server.start()  # health answers NOT_SERVING while the models load
+        log.info("gRPC port %d: %s", server.port, (security or ServerSecurity()).describe())
+        for spec in specs:
+            registration = asyncio.create_task(manager.register(spec))
+            await asyncio.wait({registration, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not registration.done():  # stopped by a signal while loading
+                registration.cancel()
+                await asyncio.gather(registration, return_exceptions=True)
+                return 0
+            if (error := registration.exception()) is not None:
+                log.error("%s", getattr(error, "message", error))
                 return 1
-            return 0  # stopped by a signal while loading
-        ready = ready_task.result()
-        info = describe_model(source.name, arch, dtype, args.tensor_parallel_size, ready, tokenizer)
-        tracer = start_tracing(args, info.context_length)
-        metrics, metrics_http, stats_feed = start_metrics(args, info.model, client)
-        server = build_server(client, tokenizer, info, args.host, args.port, tracer=tracer, metrics=metrics,
-                              model_url=str(source.path), max_num_seqs=args.max_num_seqs, security=security,
-                              max_waiting_requests=args.max_waiting_requests)
-        await server.start()
-        log.info("serving %s on %s:%d (%d KV blocks of %d tokens)", source.name, args.host, server.port,
-                 ready.num_total_blocks, ready.block_size)  # fmt: skip
-        log.info("gRPC port: %s", (security or ServerSecurity()).describe())
-        await asyncio.wait({engine_exit, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-        if engine_exit.done():
-            # Fail every stream now (UNAVAILABLE), but keep answering: health says NOT_SERVING and new requests get
-            # UNAVAILABLE until an operator or orchestrator stops this process, instead of connections refused.
-            client.fail(f"the engine process exited with code {engine_exit.result()}; restart the server")
-            log.error("the engine exited with code %s; serving NOT_SERVING until stopped", engine_exit.result())
-            await stop_wait
-            await server.stop(args.shutdown_grace)
-            return 1
+        if default_model:
+            manager.set_default(default_model)
+        server.started()
+        await stop_wait
         log.info("stopping: draining in-flight streams for up to %.1f s", args.shutdown_grace)
+        # Engines that died while serving (a model that failed to register was already answered for).
+        failed = [m.name for m in catalog.models() if m.state == pb.MODEL_STATE_FAILED and m.load_error is None]
         await server.stop(args.shutdown_grace)
-        if client.failure is not None:  # the engine reported a fatal error (e.g. a worker died)
-            log.error("stopped after an engine failure: %s", client.failure)
+        if failed:  # an engine or worker died: say so in the exit code
+            log.error("stopped after the engine of model(s) %s failed", ", ".join(failed))
             return 1
-        await client.shutdown_engine(timeout=5.0)
         return 0
     finally:
         stop_wait.cancel()
-        engine_exit.cancel()
-        await client.close()
-        await stop_observability(tracer, metrics_http, stats_feed)
+        if not server.stopping:
+            await server.stop(0)
+        await manager.stop_all(0.0)
+        await stop_observability(tracer, metrics_http)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -265,29 +429,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         security = ServerSecurity.from_args(args)  # before the model loads: a bad TLS/key setting fails fast
-        source = resolve_model(args.model, args.served_model_name or None)
-        arch, context_length, tokenizer = model_metadata(source)
+        specs, default_model = startup_models(args)
+        metadata = [read_metadata(spec.path, spec.name) for spec in specs]
     except (ModelNotFoundError, OSError, ValueError) as exc:
         print(f"ringserve serve: {exc}", file=sys.stderr)
         return 2
-    dtype = "float32" if args.dtype == "auto" else args.dtype
-    max_model_len = min(args.max_model_len or context_length, context_length)
 
     from ringserve import _core
 
     for name in _core.reclaim_stale_segments():
         log.info("removed stale shared-memory segment %s left by a dead process", name)
-    request_ring = _core.ShmRing.create(new_segment_name("req"), REQUEST_RING_BYTES, 1)
-    event_ring = _core.ShmRing.create(new_segment_name("evt"), EVENT_RING_BYTES, 1)
-    engine: subprocess.Popen[bytes] | None = None
-    try:
-        cmd = engine_command(args, source, dtype, max_model_len, tokenizer.eos_token_ids,
-                             request_ring.name, event_ring.name)  # fmt: skip
-        engine = subprocess.Popen(cmd, env={**os.environ, "RINGSERVE_LOG_LEVEL": args.log_level.upper()})
-        client = EngineClient(request_ring, event_ring)
-        return asyncio.run(serve_until_stopped(args, source, dtype, arch, tokenizer, client, engine, security))
-    finally:
-        if engine is not None:
-            stop_child(engine, timeout_s=15.0)
-        request_ring.unlink()
-        event_ring.unlink()
+    return asyncio.run(serve_until_stopped(args, specs, default_model, metadata, security))

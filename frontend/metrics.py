@@ -33,23 +33,21 @@ def _multiprocess() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
-class ServingMetrics:
-    """The frontend's metric families for one served model."""
+class _MetricFamilies:
+    """The metric families of one registry; every served model binds its own `model_name` children."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.model_name = model_name
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["model_name"]
-        r = self.registry
+        r = registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(model_name)
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            return Counter(name, doc, labels, registry=r)
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent").labels(model_name)
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
 
         self.ttft = histogram("ringserve_time_to_first_token_seconds",
                               "From the RPC's arrival to the engine emitting its first token.", _TTFT_BUCKETS)
@@ -74,19 +72,72 @@ class ServingMetrics:
         self.prefix_queries = counter("ringserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("ringserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("ringserve_num_preemptions", "Requests preempted by the engine (recompute).")
-        self._success = Counter("ringserve_request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
-        self._errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code.",
-                               ["model_name", "code"], registry=r)
+        self.success = Counter("ringserve_request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code.",
+                              ["model_name", "code"], registry=r)
+
+
+class ServingMetrics:
+    """The frontend's metrics for one served model; `for_model` gives another model's, in the same registry."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 families: _MetricFamilies | None = None) -> None:  # fmt: skip
+        self.model_name = model_name
+        if families is None:
+            self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+            families = _MetricFamilies(self.registry)
+        else:
+            self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._families = families
+        f = families
+        self.ttft = f.ttft.labels(model_name)
+        self.itl = f.itl.labels(model_name)
+        self.e2e = f.e2e.labels(model_name)
+        self.queue = f.queue.labels(model_name)
+        self.prefill = f.prefill.labels(model_name)
+        self.decode = f.decode.labels(model_name)
+        self.step_time = f.step_time.labels(model_name)
+        self.running = f.running.labels(model_name)
+        self.waiting = f.waiting.labels(model_name)
+        self.kv_usage = f.kv_usage.labels(model_name)
+        self.prompt_tokens = f.prompt_tokens.labels(model_name)
+        self.generation_tokens = f.generation_tokens.labels(model_name)
+        self.prefix_queries = f.prefix_queries.labels(model_name)
+        self.prefix_hits = f.prefix_hits.labels(model_name)
+        self.preemptions = f.preemptions.labels(model_name)
+        self._success = f.success
+        self._errors = f.errors
         self._success_by_reason: dict[str, Any] = {}
+        self._error_codes: set[str] = set()
         self._last_preemptions: int | None = None
         self._last_num_steps: int | None = None
+
+    def for_model(self, model_name: str) -> ServingMetrics:
+        """Metrics of another served model, exported by the same registry (and /metrics endpoint)."""
+        return ServingMetrics(model_name, self.registry, self._families)
+
+    def remove(self) -> None:
+        """Drop this model's series (it was unregistered), so /metrics stops reporting stale values."""
+        f = self._families
+        for family in (f.ttft, f.itl, f.e2e, f.queue, f.prefill, f.decode, f.step_time, f.running, f.waiting,
+                       f.kv_usage, f.prompt_tokens, f.generation_tokens, f.prefix_queries, f.prefix_hits,
+                       f.preemptions):  # fmt: skip
+            with contextlib.suppress(KeyError):
+                family.remove(self.model_name)
+        for reason in self._success_by_reason:
+            with contextlib.suppress(KeyError):
+                f.success.remove(self.model_name, reason)
+        for code in self._error_codes:
+            with contextlib.suppress(KeyError):
+                f.errors.remove(self.model_name, code)
 
     # -- per request ----------------------------------------------------------------------------------------
 
     def observe_request(self, t: RequestTimeline) -> None:
         """Samples of one finished RPC (call after `t.finish()`)."""
         if t.error_code is not None:
+            self._error_codes.add(t.error_code.name)
             self._errors.labels(self.model_name, t.error_code.name).inc()
         elif t.finish_reason:
             counter = self._success_by_reason.get(t.finish_reason)

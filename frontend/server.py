@@ -19,6 +19,7 @@ import jinja2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from ringserve.frontend.catalog import CatalogServicer, ModelCatalog, ModelManager, ServedModel
 from ringserve.frontend.detokenizer import CompletionText
 from ringserve.frontend.engine_client import EngineError, GenerationEngine, SamplingOptions
 from ringserve.frontend.security import ServerSecurity
@@ -322,24 +323,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             text = self._tokenizer.decode(ids, skip_special)
         return pb.DetokenizeResponse(text=text)
 
-    async def GetModelInfo(self, request: pb.ModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        try:
-            self._check_model(request.model)
-        except _Rejection as rejection:
-            await _abort(context, rejection.code, rejection.message)
-        return self._describe()
-
-    async def ListModels(self, request: pb.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[self._describe()], default_model=self._model_info.model)
-
-    def _describe(self) -> pb.ModelInfo:
-        info = pb.ModelInfo()
-        info.CopyFrom(self._model_info)
-        info.state = pb.MODEL_STATE_FAILED if self._engine.failure is not None else pb.MODEL_STATE_READY
-        return info
-
     async def GetEngineStats(self, request: pb.EngineStatsRequest,
                              context: grpc.aio.ServicerContext) -> pb.EngineStats:
         try:
@@ -506,56 +489,96 @@ def describe_model(name: str, architecture: str, dtype: str, tensor_parallel_siz
 
 @dataclass
 class FrontendServer:
-    """A built (not yet started) gRPC server and the parts the launcher drives."""
+    """A built (not yet started) gRPC server over a model catalog, and the parts the launcher drives.
+
+    Health: the whole server ("") and each service name report SERVING while the default model does; each model's
+    name reports that model's own state. Everything turns NOT_SERVING when the server starts stopping.
+    """
 
     server: grpc.aio.Server
     port: int  # the bound port (useful with port 0)
-    servicer: GenerationServicer
     health: health_aio.HealthServicer
-    engine: GenerationEngine
+    manager: ModelManager
     serving: bool = False  # what health reports for the whole server
-    # grpc.health.v1 names that follow `serving`: the whole server (""), the served model's name, each service
-    health_services: tuple[str, ...] = ("", SERVICE_NAME)
-    _readiness: asyncio.Task[None] | None = field(default=None, repr=False)
-    _health_updates: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
+    services: tuple[str, ...] = ()  # gRPC service names whose health follows the whole server's
+    stopping: bool = False
+    starting: bool = False  # set while the start-up models load: the server is not ready until all are
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set, repr=False)
+    _health_names: set[str] = field(default_factory=set, repr=False)
+
+    @property
+    def catalog(self) -> ModelCatalog:
+        return self.manager.catalog
+
+    @property
+    def servicer(self) -> GenerationServicer:
+        """The default model's GenerationServicer."""
+        servicer = self.catalog.get("").servicer
+        assert servicer is not None, "the default model is still loading"
+        return servicer
+
+    @property
+    def engine(self) -> GenerationEngine:
+        engine = self.catalog.get("").engine
+        assert engine is not None, "the default model is still loading"
+        return engine
 
     async def start(self) -> None:
-        """Start serving; health turns SERVING once the engine is ready and NOT_SERVING if it fails."""
-        await self._set_health(False)  # the health servicer starts out SERVING
+        """Start serving; health follows the models (NOT_SERVING until the default one's engine is ready)."""
+        await self._refresh_health()  # the health servicer starts out SERVING
         await self.server.start()
-        loop = asyncio.get_running_loop()
-
-        def report_failure(_message: str) -> None:
-            task = loop.create_task(self._set_health(False))
-            self._health_updates.add(task)  # the loop keeps only weak references to tasks
-            task.add_done_callback(self._health_updates.discard)
-
-        self.engine.add_failure_listener(report_failure)
-        self._readiness = loop.create_task(self._serve_when_ready())
+        self.catalog.add_listener(self._health_changed)
+        for model in self.catalog.models():
+            if model.engine is not None and not model.ready:
+                self._spawn(self._mark_ready_when_ready(model))
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Report NOT_SERVING, then let in-flight RPCs finish for up to `grace` seconds."""
-        if self._readiness is not None:
-            self._readiness.cancel()
+        self.stopping = True
+        for task in list(self._tasks):
+            task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self.server.wait_for_termination(timeout)
 
-    async def _serve_when_ready(self) -> None:
-        try:
-            await self.engine.wait_ready(None)
-        except EngineError:
-            return  # the failure listener already reported NOT_SERVING
-        if self.engine.failure is None:
-            await self._set_health(True)
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
 
-    async def _set_health(self, serving: bool) -> None:
-        self.serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in self.health_services:
-            await self.health.set(service, status)
+    async def _mark_ready_when_ready(self, model: ServedModel) -> None:
+        assert model.engine is not None
+        try:
+            await model.engine.wait_ready(None)
+        except EngineError:
+            self.catalog.changed()  # failed while starting
+            return
+        self.catalog.mark_ready(model)
+
+    def started(self) -> None:
+        """The start-up models are loaded: health may turn SERVING."""
+        self.starting = False
+        self._health_changed()
+
+    def _health_changed(self) -> None:
+        if not self.stopping:
+            self._spawn(self._refresh_health())
+
+    async def _refresh_health(self) -> None:
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        models = {model.name: model.serving for model in self.catalog.models()}
+        default = self.catalog.default_name
+        self.serving = not (self.stopping or self.starting) and default is not None and models.get(default, False)
+        statuses = {name: serving if ok and not self.stopping else not_serving for name, ok in models.items()}
+        for name in self._health_names - statuses.keys():  # unregistered models
+            statuses[name] = not_serving
+        for name in ("", *self.services):
+            statuses[name] = serving if self.serving else not_serving
+        self._health_names |= statuses.keys()
+        for name, status in statuses.items():
+            await self.health.set(name, status)
 
 
 def build_server(engine: GenerationEngine, tokenizer: ModelTokenizer, model_info: pb.ModelInfo,
@@ -564,30 +587,43 @@ def build_server(engine: GenerationEngine, tokenizer: ModelTokenizer, model_info
                  metrics: ServingMetrics | None = None, model_url: str = "",
                  max_num_seqs: int = 0, security: ServerSecurity | None = None,
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> FrontendServer:
-    """A grpc.aio server with Generation, grpc.health.v1 (NOT_SERVING until the engine is ready) and reflection.
+    """A server for one model whose engine the caller runs (tests, embedding); see `build_catalog_server`.
+
+    `model_info.model` is the served name; `context_length`, `kv_capacity_tokens` and `vocab_size` (0 = take the
+    tokenizer's) drive validation; `model_url` and `max_num_seqs` are what TorchServe's DescribeModel reports.
+    Health is NOT_SERVING until the engine is ready. `max_waiting_requests` bounds the requests admitted but not yet
+    scheduled by the engine (0 = unbounded).
+    """
+    catalog = ModelCatalog()
+    servicer = GenerationServicer(engine, tokenizer, model_info, default_max_tokens, tracer=tracer, metrics=metrics,
+                                  max_waiting_requests=max_waiting_requests)
+    model = catalog.add(ServedModel(name=model_info.model, url=model_url, max_num_seqs=max_num_seqs))
+    catalog.attach(model, servicer, engine, model_info, ready=False)
+    return build_catalog_server(ModelManager(catalog), host, port, max_concurrent_rpcs=max_concurrent_rpcs,
+                                security=security)
+
+
+def build_catalog_server(manager: ModelManager, host: str = "127.0.0.1", port: int = 50051, *,
+                         max_concurrent_rpcs: int | None = None,
+                         security: ServerSecurity | None = None) -> FrontendServer:  # fmt: skip
+    """A grpc.aio server with ringserve.v1 Generation over every model of `manager.catalog`, TorchServe's inference
+    and management services, grpc.health.v1 (per model and overall) and reflection.
 
     Call from inside the running event loop; then `await result.start()`. Raises OSError when the address cannot
-    be bound. `model_info.model` is the served name; `context_length`, `kv_capacity_tokens` and `vocab_size`
-    (0 = take the tokenizer's) drive validation. TorchServe's inference and management services are served too;
-    `model_url` and `max_num_seqs` are what their DescribeModel reports. `security` sets TLS, API keys and message
-    size limits (default: plaintext, no keys, 64 MiB). `max_waiting_requests` bounds the requests admitted but not
-    yet scheduled by the engine (0 = unbounded).
+    be bound. `security` sets TLS, API keys and message size limits (default: plaintext, no keys, 64 MiB).
     """
     security = security or ServerSecurity()
     server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=security.interceptors(),
                              options=security.options())
-    servicer = GenerationServicer(engine, tokenizer, model_info, default_max_tokens, tracer=tracer, metrics=metrics,
-                                  max_waiting_requests=max_waiting_requests)
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    generation = CatalogServicer(manager.catalog)
+    pb_grpc.add_GenerationServicer_to_server(generation, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    frontend = FrontendServer(server=server, port=0, servicer=servicer, health=health, engine=engine)
-    frontend.health_services = tuple(dict.fromkeys(
-        ("", model_info.model, SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME)))
+    frontend = FrontendServer(server=server, port=0, health=health, manager=manager,
+                              services=(SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME))
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(
-        TorchServeInferenceServicer(servicer.Generate, lambda: frontend.serving), server)
-    management_pb2_grpc.add_ManagementAPIsServiceServicer_to_server(
-        TorchServeManagementServicer(model_info, model_url, max_num_seqs, lambda: frontend.serving), server)
+        TorchServeInferenceServicer(generation.Generate, lambda: frontend.serving), server)
+    management_pb2_grpc.add_ManagementAPIsServiceServicer_to_server(TorchServeManagementServicer(manager), server)
     service_names = (SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME,
                      health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(service_names, server)

@@ -9,24 +9,28 @@ Each prediction is translated into a `ringserve.v1.GenerateRequest` and served b
 `GenerationServicer.Generate` (validation, tracing, metrics and cancellation included); text comes back as UTF-8
 bytes.
 
-Management (`org.pytorch.serve.grpc.management.ManagementAPIsService`): ListModels and DescribeModel describe the
-model served; run-time registration and scaling are not implemented yet and say so with UNIMPLEMENTED.
+Management (`org.pytorch.serve.grpc.management.ManagementAPIsService`): register, scale, describe, list, set the
+default and unregister models at run time (see TorchServeManagementServicer).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Callable
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import PurePosixPath
 from typing import Any, NoReturn
 
 import grpc
 from google.rpc import status_pb2
+from ringserve.frontend.catalog import ModelError, ModelManager, ModelSpec
 from ringserve.torchserve import inference_pb2, inference_pb2_grpc, management_pb2, management_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
 
 INFERENCE_SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceAPIsService"].full_name
 MANAGEMENT_SERVICE_NAME = management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full_name
+MODEL_VERSION = "1.0"  # RingServe keeps one version per model
 
 # JSON body key -> (GenerateRequest.sampling field, expected Python type). TorchServe LLM handler names first.
 _SAMPLING_KEYS: dict[str, tuple[str, type]] = {
@@ -197,57 +201,124 @@ class TorchServeInferenceServicer(inference_pb2_grpc.InferenceAPIsServiceService
 
 
 class TorchServeManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
-    """Reports the served model the way TorchServe's management API does (JSON text in `msg`)."""
+    """TorchServe's management API over the model catalog; answers are JSON text in `msg`, as TorchServe's are.
 
-    def __init__(self, model_info: pb.ModelInfo, model_url: str, max_num_seqs: int,
-                 is_serving: Callable[[], bool]) -> None:  # fmt: skip
-        self._info = model_info
-        self._url = model_url
-        self._max_num_seqs = max_num_seqs
-        self._is_serving = is_serving
+    RegisterModel's `url` is a local .gguf file or Hugging Face folder, optionally with engine settings as a query
+    string (`?tensor_parallel_size=2&dtype=bfloat16&max_model_len=4096&kv_cache_memory_gib=2`); `initial_workers`
+    is the number of engine replicas (data parallel) and `batch_size` the most sequences one engine runs at once.
+    ScaleWorker sets the replica count to `min_worker` (or `max_worker`). RingServe keeps one version ("1.0") per
+    model; SetDefault makes the model the one requests without a model name go to.
+    """
 
-    async def _check_model(self, name: str, context: grpc.aio.ServicerContext) -> None:
-        if name != self._info.model:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model_name {name!r} is not registered; registered: {self._info.model!r}")
+    def __init__(self, manager: ModelManager) -> None:
+        self._manager = manager
+
+    async def _run(self, context: grpc.aio.ServicerContext, action: Callable[[], Awaitable[str]]) -> Any:
+        try:
+            status = await action()
+        except ModelError as error:
+            await context.abort(error.code, error.message)
+        return management_pb2.ManagementResponse(msg=json.dumps({"status": status}))
+
+    @staticmethod
+    def _check_version(name: str, version: str) -> None:
+        if version not in ("", MODEL_VERSION):
+            raise ModelError(grpc.StatusCode.NOT_FOUND,
+                             f"model_version {version!r} of model {name!r} does not exist; RingServe keeps one "
+                             f"version per model ({MODEL_VERSION!r})")  # fmt: skip
 
     async def ListModels(self, request: management_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> management_pb2.ManagementResponse:
-        if request.limit < 0 or request.limit > 1000:
+        limit = request.limit or 100
+        if not 1 <= limit <= 1000:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "limit: must be between 1 and 1000 (0 = 100)")
-        models = [{"modelName": self._info.model, "modelUrl": self._url}]
-        return management_pb2.ManagementResponse(msg=json.dumps({"models": models}, indent=2))
+        start = request.next_page_token or 0
+        if start < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "next_page_token: must be >= 0")
+        models = self._manager.catalog.models()
+        page: dict[str, Any] = {"models": [{"modelName": m.name, "modelUrl": m.url}
+                                           for m in models[start:start + limit]]}  # fmt: skip
+        if start + limit < len(models):
+            page["nextPageToken"] = str(start + limit)
+        return management_pb2.ManagementResponse(msg=json.dumps(page, indent=2))
 
     async def DescribeModel(self, request: management_pb2.DescribeModelRequest,
                             context: grpc.aio.ServicerContext) -> management_pb2.ManagementResponse:
-        await self._check_model(request.model_name, context)
-        info = self._info
+        try:
+            self._check_version(request.model_name, request.model_version)
+            model = self._manager.catalog.get(request.model_name)
+        except ModelError as error:
+            await context.abort(error.code, error.message)
+        info = model.describe()
+        if model.deployment is not None:
+            workers = [{**worker, "gpu": False} for worker in model.deployment.describe_replicas()]
+        else:
+            workers = [{"id": "engine-0", "status": model.status_text(), "gpu": False}]
         description = [{
-            "modelName": info.model, "modelVersion": "1.0", "modelUrl": self._url, "runtime": "ringserve",
-            "minWorkers": 1, "maxWorkers": 1, "batchSize": self._max_num_seqs, "maxBatchDelay": 0,
-            "loadedAtStartup": True,
-            "workers": [{"id": "engine-0", "status": "READY" if self._is_serving() else "UNLOADING",
-                         "gpu": False}],
-            "ringserve": {"architecture": info.architecture, "contextLength": info.context_length,
+            "modelName": model.name, "modelVersion": MODEL_VERSION, "modelUrl": model.url, "runtime": "ringserve",
+            "minWorkers": len(workers), "maxWorkers": len(workers), "batchSize": model.max_num_seqs,
+            "maxBatchDelay": 0, "loadedAtStartup": model.loading is None,
+            "isDefault": self._manager.catalog.default_name == model.name,
+            "workers": workers,
+            "ringserve": {"state": model.status_text(), "error": model.load_error or "",
+                          "architecture": info.architecture, "contextLength": info.context_length,
                           "dtype": info.dtype, "tensorParallelSize": info.tensor_parallel_size,
                           "blockSize": info.block_size, "kvCapacityTokens": info.kv_capacity_tokens},
         }]  # fmt: skip
         return management_pb2.ManagementResponse(msg=json.dumps(description, indent=2))
 
-    async def _not_yet(self, context: grpc.aio.ServicerContext, what: str) -> NoReturn:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            f"{what}: RingServe serves the model given to `ringserve serve --model`; run-time "
-                            "model registration and scaling are not implemented yet")
-        raise AssertionError("context.abort returned")
+    async def RegisterModel(self, request: management_pb2.RegisterModelRequest,
+                            context: grpc.aio.ServicerContext) -> management_pb2.ManagementResponse:
+        async def register() -> str:
+            self._manager.check_runtime_changes()
+            name = request.model_name or _name_from_url(request.url)
+            spec = ModelSpec.from_url(name, request.url, request.initial_workers or 1, request.batch_size)
+            await self._manager.register(spec, synchronous=request.synchronous)
+            if not request.synchronous:
+                return f"Model \"{name}\" Version: {MODEL_VERSION} registration started; DescribeModel shows it READY"
+            return f"Model \"{name}\" Version: {MODEL_VERSION} registered with {spec.replicas} initial workers"
 
-    async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> NoReturn:
-        await self._not_yet(context, "RegisterModel")
+        return await self._run(context, register)
 
-    async def ScaleWorker(self, request: Any, context: grpc.aio.ServicerContext) -> NoReturn:
-        await self._not_yet(context, "ScaleWorker")
+    async def ScaleWorker(self, request: management_pb2.ScaleWorkerRequest,
+                          context: grpc.aio.ServicerContext) -> management_pb2.ManagementResponse:
+        async def scale() -> str:
+            self._manager.check_runtime_changes()
+            self._check_version(request.model_name, request.model_version)
+            replicas = request.min_worker or request.max_worker or 1
+            model = await self._manager.scale(request.model_name, replicas, synchronous=request.synchronous)
+            if not request.synchronous:
+                return "Processing worker updates..."
+            return f"Workers scaled to {replicas} for model: {model.name}"
 
-    async def SetDefault(self, request: Any, context: grpc.aio.ServicerContext) -> NoReturn:
-        await self._not_yet(context, "SetDefault")
+        return await self._run(context, scale)
 
-    async def UnregisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> NoReturn:
-        await self._not_yet(context, "UnregisterModel")
+    async def SetDefault(self, request: management_pb2.SetDefaultRequest,
+                         context: grpc.aio.ServicerContext) -> management_pb2.ManagementResponse:
+        async def set_default() -> str:
+            self._manager.check_runtime_changes()
+            self._check_version(request.model_name, request.model_version)
+            if not request.model_name:
+                raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, "model_name is required")
+            self._manager.set_default(request.model_name)
+            return f"Default version successfully updated for model \"{request.model_name}\" to \"{MODEL_VERSION}\""
+
+        return await self._run(context, set_default)
+
+    async def UnregisterModel(self, request: management_pb2.UnregisterModelRequest,
+                              context: grpc.aio.ServicerContext) -> management_pb2.ManagementResponse:
+        async def unregister() -> str:
+            self._manager.check_runtime_changes()
+            self._check_version(request.model_name, request.model_version)
+            if not request.model_name:
+                raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, "model_name is required")
+            await self._manager.unregister(request.model_name)
+            return f"Model \"{request.model_name}\" unregistered"
+
+        return await self._run(context, unregister)
+
+
+def _name_from_url(url: str) -> str:
+    """TorchServe names a model after its archive when no name is given: the file or folder name, less suffix."""
+    path = urllib.parse.urlsplit(url).path.rstrip("/")
+    return PurePosixPath(path).stem if path else ""

@@ -7,8 +7,10 @@ from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
-from ringserve.frontend.deployment import EngineReplica, ModelDeployment, ModelRegistry, ModelRegistryError
+from ringserve.frontend.catalog import ModelCatalog, ModelError, ServedModel
+from ringserve.frontend.deployment import EngineReplica, ModelDeployment
 from ringserve.frontend.engine_client import EngineUnavailableError, SamplingOptions
 
 
@@ -136,14 +138,19 @@ async def test_stats_are_summed_over_serving_replicas() -> None:
     assert stats.block_size == 16 and stats.kv_usage == pytest.approx(0.6)
 
 
-async def test_the_registry_answers_not_found_naming_the_served_models() -> None:
-    registry = ModelRegistry()
-    with pytest.raises(ModelRegistryError) as missing:
-        registry.get("llama")
-    assert missing.value.code == "NOT_FOUND" and "served models: none" in missing.value.message
+async def test_the_catalog_answers_not_found_naming_the_served_models() -> None:
+    catalog = ModelCatalog()
+    with pytest.raises(ModelError) as missing:
+        catalog.get("llama")
+    assert missing.value.code == grpc.StatusCode.NOT_FOUND and "served models: none" in missing.value.message
     deployment, _ = deployment_with("a")
-    registry._models["m"] = deployment
-    registry.default_name = "m"
-    assert registry.get("") is deployment and registry.get("m") is deployment
-    with pytest.raises(ModelRegistryError, match="'m'"):
-        registry.get("other")
+    model = catalog.add(ServedModel(name="m", deployment=deployment))
+    assert catalog.get("") is model and catalog.get("m") is model
+    with pytest.raises(ModelError, match="'m'"):
+        catalog.get("other")
+    with pytest.raises(ModelError) as loading:  # registered, but its engine is not attached yet
+        catalog.servicer_for("m")
+    assert loading.value.code == grpc.StatusCode.UNAVAILABLE and "still loading" in loading.value.message
+    with pytest.raises(ModelError) as twice:
+        catalog.add(ServedModel(name="m"))
+    assert twice.value.code == grpc.StatusCode.ALREADY_EXISTS

@@ -63,9 +63,14 @@ async def test_finished_requests_are_counted_with_their_tokens_and_latencies(ser
 async def test_rejected_requests_are_counted_by_status_code(served) -> None:
     harness, metrics = served
     with pytest.raises(grpc.aio.AioRpcError):
+        bad = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1.0))
+        await harness.stub.Generate(bad, timeout=10).read()
+    # A request for a model that is not served is refused before any model's metrics (no label per unknown name).
+    with pytest.raises(grpc.aio.AioRpcError):
         await harness.stub.Generate(pb.GenerateRequest(text="hi", model="other"), timeout=10).read()
     await asyncio.sleep(0.02)
-    assert value(metrics, "ringserve_request_errors_total", code="NOT_FOUND") == 1
+    assert value(metrics, "ringserve_request_errors_total", code="INVALID_ARGUMENT") == 1
+    assert value(metrics, "ringserve_request_errors_total", code="NOT_FOUND") == 0
     assert value(metrics, "ringserve_request_success_total", finished_reason="length") == 0
     assert value(metrics, "ringserve_prompt_tokens_total") == 0
 

@@ -66,4 +66,8 @@ def test_management_lists_and_describes_the_served_model(torchserve_observations
     assert [m["modelName"] for m in obs["list_models"]["models"]] == [obs["model"]]
     assert obs["describe"][0]["modelName"] == obs["model"]
     assert obs["describe"][0]["workers"][0]["status"] == "READY"
-    assert obs["register"].startswith("UNIMPLEMENTED")
+    assert obs["register_missing"].startswith("INVALID_ARGUMENT") and "url" in obs["register_missing"]
+    assert obs["register_remote"].startswith("INVALID_ARGUMENT") and "https" in obs["register_remote"]
+    assert obs["unregister_unknown"].startswith("NOT_FOUND") and "'nope'" in obs["unregister_unknown"]
+    # Nothing was left registered by the refused calls.
+    assert [m["modelName"] for m in obs["list_models_after"]["models"]] == [obs["model"]]

@@ -62,8 +62,13 @@ def main() -> None:
     out["list_models"] = json.loads(management.ListModels(management_pb2.ListModelsRequest(), timeout=30).msg)
     out["describe"] = json.loads(management.DescribeModel(
         management_pb2.DescribeModelRequest(model_name=model), timeout=30).msg)
-    out["register"] = error_code(lambda: management.RegisterModel(
-        management_pb2.RegisterModelRequest(url="/tmp/x.gguf", model_name="x"), timeout=30))
+    out["register_missing"] = error_code(lambda: management.RegisterModel(
+        management_pb2.RegisterModelRequest(url="/nonexistent/x.gguf", model_name="x", synchronous=True), timeout=30))
+    out["register_remote"] = error_code(lambda: management.RegisterModel(
+        management_pb2.RegisterModelRequest(url="https://example.com/x.gguf", model_name="x"), timeout=30))
+    out["unregister_unknown"] = error_code(lambda: management.UnregisterModel(
+        management_pb2.UnregisterModelRequest(model_name="nope"), timeout=30))
+    out["list_models_after"] = json.loads(management.ListModels(management_pb2.ListModelsRequest(), timeout=30).msg)
     print(json.dumps(out))
 
 
