@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size in blocks")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache budget when not given in blocks")
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="torch CPU threads per worker (default 0: the usable CPUs divided among the ranks)")
     return p.parse_args(argv)
 
 
@@ -70,6 +72,8 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
     ]  # fmt: skip
     if args.num_kv_blocks is not None:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.worker_threads > 0:
+        cmd += ["--num-threads", str(args.worker_threads)]
     return cmd
 
 

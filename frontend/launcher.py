@@ -81,6 +81,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         + env_help("--enable-prefix-caching"))
     flag("--num-kv-blocks", 0, int, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
     flag("--kv-cache-memory-gib", 1.0, float, "KV cache memory budget per worker in GiB (default %(default)s)")
+    flag("--worker-threads", 0, int,
+         "torch CPU threads per worker process (default 0: the usable CPUs divided among the tensor-parallel ranks; "
+         "on a machine shared with other busy processes fewer threads avoid stalls)")
     flag("--engine-start-timeout", 600.0, float, "seconds to wait for the model to load (default %(default)s)")
     flag("--shutdown-grace", 5.0, float,
          "seconds in-flight streams get to finish on SIGTERM, and when a model is unregistered or scaled down "
@@ -162,6 +165,8 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
     ]  # fmt: skip
     if args.num_kv_blocks > 0:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.worker_threads > 0:
+        cmd += ["--worker-threads", str(args.worker_threads)]
     return cmd
 
 
@@ -178,6 +183,8 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
         return f"--max-waiting-requests must be >= 0 (0 = unbounded; got {args.max_waiting_requests})"
     if args.priority_aging_ms < 0:
         return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {args.priority_aging_ms})"
+    if getattr(args, "worker_threads", 0) < 0:
+        return f"--worker-threads must be >= 0 (0 = automatic; got {args.worker_threads})"
     if args.max_model_len < 0 or args.num_kv_blocks < 0 or args.kv_cache_memory_gib <= 0:
         return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
     return None

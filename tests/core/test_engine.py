@@ -434,3 +434,17 @@ def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> Non
         engine_args = engine_main.parse_args(cmd[3:])  # after `python -m ringserve.backend.engine_main`
         assert engine_main.engine_config(engine_args).priority_aging_ms == want
     assert "--priority-aging-ms" in launcher.check_serve_arguments(parser.parse_args(["--priority-aging-ms", "-1"]))
+
+
+def test_serve_passes_worker_threads_down_to_the_workers(tmp_path: Path) -> None:
+    from ringserve.workers.worker_main import parse_args as worker_args
+
+    parser = argparse.ArgumentParser()
+    launcher.add_serve_arguments(parser)
+    source = ModelSource("m", tmp_path / "m.gguf")
+    for flags, want in (([], None), (["--worker-threads", "1"], 1)):
+        cmd = launcher.engine_command(parser.parse_args(flags), source, "float32", 128, [EOS], "/req", "/evt")
+        engine_args = engine_main.parse_args(cmd[3:])
+        worker = engine_main.worker_command(engine_args, 0, "/s", "/r")
+        assert worker_args(worker[worker.index("--rank"):]).num_threads == want
+    assert "--worker-threads" in launcher.check_serve_arguments(parser.parse_args(["--worker-threads", "-2"]))
