@@ -74,6 +74,13 @@ class ServingMetrics:
         self.prefix_queries = counter("ringserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("ringserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("ringserve_num_preemptions", "Requests preempted by the engine (recompute).")
+        self.spec_drafts = counter("ringserve_spec_decode_num_drafts",
+                                   "Request-steps that verified speculative draft tokens.")
+        self.spec_draft_tokens = counter("ringserve_spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("ringserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_acceptance = gauge("ringserve_spec_decode_acceptance_rate",
+                                     "Accepted / verified draft tokens since the engine started (0 before any).")
+        self._last_spec: tuple[int, int, int] | None = None
         self._success = Counter("ringserve_request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code.",
@@ -124,6 +131,16 @@ class ServingMetrics:
         if self._last_preemptions is not None and stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
+        spec = (getattr(stats, "spec_verify_rows", 0), getattr(stats, "spec_proposed_tokens", 0),
+                getattr(stats, "spec_accepted_tokens", 0))  # layout v3  # fmt: skip
+        if self._last_spec is not None:
+            for metric, now, before in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
+                                           spec, self._last_spec, strict=True):  # fmt: skip
+                if now > before:
+                    metric.inc(now - before)
+        self._last_spec = spec
+        if spec[1]:
+            self.spec_acceptance.set(spec[2] / spec[1])
         step_time_ns = stats.step_time_ns
         if step_time_ns and stats.num_steps != self._last_num_steps:
             self.step_time.observe(step_time_ns * _NS)
