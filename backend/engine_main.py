@@ -38,6 +38,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="most prompt tokens one request may prefill in a step (0 = no cap)")
     p.add_argument("--priority-aging-ms", type=int, default=0,
                    help="a waiting request's priority value improves by one per this many ms waited (0 = strict)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens verified per decode step and request (0 = no speculative decoding, at most 8)")
+    p.add_argument("--spec-max-batch", type=int, default=16,
+                   help="no speculation in a step where more requests run (0 = no limit)")
+    p.add_argument("--spec-min-acceptance", type=float, default=0.25,
+                   help="a request whose recent draft acceptance falls below this pauses speculation for a while")
+    p.add_argument("--draft", default="ngram", help="proposer: ngram, layers:N or a draft model path")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram proposer: shortest n-gram matched")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram proposer: longest n-gram matched")
     p.add_argument(
         "--kv-cache-dtype", default=os.environ.get("RINGSERVE_KV_CACHE_DTYPE", "auto"),
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -74,6 +83,9 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.worker_threads > 0:
         cmd += ["--num-threads", str(args.worker_threads)]
+    if args.num_speculative_tokens > 0:
+        cmd += ["--speculation", "--draft", args.draft, "--prompt-lookup-min", str(args.prompt_lookup_min),
+                "--prompt-lookup-max", str(args.prompt_lookup_max)]  # fmt: skip
     return cmd
 
 
@@ -98,6 +110,9 @@ def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
     config.enable_prefix_caching = args.enable_prefix_caching
     config.long_prefill_token_threshold = args.long_prefill_token_threshold
     config.priority_aging_ms = args.priority_aging_ms
+    config.num_speculative_tokens = args.num_speculative_tokens
+    config.spec_max_batch = args.spec_max_batch
+    config.spec_min_acceptance = args.spec_min_acceptance
     # num_blocks stays 0: the engine then sizes its pool from the workers' WorkerReady (the blocks they really
     # allocated) and reports ready only once every worker has loaded the model.
     return config

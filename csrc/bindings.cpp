@@ -59,8 +59,8 @@ py::array_t<T> to_matrix(const std::vector<T>& v, size_t rows, size_t cols) {
 // Sets a StepResult's top-n arrays from [rows, n] matrices (either one may be left as is).
 void set_top(StepResult& r, const std::optional<Int32Array>& ids, const std::optional<Float32Array>& logprobs) {
   auto shape_of = [&](const py::array& a, const char* what) {
-    if (a.ndim() != 2 || static_cast<size_t>(a.shape(0)) != r.slots.size()) {
-      throw py::value_error(std::string(what) + " must be a [len(slots), n] array");
+    if (a.ndim() != 2 || static_cast<size_t>(a.shape(0)) != r.token_ids.size()) {
+      throw py::value_error(std::string(what) + " must be a [len(token_ids), n] array");
     }
     return static_cast<uint32_t>(a.shape(1));
   };
@@ -195,6 +195,9 @@ struct PyStepPlan {
   py::array sched_len = py::array_t<int32_t>(0);
   py::array sched_sample = py::array_t<bool>(0);
   py::array finished_slots = py::array_t<int32_t>(0);
+  py::array sched_lookahead = py::array_t<int32_t>(0);
+  py::array trim_slots = py::array_t<int32_t>(0);
+  py::array trim_num_blocks = py::array_t<int32_t>(0);
 };
 
 // A 1-D array of T from anything numpy converts (the setters' input); keeps an int32 array as is.
@@ -242,6 +245,9 @@ StepPlan to_native(const PyStepPlan& p) {
   plan.sched_len = copy_out<int32_t>(p.sched_len);
   plan.sched_sample = copy_out_bools(p.sched_sample);
   plan.finished_slots = copy_out<int32_t>(p.finished_slots);
+  plan.sched_lookahead = copy_out<int32_t>(p.sched_lookahead);
+  plan.trim_slots = copy_out<int32_t>(p.trim_slots);
+  plan.trim_num_blocks = copy_out<int32_t>(p.trim_num_blocks);
   return plan;
 }
 
@@ -267,6 +273,9 @@ py::object to_python(StepPlan&& plan) {
   p.sched_len = to_array(plan.sched_len);
   p.sched_sample = to_bool_array(plan.sched_sample);
   p.finished_slots = to_array(plan.finished_slots);
+  p.sched_lookahead = to_array(plan.sched_lookahead);
+  p.trim_slots = to_array(plan.trim_slots);
+  p.trim_num_blocks = to_array(plan.trim_num_blocks);
   return py::cast(std::move(p));
 }
 
@@ -308,6 +317,9 @@ py::object decode_worker_command_py(const py::buffer& record) {
   p.sched_len = view_of<int32_t>(owner, bytes, layout.sched_len);
   p.sched_sample = view_of<bool>(owner, bytes, layout.sched_sample);  // validated 0/1 bytes: valid numpy bools
   p.finished_slots = view_of<int32_t>(owner, bytes, layout.finished_slots);
+  p.sched_lookahead = view_of<int32_t>(owner, bytes, layout.sched_lookahead);
+  p.trim_slots = view_of<int32_t>(owner, bytes, layout.trim_slots);
+  p.trim_num_blocks = view_of<int32_t>(owner, bytes, layout.trim_num_blocks);
   return py::cast(std::move(p));
 }
 
@@ -425,6 +437,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("num_computed_tokens", &RequestOutput::num_computed_tokens)
       .def_readwrite("num_scheduled_tokens", &RequestOutput::num_scheduled_tokens)
       .def_readwrite("num_preemptions", &RequestOutput::num_preemptions)
+      .def_readwrite("num_spec_proposed_tokens", &RequestOutput::num_spec_proposed_tokens)
+      .def_readwrite("num_spec_accepted_tokens", &RequestOutput::num_spec_accepted_tokens)
       .def("__repr__", [](const RequestOutput& o) {
         return "RequestOutput(request_id=" + std::to_string(o.request_id) +
                ", new_tokens=" + std::to_string(o.new_token_ids.size()) +
@@ -453,7 +467,10 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("prefix_cache_hits", &EngineStats::prefix_cache_hits)
       .def_readwrite("kv_usage", &EngineStats::kv_usage)
       .def_readwrite("total_prompt_tokens", &EngineStats::total_prompt_tokens)
-      .def_readwrite("total_generation_tokens", &EngineStats::total_generation_tokens);
+      .def_readwrite("total_generation_tokens", &EngineStats::total_generation_tokens)
+      .def_readwrite("spec_proposed_tokens", &EngineStats::spec_proposed_tokens)
+      .def_readwrite("spec_accepted_tokens", &EngineStats::spec_accepted_tokens)
+      .def_readwrite("spec_verify_rows", &EngineStats::spec_verify_rows);
 
   py::class_<RequestRejected>(m, "RequestRejected")
       .def(py::init<>())
@@ -528,7 +545,16 @@ PYBIND11_MODULE(_core, m) {
           [](PyStepPlan& p, const BoolArray& a) { p.sched_sample = checked_1d(a); })
       .def_property(
           "finished_slots", [](const PyStepPlan& p) { return p.finished_slots; },
-          [](PyStepPlan& p, const Int32Array& a) { p.finished_slots = checked_1d(a); });
+          [](PyStepPlan& p, const Int32Array& a) { p.finished_slots = checked_1d(a); })
+      .def_property(
+          "sched_lookahead", [](const PyStepPlan& p) { return p.sched_lookahead; },
+          [](PyStepPlan& p, const Int32Array& a) { p.sched_lookahead = checked_1d(a); })
+      .def_property(
+          "trim_slots", [](const PyStepPlan& p) { return p.trim_slots; },
+          [](PyStepPlan& p, const Int32Array& a) { p.trim_slots = checked_1d(a); })
+      .def_property(
+          "trim_num_blocks", [](const PyStepPlan& p) { return p.trim_num_blocks; },
+          [](PyStepPlan& p, const Int32Array& a) { p.trim_num_blocks = checked_1d(a); });
 
   py::class_<WorkerShutdown>(m, "WorkerShutdown").def(py::init<>());
 
@@ -546,11 +572,17 @@ PYBIND11_MODULE(_core, m) {
           [](StepResult& r, const Float32Array& a) { r.logprobs = from_array(a); })
       .def_readwrite("num_top", &StepResult::num_top)
       .def_property(
-          "top_token_ids", [](const StepResult& r) { return to_matrix(r.top_token_ids, r.slots.size(), r.num_top); },
+          "top_token_ids", [](const StepResult& r) { return to_matrix(r.top_token_ids, r.token_ids.size(), r.num_top); },
           [](StepResult& r, const Int32Array& a) { set_top(r, a, std::nullopt); })
       .def_property(
-          "top_logprobs", [](const StepResult& r) { return to_matrix(r.top_logprobs, r.slots.size(), r.num_top); },
-          [](StepResult& r, const Float32Array& a) { set_top(r, std::nullopt, a); });
+          "top_logprobs", [](const StepResult& r) { return to_matrix(r.top_logprobs, r.token_ids.size(), r.num_top); },
+          [](StepResult& r, const Float32Array& a) { set_top(r, std::nullopt, a); })
+      .def_property(
+          "token_counts", [](const StepResult& r) { return to_array(r.token_counts); },
+          [](StepResult& r, const Int32Array& a) { r.token_counts = from_array(a); })
+      .def_property(
+          "num_proposed", [](const StepResult& r) { return to_array(r.num_proposed); },
+          [](StepResult& r, const Int32Array& a) { r.num_proposed = from_array(a); });
 
   py::class_<WorkerReady>(m, "WorkerReady")
       .def(py::init<>())
@@ -570,16 +602,20 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "encode_step_result",
       [](uint64_t step_id, const Int32Array& slots, const Int32Array& token_ids, const Float32Array& logprobs,
-         const std::optional<Int32Array>& top_token_ids, const std::optional<Float32Array>& top_logprobs) {
+         const std::optional<Int32Array>& top_token_ids, const std::optional<Float32Array>& top_logprobs,
+         const std::optional<Int32Array>& token_counts, const std::optional<Int32Array>& num_proposed) {
         StepResult r{step_id, from_array(slots), from_array(token_ids), from_array(logprobs)};
         if (top_token_ids.has_value() != top_logprobs.has_value()) {
           throw py::value_error("top_token_ids and top_logprobs must be given together");
         }
         if (top_token_ids) set_top(r, top_token_ids, top_logprobs);
+        if (token_counts) r.token_counts = from_array(*token_counts);
+        if (num_proposed) r.num_proposed = from_array(*num_proposed);
         return encode_py(r);
       },
       py::arg("step_id"), py::arg("slots"), py::arg("token_ids"), py::arg("logprobs"),
-      py::arg("top_token_ids") = py::none(), py::arg("top_logprobs") = py::none());
+      py::arg("top_token_ids") = py::none(), py::arg("top_logprobs") = py::none(),
+      py::arg("token_counts") = py::none(), py::arg("num_proposed") = py::none());
   m.def(
       "encode_worker_ready", [](uint32_t rank, uint32_t blocks) { return encode_py(WorkerReady{rank, blocks}); },
       py::arg("rank"), py::arg("num_kv_blocks"));
@@ -747,7 +783,11 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("long_prefill_token_threshold", &EngineConfig::long_prefill_token_threshold)
       .def_readwrite("stats_interval_ms", &EngineConfig::stats_interval_ms)
-      .def_readwrite("priority_aging_ms", &EngineConfig::priority_aging_ms);
+      .def_readwrite("priority_aging_ms", &EngineConfig::priority_aging_ms)
+      .def_readwrite("num_speculative_tokens", &EngineConfig::num_speculative_tokens)
+      .def_readwrite("spec_max_batch", &EngineConfig::spec_max_batch)
+      .def_readwrite("spec_min_acceptance", &EngineConfig::spec_min_acceptance)
+      .def_readwrite("spec_backoff_steps", &EngineConfig::spec_backoff_steps);
 
   // The scheduler on its own, for property tests with a fake worker in Python (not part of the serving path).
   py::class_<Scheduler>(m, "Scheduler")

@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -70,6 +71,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--priority-aging-ms", 1000, int,
          "a waiting request's priority value improves by one per this many ms waited, so better-priority traffic "
          "cannot starve it (default %(default)s; 0 = strict priority)")
+    flag("--num-speculative-tokens", 0, int,
+         "speculative decoding: draft tokens the workers propose and verify per decode step (default %(default)s = "
+         "off; at most 8); greedy output is unchanged and sampling keeps the model's distribution")
+    flag("--draft", "ngram", str,
+         "speculative proposer: ngram (prompt lookup, no model), layers:N (the model's first N layers + LM head) or "
+         "a draft model path with the same vocabulary (default %(default)s)")
+    flag("--spec-max-batch", 16, int,
+         "no speculation in a step where more requests run: big batches are compute bound (default %(default)s; "
+         "0 = no limit)")
+    flag("--spec-min-acceptance", 0.25, float,
+         "a request whose recent draft acceptance rate falls below this decodes without drafts for a while "
+         "(default %(default)s)")
+    flag("--prompt-lookup-min", 2, int, "ngram proposer: shortest n-gram matched (default %(default)s)")
+    flag("--prompt-lookup-max", 4, int, "ngram proposer: longest n-gram matched (default %(default)s)")
     flag("--kv-cache-dtype", "auto", str, "KV cache dtype (default %(default)s = the weights')",
          choices=["auto", "float32", "bfloat16", "float16"])
     flag("--attention-backend", "auto", str,
@@ -159,6 +174,9 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         "--max-model-len", str(max_model_len), "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
         "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
         "--priority-aging-ms", str(args.priority_aging_ms),
+        "--num-speculative-tokens", str(args.num_speculative_tokens), "--draft", args.draft,
+        "--spec-max-batch", str(args.spec_max_batch), "--spec-min-acceptance", str(args.spec_min_acceptance),
+        "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max),
         "--kv-cache-dtype", args.kv_cache_dtype, "--attention-backend", args.attention_backend,
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
         "--eos-token-ids", *map(str, eos_token_ids),
@@ -181,6 +199,15 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})"
     if args.max_waiting_requests < 0:
         return f"--max-waiting-requests must be >= 0 (0 = unbounded; got {args.max_waiting_requests})"
+    if not 0 <= args.num_speculative_tokens <= 8:
+        return f"--num-speculative-tokens must be in [0, 8] (0 = off; got {args.num_speculative_tokens})"
+    if args.spec_max_batch < 0 or not 0.0 <= args.spec_min_acceptance <= 1.0:
+        return "--spec-max-batch must be >= 0 and --spec-min-acceptance in [0, 1]"
+    if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
+        return (f"--prompt-lookup-min ({args.prompt_lookup_min}) must be >= 1 and <= --prompt-lookup-max "
+                f"({args.prompt_lookup_max})")  # fmt: skip
+    if args.draft != "ngram" and not args.draft.startswith("layers:") and not Path(args.draft).exists():
+        return f"--draft {args.draft!r}: expected ngram, layers:N or an existing draft model path"
     if args.priority_aging_ms < 0:
         return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {args.priority_aging_ms})"
     if getattr(args, "worker_threads", 0) < 0:

@@ -72,6 +72,12 @@ class _MetricFamilies:
         self.prefix_queries = counter("ringserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("ringserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("ringserve_num_preemptions", "Requests preempted by the engine (recompute).")
+        self.spec_drafts = counter("ringserve_spec_decode_num_drafts",
+                                   "Request-steps that verified speculative draft tokens.")
+        self.spec_draft_tokens = counter("ringserve_spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("ringserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_acceptance = gauge("ringserve_spec_decode_acceptance_rate",
+                                     "Accepted / verified draft tokens since the engine started (0 before any).")
         self.success = Counter("ringserve_request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code.",
@@ -106,6 +112,11 @@ class ServingMetrics:
         self.prefix_queries = f.prefix_queries.labels(model_name)
         self.prefix_hits = f.prefix_hits.labels(model_name)
         self.preemptions = f.preemptions.labels(model_name)
+        self.spec_drafts = f.spec_drafts.labels(model_name)
+        self.spec_draft_tokens = f.spec_draft_tokens.labels(model_name)
+        self.spec_accepted_tokens = f.spec_accepted_tokens.labels(model_name)
+        self.spec_acceptance = f.spec_acceptance.labels(model_name)
+        self._last_spec: tuple[int, int, int] | None = None
         self._success = f.success
         self._errors = f.errors
         self._success_by_reason: dict[str, Any] = {}
@@ -122,7 +133,8 @@ class ServingMetrics:
         f = self._families
         for family in (f.ttft, f.itl, f.e2e, f.queue, f.prefill, f.decode, f.step_time, f.running, f.waiting,
                        f.kv_usage, f.prompt_tokens, f.generation_tokens, f.prefix_queries, f.prefix_hits,
-                       f.preemptions):  # fmt: skip
+                       f.preemptions, f.spec_drafts, f.spec_draft_tokens, f.spec_accepted_tokens,
+                       f.spec_acceptance):  # fmt: skip
             with contextlib.suppress(KeyError):
                 family.remove(self.model_name)
         for reason in self._success_by_reason:
@@ -175,6 +187,16 @@ class ServingMetrics:
         if self._last_preemptions is not None and stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
+        spec = (getattr(stats, "spec_verify_rows", 0), getattr(stats, "spec_proposed_tokens", 0),
+                getattr(stats, "spec_accepted_tokens", 0))  # layout v3  # fmt: skip
+        if self._last_spec is not None:
+            for metric, now, before in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
+                                           spec, self._last_spec, strict=True):  # fmt: skip
+                if now > before:
+                    metric.inc(now - before)
+        self._last_spec = spec
+        if spec[1]:
+            self.spec_acceptance.set(spec[2] / spec[1])
         step_time_ns = stats.step_time_ns
         if step_time_ns and stats.num_steps != self._last_num_steps:
             self.step_time.observe(step_time_ns * _NS)

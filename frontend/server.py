@@ -100,6 +100,8 @@ class _Sample:
     text: CompletionText
     engine_request_id: int = 0
     completion_tokens: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     waiting: bool = True  # holds a place in the model's waiting queue until its first engine output
 
 
@@ -254,6 +256,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """The message for one engine output of a sample; the last one (finish reason set) carries its usage."""
         new_ids = list(output.new_token_ids)
         sample.completion_tokens += len(new_ids)
+        sample.spec_proposed_tokens += getattr(output, "num_spec_proposed_tokens", 0)  # layout v3
+        sample.spec_accepted_tokens += getattr(output, "num_spec_accepted_tokens", 0)
         text, stopped = sample.text.push(new_ids)
         response = pb.GenerateResponse(request_id=request_id, index=sample.index, token_ids=new_ids, text=text,
                                        logprobs=list(output.logprobs))
@@ -273,6 +277,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         response.usage.prompt_tokens = prompt_tokens
         response.usage.completion_tokens = sample.completion_tokens
         response.usage.cached_tokens = output.num_cached_tokens
+        response.usage.spec_proposed_tokens = sample.spec_proposed_tokens
+        response.usage.spec_accepted_tokens = sample.spec_accepted_tokens
         return response
 
     # -- the waiting queue ----------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ class RequestTimeline:
         "chat", "completion_tokens", "emit_ns", "end_ns", "engine_arrival_ns", "error", "error_code",
         "finish_reason", "first_scheduled_ns", "first_token_ns", "model", "num_cached_tokens", "num_preemptions",
         "params", "parent_headers", "prefill_chunks", "prompt_tokens", "receive_ns", "request_id", "rpc_start_ns",
-        "send_ns", "token_ids", "tokenize_end_ns",
+        "send_ns", "spec_steps", "token_ids", "tokenize_end_ns",
     )  # fmt: skip
 
     def __init__(self, model: str, parent_headers: dict[str, str] | None = None) -> None:
@@ -59,6 +59,8 @@ class RequestTimeline:
         self.send_ns: list[int] = []
         # (emit time, tokens computed in the chunk, prompt tokens computed so far, cached tokens) per prefill chunk.
         self.prefill_chunks: list[tuple[int, int, int, int]] = []
+        # (emit time, draft tokens verified, accepted) per step that verified drafts for this request.
+        self.spec_steps: list[tuple[int, int, int]] = []
         self.finish_reason = ""
         self.error: BaseException | None = None
         self.error_code: grpc.StatusCode | None = None
@@ -85,6 +87,17 @@ class RequestTimeline:
             self.completion_tokens += len(ids)
         self.num_cached_tokens = output.num_cached_tokens
         self.num_preemptions = output.num_preemptions
+        proposed = getattr(output, "num_spec_proposed_tokens", 0)  # layout v3
+        if proposed:
+            self.spec_steps.append((emit, proposed, output.num_spec_accepted_tokens))
+
+    @property
+    def spec_proposed_tokens(self) -> int:
+        return sum(p for _, p, _ in self.spec_steps)
+
+    @property
+    def spec_accepted_tokens(self) -> int:
+        return sum(a for _, _, a in self.spec_steps)
 
     def mark_sent(self) -> None:
         """The response carrying the last recorded output's tokens was handed to gRPC."""

@@ -159,8 +159,16 @@ class RequestTracer:
 
     def _decode_span(self, t: RequestTimeline, context: Any) -> None:
         end = max(t.last_emit_ns, t.first_token_ns)
-        span = self._tracer.start_span("decode", context, start_time=t.first_token_ns,
-                                       attributes={"gen_ai.usage.output_tokens": t.completion_tokens})
+        attributes = {"gen_ai.usage.output_tokens": t.completion_tokens}
+        if t.spec_steps:
+            proposed, accepted = t.spec_proposed_tokens, t.spec_accepted_tokens
+            attributes.update({"ringserve.spec.proposed_tokens": proposed, "ringserve.spec.accepted_tokens": accepted,
+                               "ringserve.spec.acceptance_rate": accepted / proposed,
+                               "ringserve.spec.mean_accepted_length": 1 + accepted / len(t.spec_steps)})
+        span = self._tracer.start_span("decode", context, start_time=t.first_token_ns, attributes=attributes)
+        for emit, proposed, accepted in t.spec_steps:  # one per verification step, even without token events
+            span.add_event("spec_verify", {"ringserve.spec.proposed_tokens": proposed,
+                                           "ringserve.spec.accepted_tokens": accepted}, emit or None)
         if self.settings.token_events:
             index = 0
             previous = 0

@@ -129,6 +129,25 @@ class InputBatch:
         self.block_table[slot, start : start + len(blocks)] = blocks
         self.num_blocks[slot] = start + len(blocks)
 
+    def trim_blocks(self, slots: np.ndarray, num_blocks: np.ndarray) -> None:
+        """Block tables shrink to `num_blocks` (lookahead blocks the engine took back after rejected drafts)."""
+        for slot, n in zip(slots.tolist(), num_blocks.tolist(), strict=True):
+            if not (0 <= slot < len(self.occupied) and self.occupied[slot]) or not 0 <= n <= self.num_blocks[slot]:
+                raise ValueError(f"trim of slot {slot} to {n} blocks: not an occupied slot with that many blocks")
+            self.num_blocks[slot] = n
+
+    def stage_drafts(self, slot: int, tokens: np.ndarray) -> None:
+        """Draft tokens sit after the slot's known tokens (not counted in num_tokens) for one verification pass."""
+        start = int(self.num_tokens[slot])
+        self._ensure(tokens=start + len(tokens) + 1)
+        self.token_ids[slot, start : start + len(tokens)] = tokens
+
+    def append_tokens(self, slot: int, tokens: np.ndarray) -> None:
+        start = int(self.num_tokens[slot])
+        self._ensure(tokens=start + len(tokens) + 1)
+        self.token_ids[slot, start : start + len(tokens)] = tokens
+        self.num_tokens[slot] = start + len(tokens)
+
     def _checked_blocks(self, blocks: np.ndarray, slot: int) -> np.ndarray:
         bad = blocks[(blocks < 0) | (blocks >= self.num_kv_blocks)]
         if len(bad):
@@ -140,9 +159,21 @@ class InputBatch:
 
     # ---- one step --------------------------------------------------------------------------------------------
 
-    def prepare(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, sample: np.ndarray) -> PreparedStep:
-        """Packed inputs and attention metadata for the scheduled (slot, start, len) chunks, all vectorized."""
-        self._validate(slots, starts, lens)
+    def prepare(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        lens: np.ndarray,
+        sample: np.ndarray,
+        num_drafts: np.ndarray | None = None,
+    ) -> PreparedStep:
+        """Packed inputs and attention metadata for the scheduled (slot, start, len) chunks, all vectorized.
+
+        With num_drafts, each chunk also covers that many staged draft tokens after its last one, and a sampled
+        chunk gets 1 + num_drafts logits rows (its last token's and each draft's)."""
+        drafts = num_drafts if num_drafts is not None else np.zeros(len(slots), np.int64)
+        self._validate(slots, starts, lens, drafts)
+        lens = lens + drafts
         bs = self.block_size
         ends = starts + lens
         cu = np.zeros(len(lens) + 1, np.int64)
@@ -152,7 +183,13 @@ class InputBatch:
         input_ids = self.token_ids[row_slot, positions]
         slot_mapping = self.block_table[row_slot, positions // bs].astype(np.int64) * bs + positions % bs
         table_width = max(1, int(-(-ends.max() // bs)))
-        logits_rows = cu[1:][sample] - 1
+        if num_drafts is None:
+            logits_rows = cu[1:][sample] - 1
+        else:
+            per = np.where(sample, 1 + drafts, 0)
+            first = np.repeat(cu[1:] - per, per)
+            offset = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+            logits_rows = first + offset
         dev = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
@@ -168,13 +205,16 @@ class InputBatch:
             torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata, slots[sample]
         )
 
-    def _validate(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
+    def _validate(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, drafts: np.ndarray) -> None:
         in_range = (slots >= 0) & (slots < len(self.occupied))
         if not in_range.all() or not self.occupied[slots].all():
             bad = slots[~in_range] if not in_range.all() else slots[~self.occupied[slots]]
             raise ValueError(f"scheduled slot {int(bad[0])} holds no request")
         ends = starts + lens
-        bad = (lens < 1) | (starts < 0) | (ends > self.num_tokens[slots])
+        held = self.num_tokens[slots]
+        # Drafts follow a chunk that ends at the slot's last known token.
+        bad = (lens < 1) | (starts < 0) | (ends > held) | ((drafts > 0) & (ends < held))
+        ends = ends + drafts
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(

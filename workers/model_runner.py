@@ -17,6 +17,7 @@ from ringserve.workers.attention import attention_metadata_scope, get_attention_
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
 from ringserve.workers.sampler import Sampler
+from ringserve.workers.speculative import Proposer, verify_drafts
 
 _GIB = 1 << 30
 
@@ -59,6 +60,8 @@ class StepPlanLike(Protocol):
     sched_len: Any
     sched_sample: Any
     finished_slots: Any
+    # Layout version 3 (speculative decoding); plain objects without them plan no lookahead.
+    # sched_lookahead: Any; trim_slots: Any; trim_num_blocks: Any
 
 
 @dataclass
@@ -106,11 +109,15 @@ class StepPlan:
     sched_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     sched_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    sched_lookahead: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    trim_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    trim_num_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclass
 class StepOutput:
-    """One sampled token per slot that had sched_sample set, in schedule order."""
+    """The tokens of each slot that had sched_sample set, in schedule order: one each, or token_counts[i] each
+    (accepted drafts, then the target's token) when the plan had lookahead."""
 
     step_id: int
     slots: np.ndarray  # int32
@@ -118,6 +125,8 @@ class StepOutput:
     logprobs: np.ndarray  # float32
     top_token_ids: np.ndarray | None = None  # int32 [rows, n], -1 padded; None when no row asked
     top_logprobs: np.ndarray | None = None  # float32 [rows, n]
+    token_counts: np.ndarray | None = None  # int32 [slots]; None = one token each
+    num_proposed: np.ndarray | None = None  # int32 [slots]: draft tokens verified
 
 
 def kv_blocks_for_memory(config: LlamaConfig, block_size: int, dtype: torch.dtype, memory_gib: float) -> int:
@@ -139,6 +148,7 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: str = "auto",
         kv_cache_dtype: torch.dtype | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         model.fuse_projections()  # inference only from here on: one GEMM for q/k/v and one for gate/up
         self.model = model
@@ -153,13 +163,17 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache, get_attention_backend(attention_backend, self.device))
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
         self.batch = InputBatch(block_size, num_kv_blocks, self.config.max_position, self.device)
+        self.proposer = proposer  # None: lookahead in a plan is ignored (no drafts, one token per slot)
 
     def tokens_of(self, slot: int) -> list[int]:
         """Every token the slot holds (prompt, outputs and sampled tokens)."""
         return self.batch.tokens_of(slot)
 
     def apply_plan_deltas(self, plan: StepPlanLike) -> None:
-        # Order matters: a finished slot may be reused by a new request in the same plan.
+        # Order matters: trims belong to a slot's old occupant; a finished slot may be reused by a new request.
+        trim_slots = np.asarray(getattr(plan, "trim_slots", ()), np.int64).reshape(-1)
+        if len(trim_slots):
+            self.batch.trim_blocks(trim_slots, np.asarray(plan.trim_num_blocks, np.int64).reshape(-1))
         self.batch.remove(np.asarray(plan.finished_slots, np.int64).reshape(-1))
         for req in plan.new_requests:
             self.batch.add(req)
@@ -171,6 +185,9 @@ class ModelRunner:
         slots = np.asarray(plan.sched_slots, np.int64).reshape(-1)
         if not len(slots):
             return StepOutput(plan.step_id, *_empty_result())
+        lookahead = np.asarray(getattr(plan, "sched_lookahead", ()), np.int64).reshape(-1)
+        if self.proposer is not None and len(lookahead) and lookahead.any():
+            return self._execute_speculative(plan, slots, lookahead)
         step = self.batch.prepare(
             slots,
             np.asarray(plan.sched_start, np.int64).reshape(-1),
@@ -179,6 +196,8 @@ class ModelRunner:
         )
         with torch.inference_mode(), attention_metadata_scope(step.metadata):
             logits = self.model(step.input_ids, step.positions)
+        if self.proposer is not None:
+            self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
         if not len(step.sampled_slots):
             return StepOutput(plan.step_id, *_empty_result())
         out = self.sampler.sample(logits, self.batch.sampling_batch(step.sampled_slots))
@@ -191,6 +210,97 @@ class ModelRunner:
             out.logprobs.cpu().numpy().astype(np.float32),
             None if out.top_token_ids is None else out.top_token_ids.cpu().numpy().astype(np.int32),
             None if out.top_logprobs is None else out.top_logprobs.float().cpu().numpy(),
+        )
+
+    def _draftable(self, slots: np.ndarray) -> np.ndarray:
+        """Rows the acceptance rule covers as is: no penalties (they depend on the accepted prefix), no pending
+        min_tokens suppression, no top logprobs. The others decode one token (lossless, just not faster)."""
+        p = self.batch.params
+        outputs = self.batch.num_tokens[slots] - self.batch.num_prompt_tokens[slots]
+        return (
+            (p["repetition_penalty"][slots] == 1.0)
+            & (p["frequency_penalty"][slots] == 0.0)
+            & (p["presence_penalty"][slots] == 0.0)
+            & (p["num_logprobs"][slots] == 0)
+            & (outputs >= p["min_tokens"][slots])
+        )
+
+    def _execute_speculative(self, plan: StepPlanLike, slots: np.ndarray, lookahead: np.ndarray) -> StepOutput:
+        assert self.proposer is not None
+        starts = np.asarray(plan.sched_start, np.int64).reshape(-1)
+        lens = np.asarray(plan.sched_len, np.int64).reshape(-1)
+        sample = np.asarray(plan.sched_sample, np.bool_).reshape(-1)
+        spec = np.flatnonzero((lookahead > 0) & sample)
+        spec = spec[self._draftable(slots[spec])]
+        num_drafts = np.zeros(len(slots), np.int64)
+        proposals = []
+        if len(spec):
+            proposals = self.proposer.propose(
+                self.batch, slots[spec], lookahead[spec], self.batch.sampling_batch(slots[spec])
+            )
+            for entry, proposal in zip(spec.tolist(), proposals, strict=True):
+                drafts = np.asarray(proposal.token_ids, np.int64)[: lookahead[entry]]
+                num_drafts[entry] = len(drafts)
+                self.batch.stage_drafts(int(slots[entry]), drafts)
+        step = self.batch.prepare(slots, starts, lens, sample, num_drafts)
+        with torch.inference_mode(), attention_metadata_scope(step.metadata):
+            logits = self.model(step.input_ids, step.positions)
+        self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
+        sampled = np.flatnonzero(sample)
+        if not len(sampled):
+            return StepOutput(plan.step_id, *_empty_result())
+        # Logits rows come per sampled entry in schedule order: 1 + num_drafts each.
+        per = 1 + num_drafts[sampled]
+        first_row = np.cumsum(per) - per
+        plain = num_drafts[sampled] == 0
+        tokens: list[np.ndarray] = [np.zeros(0, np.int32)] * len(sampled)
+        logprobs: list[np.ndarray] = [np.zeros(0, np.float32)] * len(sampled)
+        top_ids = top_lps = None
+        if plain.any():
+            rows = torch.from_numpy(first_row[plain]).to(logits.device)
+            out = self.sampler.sample(logits[rows], self.batch.sampling_batch(slots[sampled[plain]]))
+            plain_tokens = out.token_ids.cpu().numpy().astype(np.int32)
+            plain_lps = out.logprobs.cpu().numpy().astype(np.float32)
+            for j, i in enumerate(np.flatnonzero(plain).tolist()):
+                tokens[i], logprobs[i] = plain_tokens[j : j + 1], plain_lps[j : j + 1]
+            if out.top_token_ids is not None and out.top_logprobs is not None:
+                top_ids, top_lps = out.top_token_ids.cpu().numpy(), out.top_logprobs.float().cpu().numpy()
+        verified_rows = np.flatnonzero(~plain)
+        if len(verified_rows):
+            entries = sampled[verified_rows]
+            index = np.concatenate([np.arange(first_row[i], first_row[i] + per[i]) for i in verified_rows.tolist()])
+            by_entry = {e: p for e, p in zip(spec.tolist(), proposals, strict=True)}
+            result = verify_drafts(
+                logits[torch.from_numpy(index).to(logits.device)],
+                num_drafts[entries],
+                [self.batch.token_ids[slots[e], self.batch.num_tokens[slots[e]] :][: num_drafts[e]] for e in entries],
+                self.batch.sampling_batch(slots[entries]),
+                self.sampler,
+                [by_entry[e].probs for e in entries.tolist()],
+            )
+            for j, i in enumerate(verified_rows.tolist()):
+                tokens[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
+        counts = np.array([len(t) for t in tokens], np.int32)
+        for i, entry in enumerate(sampled.tolist()):
+            self.batch.append_tokens(int(slots[entry]), tokens[i])
+        if top_ids is not None and top_lps is not None:
+            # Top-n rows per token; speculating rows never ask for them (see _draftable), so theirs are padding.
+            n = top_ids.shape[1]
+            full_ids = np.full((int(counts.sum()), n), -1, np.int32)
+            full_lps = np.zeros((int(counts.sum()), n), np.float32)
+            at = np.cumsum(counts) - counts
+            full_ids[at[plain]] = top_ids
+            full_lps[at[plain]] = top_lps
+            top_ids, top_lps = full_ids, full_lps
+        return StepOutput(
+            plan.step_id,
+            slots[sampled].astype(np.int32),
+            np.concatenate(tokens).astype(np.int32),
+            np.concatenate(logprobs).astype(np.float32),
+            top_ids,
+            top_lps,
+            counts,
+            num_drafts[sampled].astype(np.int32),
         )
 
 

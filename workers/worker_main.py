@@ -21,6 +21,7 @@ from ringserve.workers.attention import ATTENTION_BACKENDS
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.parallel import init_distributed
+from ringserve.workers.speculative import make_proposer
 
 _READ_TIMEOUT_S = 0.5  # how often an idle worker checks that its parent is alive
 _WRITE_TIMEOUT_S = 0.5
@@ -53,6 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the engine) is gone")
     p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: usable CPUs)")
+    p.add_argument(
+        "--draft", default="ngram",
+        help="speculative proposer for plans with lookahead: ngram (prompt lookup), layers:N (the target's first N "
+        "layers + LM head) or a draft checkpoint path (GGUF or HF folder, the target's vocabulary)",
+    )  # fmt: skip
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the ngram proposer matches")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram proposer matches")
+    p.add_argument("--speculation", action="store_true", help="build the proposer (the engine plans lookahead)")
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size {args.world_size} must be at least 1")
@@ -85,10 +94,16 @@ def write_until_accepted(writer: Any, record: bytes, keep_waiting: Callable[[], 
 
 
 def encode_result(core: ModuleType, out: Any) -> bytes:
-    """StepResult; the top-n arrays are None unless some sampled row asked for alternatives."""
+    """StepResult; the top-n arrays are None unless some sampled row asked for alternatives, the speculative
+    counts None unless the plan had lookahead."""
+    if out.token_counts is None:
+        return core.encode_step_result(
+            out.step_id, out.slots, out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs
+        )
     return core.encode_step_result(
-        out.step_id, out.slots, out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs
-    )
+        out.step_id, out.slots, out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs,
+        token_counts=out.token_counts, num_proposed=out.num_proposed,
+    )  # fmt: skip
 
 
 def worker_device(name: str, rank: int) -> torch.device:
@@ -148,10 +163,16 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_dtype=kv_dtype,
             attention_backend=args.attention_backend,
         )
+        if args.speculation:
+            runner.proposer = make_proposer(
+                args.draft, runner.model, runner.num_kv_blocks, args.block_size,
+                torch.Generator(device).manual_seed(args.seed + 1), args.prompt_lookup_min, args.prompt_lookup_max,
+                load_draft=lambda path: load_model(path, parse_dtype(args.dtype), device, args.rank, args.world_size),
+            )  # fmt: skip
         print(
             f"worker {args.rank}/{args.world_size}: {args.model} ({args.dtype}, KV {args.kv_cache_dtype}) on {device}, "
             f"{runner.num_kv_blocks} KV blocks of {args.block_size}, {threads} threads, "
-            f"attention {args.attention_backend}",
+            f"attention {args.attention_backend}" + (f", speculation {args.draft}" if args.speculation else ""),
             file=sys.stderr,
             flush=True,
         )

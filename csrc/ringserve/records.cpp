@@ -183,9 +183,31 @@ RecordHeader check_header(std::span<const uint8_t> bytes) {
 }
 
 // Minimum encoded sizes of nested structs (fixed fields + array counts), used to bound declared counts.
-constexpr size_t kMinRequestOutputBytes = 8 + 1 + 4 + 4 + 8 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4;
+constexpr size_t kMinRequestOutputBytes = 8 + 1 + 4 + 4 + 8 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4;
 constexpr size_t kMinNewRequestBytes = 4 + 4 + 4 + 4 + 4 + 8 + 1 + 4 + 4 + 7 * 4 + 4;
 constexpr size_t kMinBlockAppendBytes = 4 + 4;
+
+// Array lengths of a StepResult agree: token rows = sum(token_counts) (or one per slot), top arrays per token row.
+void check_step_result_shape(const StepResult& r) {
+  uint64_t rows = r.slots.size();
+  if (!r.token_counts.empty()) {
+    if (r.token_counts.size() != r.slots.size()) throw RecordError("StepResult token_counts is not one per slot");
+    rows = 0;
+    for (const int32_t c : r.token_counts) {
+      if (c < 1 || c > kMaxSpeculativeTokens + 1) throw RecordError("StepResult token_counts entry outside [1, 9]");
+      rows += static_cast<uint64_t>(c);
+    }
+  }
+  if (!r.num_proposed.empty() && r.num_proposed.size() != r.slots.size()) {
+    throw RecordError("StepResult num_proposed is not one per slot");
+  }
+  if (r.token_ids.size() != rows || r.logprobs.size() != rows) {
+    throw RecordError("StepResult token_ids and logprobs must hold one entry per token (len(slots) or sum(token_counts))");
+  }
+  if (r.top_token_ids.size() != uint64_t{r.num_top} * rows || r.top_logprobs.size() != r.top_token_ids.size()) {
+    throw RecordError("StepResult top_token_ids/top_logprobs must be [tokens, num_top]");
+  }
+}
 
 }  // namespace
 
@@ -260,6 +282,8 @@ void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const 
     w.put(o.num_computed_tokens);
     w.put(o.num_scheduled_tokens);
     w.put(o.num_preemptions);
+    w.put(o.num_spec_proposed_tokens);
+    w.put(o.num_spec_accepted_tokens);
   }
   w.finish();
 }
@@ -307,7 +331,9 @@ void encode_step_events(uint64_t step_id, int64_t emit_time_ns, std::span<const 
     top += o.num_top;
     w.put(o.num_computed_tokens);
     w.put(o.num_scheduled_tokens);
-    w.put(o.num_preemptions);
+    w.put(uint32_t{o.num_preemptions});
+    w.put(uint32_t{o.num_spec_proposed_tokens});
+    w.put(uint32_t{o.num_spec_accepted_tokens});
   }
   w.finish();
 }
@@ -332,6 +358,8 @@ RequestOutput unpack_output(const PackedOutput& o, std::span<const int32_t> top_
   r.num_computed_tokens = o.num_computed_tokens;
   r.num_scheduled_tokens = o.num_scheduled_tokens;
   r.num_preemptions = o.num_preemptions;
+  r.num_spec_proposed_tokens = o.num_spec_proposed_tokens;
+  r.num_spec_accepted_tokens = o.num_spec_accepted_tokens;
   return r;
 }
 
@@ -352,6 +380,9 @@ void encode(const EngineStats& r, ByteBuffer& out) {
   w.put(r.kv_usage);
   w.put(r.total_prompt_tokens);
   w.put(r.total_generation_tokens);
+  w.put(r.spec_proposed_tokens);
+  w.put(r.spec_accepted_tokens);
+  w.put(r.spec_verify_rows);
   w.finish();
 }
 
@@ -381,6 +412,12 @@ void encode(const StepPlan& r, ByteBuffer& out) {
   const size_t n = r.sched_slots.size();
   if (r.sched_start.size() != n || r.sched_len.size() != n || r.sched_sample.size() != n) {
     throw RecordError("StepPlan sched_slots/sched_start/sched_len/sched_sample must have equal lengths");
+  }
+  if (!r.sched_lookahead.empty() && r.sched_lookahead.size() != n) {
+    throw RecordError("StepPlan sched_lookahead must be empty or as long as sched_slots");
+  }
+  if (r.trim_slots.size() != r.trim_num_blocks.size()) {
+    throw RecordError("StepPlan trim_slots and trim_num_blocks must have equal lengths");
   }
   PayloadWriter w(out, r.kType);
   w.put(r.step_id);
@@ -414,6 +451,9 @@ void encode(const StepPlan& r, ByteBuffer& out) {
   w.put_array(r.sched_len);
   w.put_array(r.sched_sample);
   w.put_array(r.finished_slots);
+  w.put_array(r.sched_lookahead);
+  w.put_array(r.trim_slots);
+  w.put_array(r.trim_num_blocks);
   w.finish();
 }
 
@@ -423,12 +463,7 @@ void encode(const WorkerShutdown& r, ByteBuffer& out) {
 }
 
 void encode(const StepResult& r, ByteBuffer& out) {
-  if (r.token_ids.size() != r.slots.size() || r.logprobs.size() != r.slots.size()) {
-    throw RecordError("StepResult slots, token_ids and logprobs must have equal lengths");
-  }
-  if (r.top_token_ids.size() != uint64_t{r.num_top} * r.slots.size() || r.top_logprobs.size() != r.top_token_ids.size()) {
-    throw RecordError("StepResult top_token_ids/top_logprobs must be [len(slots), num_top]");
-  }
+  check_step_result_shape(r);
   PayloadWriter w(out, r.kType);
   w.put(r.step_id);
   w.put_array(r.slots);
@@ -437,6 +472,8 @@ void encode(const StepResult& r, ByteBuffer& out) {
   w.put(r.num_top);
   w.put_array(r.top_token_ids);
   w.put_array(r.top_logprobs);
+  w.put_array(r.token_counts);
+  w.put_array(r.num_proposed);
   w.finish();
 }
 
@@ -530,6 +567,8 @@ EngineEvent decode_engine_event(std::span<const uint8_t> bytes) {
         o.num_computed_tokens = rd.get<uint32_t>("num_computed_tokens");
         o.num_scheduled_tokens = rd.get<uint32_t>("num_scheduled_tokens");
         o.num_preemptions = rd.get<uint32_t>("num_preemptions");
+        o.num_spec_proposed_tokens = rd.get<uint32_t>("num_spec_proposed_tokens");
+        o.num_spec_accepted_tokens = rd.get<uint32_t>("num_spec_accepted_tokens");
         if (o.top_token_ids.size() != uint64_t{o.num_top} * o.new_token_ids.size() ||
             o.top_logprobs.size() != o.top_token_ids.size()) {
           throw RecordError("RequestOutput arrays do not match its new_token_ids and num_top");
@@ -555,6 +594,9 @@ EngineEvent decode_engine_event(std::span<const uint8_t> bytes) {
       r.kv_usage = rd.get<float>("kv_usage");
       r.total_prompt_tokens = rd.get<uint64_t>("total_prompt_tokens");
       r.total_generation_tokens = rd.get<uint64_t>("total_generation_tokens");
+      r.spec_proposed_tokens = rd.get<uint64_t>("spec_proposed_tokens");
+      r.spec_accepted_tokens = rd.get<uint64_t>("spec_accepted_tokens");
+      r.spec_verify_rows = rd.get<uint64_t>("spec_verify_rows");
       rd.finish();
       return r;
     }
@@ -634,8 +676,13 @@ StepPlan decode_step_plan(std::span<const uint8_t> bytes, PayloadReader& rd, Ste
   const uint32_t n_len = rd.get_array(r.sched_len, "sched_len", at(where.sched_len));
   const uint32_t n_sample = rd.get_array(r.sched_sample, "sched_sample", at(where.sched_sample));
   rd.get_array(r.finished_slots, "finished_slots", at(where.finished_slots));
+  const uint32_t n_lookahead = rd.get_array(r.sched_lookahead, "sched_lookahead", at(where.sched_lookahead));
+  const uint32_t n_trim = rd.get_array(r.trim_slots, "trim_slots", at(where.trim_slots));
+  const uint32_t n_trim_blocks = rd.get_array(r.trim_num_blocks, "trim_num_blocks", at(where.trim_num_blocks));
   rd.finish();
   if (n_start != n || n_len != n || n_sample != n) throw RecordError("StepPlan scheduled arrays have different lengths");
+  if (n_lookahead != 0 && n_lookahead != n) throw RecordError("StepPlan sched_lookahead is neither empty nor per entry");
+  if (n_trim != n_trim_blocks) throw RecordError("StepPlan trim_slots and trim_num_blocks have different lengths");
   const uint8_t* samples = layout != nullptr ? bytes.data() + layout->sched_sample.offset : r.sched_sample.data();
   for (uint32_t i = 0; i < n_sample; ++i) {
     if (samples[i] > 1) throw RecordError("StepPlan sched_sample holds a non-bool");
@@ -681,13 +728,10 @@ bool decode_step_result_into(std::span<const uint8_t> bytes, StepResult& r) {
   r.num_top = rd.get<uint32_t>("num_top");
   rd.get_array(r.top_token_ids, "top_token_ids");
   rd.get_array(r.top_logprobs, "top_logprobs");
+  rd.get_array(r.token_counts, "token_counts");
+  rd.get_array(r.num_proposed, "num_proposed");
   rd.finish();
-  if (r.token_ids.size() != r.slots.size() || r.logprobs.size() != r.slots.size()) {
-    throw RecordError("StepResult slots, token_ids and logprobs have different lengths");
-  }
-  if (r.top_token_ids.size() != uint64_t{r.num_top} * r.slots.size() || r.top_logprobs.size() != r.top_token_ids.size()) {
-    throw RecordError("StepResult top arrays are not [len(slots), num_top]");
-  }
+  check_step_result_shape(r);
   return true;
 }
 

@@ -21,7 +21,8 @@ namespace ringserve {
 
 static_assert(std::endian::native == std::endian::little, "ring records are little-endian; add byte swaps here");
 
-inline constexpr uint16_t kLayoutVersion = 2;
+inline constexpr uint16_t kLayoutVersion = 3;
+inline constexpr int32_t kMaxSpeculativeTokens = 8;  // lookahead slots per request per step
 inline constexpr size_t kRecordAlign = 8;
 
 enum class RecordType : uint16_t {
@@ -124,6 +125,9 @@ struct RequestOutput {
   uint32_t num_computed_tokens = 0;    // prompt progress after this step (at most num_prompt_tokens)
   uint32_t num_scheduled_tokens = 0;   // tokens computed for this request in this step
   uint32_t num_preemptions = 0;
+  // layout version 3: speculative decoding, this step's figures (on the request's first output of the step)
+  uint32_t num_spec_proposed_tokens = 0;  // draft tokens the workers verified for it
+  uint32_t num_spec_accepted_tokens = 0;  // of those, accepted (the step gave it this many tokens + 1)
 };
 
 // A RequestOutput with at most one new token in a fixed-size form: what the scheduler writes for every scheduled
@@ -139,13 +143,16 @@ struct PackedOutput {
   uint32_t num_cached_tokens = 0;
   uint32_t num_computed_tokens = 0;
   uint32_t num_scheduled_tokens = 0;
-  uint32_t num_preemptions = 0;
   int32_t token_id = 0;  // the new token, when has_token
   float logprob = 0.0f;
+  uint16_t num_preemptions = 0;  // saturates at 65535 (the record carries u32)
+  uint8_t num_spec_proposed_tokens = 0;  // at most kMaxSpeculativeTokens per step
+  uint8_t num_spec_accepted_tokens = 0;
   FinishReason finish_reason = FinishReason::kNone;
   bool has_token = false;
   uint16_t num_top = 0;
 };
+static_assert(sizeof(PackedOutput) == 64, "one cache line per output");
 
 struct StepEvents {
   static constexpr RecordType kType = RecordType::kStepEvents;
@@ -172,6 +179,10 @@ struct EngineStats {
   float kv_usage = 0.0f;              // 0..1, cached-but-unreferenced blocks count as free
   uint64_t total_prompt_tokens = 0;
   uint64_t total_generation_tokens = 0;
+  // layout version 3: speculative decoding, cumulative
+  uint64_t spec_proposed_tokens = 0;  // draft tokens verified
+  uint64_t spec_accepted_tokens = 0;  // draft tokens accepted
+  uint64_t spec_verify_rows = 0;      // (request, step) pairs that verified at least one draft token
 };
 
 struct RequestRejected {
@@ -230,6 +241,13 @@ struct StepPlan {
   std::vector<int32_t> sched_len;
   std::vector<uint8_t> sched_sample;  // 0/1
   std::vector<int32_t> finished_slots;
+  // layout version 3: speculative decoding. sched_lookahead: per scheduled entry (empty = all 0), the draft tokens
+  // the workers may propose and verify after its one token (only on sampled one-token decode entries); the entry's
+  // KV slots for those positions are reserved. trim_slots / trim_num_blocks: the slot's block table shrinks to that
+  // many blocks (lookahead blocks the engine took back), applied before finished_slots.
+  std::vector<int32_t> sched_lookahead;
+  std::vector<int32_t> trim_slots;
+  std::vector<int32_t> trim_num_blocks;
 
   void clear() {
     step_id = 0;
@@ -240,6 +258,9 @@ struct StepPlan {
     sched_len.clear();
     sched_sample.clear();
     finished_slots.clear();
+    sched_lookahead.clear();
+    trim_slots.clear();
+    trim_num_blocks.clear();
   }
 };
 
@@ -252,12 +273,17 @@ struct StepResult {
   static constexpr RecordType kType = RecordType::kStepResult;
   uint64_t step_id = 0;
   std::vector<int32_t> slots;      // the slots whose sched_sample was true
-  std::vector<int32_t> token_ids;  // same length as slots
-  std::vector<float> logprobs;     // same length as slots
-  // layout version 2: optional top-n alternatives, [slots.size(), num_top] row-major; rows asking fewer pad with -1
+  std::vector<int32_t> token_ids;  // one per slot, or sum(token_counts) (each row's tokens in order)
+  std::vector<float> logprobs;     // same length as token_ids
+  // layout version 2: optional top-n alternatives, [token_ids.size(), num_top] row-major; rows asking fewer pad -1
   uint32_t num_top = 0;
   std::vector<int32_t> top_token_ids{};
   std::vector<float> top_logprobs{};
+  // layout version 3: speculative decoding. token_counts: tokens per row (empty = 1 each; with lookahead k a row
+  // has 1..k+1: the accepted draft tokens, then the target's own); num_proposed: draft tokens verified per row
+  // (empty = 0 each; at most the row's lookahead).
+  std::vector<int32_t> token_counts{};
+  std::vector<int32_t> num_proposed{};
 };
 
 struct WorkerReady {
@@ -330,6 +356,7 @@ struct StepPlanLayout {
   std::vector<NewRequest> new_requests;      // parallel to StepPlan::new_requests
   std::vector<ArrayLocation> block_appends;  // each BlockAppend's block_ids
   ArrayLocation sched_slots, sched_start, sched_len, sched_sample, finished_slots;
+  ArrayLocation sched_lookahead, trim_slots, trim_num_blocks;
 };
 
 // Bounds-checked decoders, one per ring. Each rejects (RecordError) a record of another ring's type.

@@ -13,7 +13,8 @@ constexpr int64_t kPrefaultedOutputTokens = 8192;
 
 // Fixed bytes of a StepPlan record and per entry, used to keep a plan under the ring's record size.
 constexpr size_t kPlanFixedBytes = 64;
-constexpr size_t kPlanBytesPerScheduled = 4 + 4 + 4 + 1;
+constexpr size_t kPlanBytesPerScheduled = 4 + 4 + 4 + 1 + 4;  // + sched_lookahead
+constexpr size_t kPlanBytesPerTrim = 4 + 4;
 constexpr size_t kPlanBytesPerAppend = 8;
 constexpr size_t kPlanBytesPerNewRequest = 128;  // NewRequestData fixed fields and array counts, rounded up
 
@@ -57,9 +58,11 @@ uint64_t mix64(uint64_t x) {
       .num_cached_tokens = static_cast<uint32_t>(std::max(r.num_cached_tokens, 0)),
       .num_computed_tokens = static_cast<uint32_t>(std::min(r.num_computed_tokens, r.num_prompt_tokens)),
       .num_scheduled_tokens = static_cast<uint32_t>(num_scheduled),
-      .num_preemptions = r.num_preemptions,
       .token_id = token,
       .logprob = logprob,
+      .num_preemptions = static_cast<uint16_t>(std::min<uint32_t>(r.num_preemptions, 0xffff)),
+      .num_spec_proposed_tokens = 0,
+      .num_spec_accepted_tokens = 0,
       .finish_reason = reason,
       .has_token = has_token,
       .num_top = 0,
@@ -115,6 +118,11 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   if (config_.num_blocks <= 0) throw std::invalid_argument("num_blocks must be > 0");
   if (config_.long_prefill_token_threshold < 0) throw std::invalid_argument("long_prefill_token_threshold must be >= 0");
   if (config_.priority_aging_ms < 0) throw std::invalid_argument("priority_aging_ms must be >= 0");
+  if (config_.num_speculative_tokens < 0 || config_.num_speculative_tokens > kMaxSpeculativeTokens) {
+    throw std::invalid_argument("num_speculative_tokens must be in [0, " + std::to_string(kMaxSpeculativeTokens) + "]");
+  }
+  if (config_.spec_max_batch < 0) throw std::invalid_argument("spec_max_batch must be >= 0");
+  if (config_.spec_backoff_steps < 0) throw std::invalid_argument("spec_backoff_steps must be >= 0");
   if (config_.max_model_len <= 0) config_.max_model_len = config_.num_blocks * config_.block_size;
   const auto seqs = static_cast<size_t>(config_.max_num_seqs);
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
@@ -130,6 +138,10 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   pending_cache_.reserve(static_cast<size_t>(config_.num_blocks));
   finished_.reserve(seqs);
   registering_.reserve(seqs);
+  row_offsets_.reserve(seqs + 1);
+  trimming_.reserve(seqs);
+  pending_trim_slots_.reserve(seqs);
+  pending_trim_blocks_.reserve(seqs);
 }
 
 RequestRejected Scheduler::reject(uint64_t id, uint32_t code, std::string message) const {
@@ -256,6 +268,10 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   r.priority = req.priority;
   r.cache_salt = req.cache_salt;
   r.stop_token_ids = req.stop_token_ids;
+  r.spec_acceptance = 1.0f;
+  r.spec_backoff = 0;
+  r.spec_proposed_tokens = 0;
+  r.spec_accepted_tokens = 0;
   r.suppress_token_ids.clear();
   if (!req.ignore_eos) r.suppress_token_ids = config_.eos_token_ids;
   r.suppress_token_ids.insert(r.suppress_token_ids.end(), req.stop_token_ids.begin(), req.stop_token_ids.end());
@@ -341,10 +357,30 @@ void Scheduler::register_computed_blocks(RequestState& r) {
 }
 
 [[gnu::always_inline]] inline void Scheduler::schedule_chunk(int32_t index, int32_t slot, int32_t start,
-                                                             int32_t num_tokens, int32_t total) {
+                                                             int32_t num_tokens, int32_t total, int32_t lookahead) {
   const bool sample = start + num_tokens == total;  // the chunk reaches the last known token: sample after it
   num_in_flight_samples_ += sample ? 1 : 0;
-  in_flight_.push_back({index, slot, start, num_tokens, -1, sample});
+  in_flight_.push_back({index, slot, start, num_tokens, -1, lookahead, sample});
+}
+
+int32_t Scheduler::lookahead_for(RequestState& r, int32_t budget_left) {
+  if (r.spec_backoff > 0) {  // acceptance was low: plain decoding for a while
+    --r.spec_backoff;
+    return 0;
+  }
+  // Never past the length limit: a step yields at most lookahead + 1 tokens, and positions stay < max_model_len.
+  const int32_t k = std::min({config_.num_speculative_tokens, budget_left, r.length_limit - r.num_tokens() - 1});
+  return std::max(k, 0);
+}
+
+void Scheduler::trim_lookahead_blocks(RequestState& r) {
+  // Lookahead slots of rejected drafts are returned: keep only the blocks the request's known tokens need.
+  const auto keep = static_cast<size_t>(blocks_for(r.num_tokens()));
+  if (r.block_ids.size() <= keep) return;
+  pool_.free(std::span(r.block_ids).subspan(keep), /*tail_first=*/true);
+  r.block_ids.resize(keep);
+  pending_trim_slots_.push_back(r.slot);
+  pending_trim_blocks_.push_back(static_cast<int32_t>(keep));
 }
 
 bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns) {
@@ -425,6 +461,8 @@ void Scheduler::recycle_plan(StepPlan& plan) {
   recycle(plan.block_appends, spare_appends_);
   plan.step_id = 0;
   plan.finished_slots.clear();  // the sched_* arrays are rewritten whole by write_entries()
+  plan.trim_slots.clear();
+  plan.trim_num_blocks.clear();
 }
 
 bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
@@ -433,11 +471,17 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   in_flight_.clear();
   num_in_flight_samples_ = 0;
   plan.finished_slots.swap(released_slots_);
+  plan.trim_slots.swap(pending_trim_slots_);
+  plan.trim_num_blocks.swap(pending_trim_blocks_);
 
-  // Invariant: the tokens scheduled this step never exceed max_num_batched_tokens.
+  // Invariant: the tokens scheduled this step, lookahead slots included, never exceed max_num_batched_tokens.
   int32_t budget = config_.max_num_batched_tokens;
-  size_t plan_bytes = kPlanFixedBytes + plan.finished_slots.size() * sizeof(int32_t);
+  size_t plan_bytes = kPlanFixedBytes + plan.finished_slots.size() * sizeof(int32_t) +
+                      plan.trim_slots.size() * kPlanBytesPerTrim;
   bool preempted = false;
+  // Speculation pays off while decoding is memory bound; past spec_max_batch running requests it would cost throughput.
+  spec_step_ = config_.num_speculative_tokens > 0 &&
+               (config_.spec_max_batch == 0 || static_cast<int32_t>(running_.size()) <= config_.spec_max_batch);
 
   // 1. Running requests first, highest priority / earliest arrival first.
   const int32_t bs = config_.block_size;
@@ -451,9 +495,16 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     const int32_t total = r.num_tokens();
     const int32_t n = std::min(total - computed, chunk_cap(budget));
     if (n <= 0) continue;
+    // Lookahead only for a one-token decode that samples: its drafts are verified right after that token.
+    int32_t k = spec_step_ && n == 1 && computed + 1 == total ? lookahead_for(r, budget - n) : 0;
     const auto have = static_cast<int32_t>(r.block_ids.size());
-    if (computed + n > have * bs) {  // needs blocks (a decode step does once every block_size tokens)
-      const int32_t needed = blocks_for(computed + n) - have;
+    if (computed + n + k > have * bs) {  // needs blocks (a decode step does once every block_size tokens)
+      // Lookahead takes only free blocks: it shrinks rather than preempt anyone.
+      const int32_t room = (have + pool_.num_free()) * bs - computed - n;
+      k = std::clamp(room, 0, k);
+    }
+    if (computed + n + k > have * bs) {
+      const int32_t needed = blocks_for(computed + n + k) - have;
       bool preempted_self = false;
       while (needed > pool_.num_free()) {
         // running_ is in priority order, so its back is the lowest-priority, latest-arrived request; it sits behind
@@ -475,9 +526,9 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
       append.block_ids.assign(r.block_ids.begin() + have, r.block_ids.end());
       plan_bytes += kPlanBytesPerAppend + static_cast<size_t>(needed) * sizeof(int32_t);
     }
-    schedule_chunk(index, r.slot, computed, n, total);
+    schedule_chunk(index, r.slot, computed, n, total, k);
     plan_bytes += kPlanBytesPerScheduled;
-    budget -= n;
+    budget -= n + k;
   }
 
   // 2. Admit waiting requests in priority order. Not in a step that had to preempt: blocks are short right now.
@@ -488,9 +539,13 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
 
   write_entries(plan);
   if (in_flight_.empty()) {
-    // Nothing runs: keep the released slots for the next plan that is actually sent.
+    // Nothing runs: keep the released slots and trims for the next plan that is actually sent.
     released_slots_.swap(plan.finished_slots);
     plan.finished_slots.clear();
+    pending_trim_slots_.swap(plan.trim_slots);
+    pending_trim_blocks_.swap(plan.trim_num_blocks);
+    plan.trim_slots.clear();
+    plan.trim_num_blocks.clear();
     return false;
   }
   last_step_tokens_ = config_.max_num_batched_tokens - budget;
@@ -509,6 +564,11 @@ void Scheduler::write_entries(StepPlan& plan) const {
   plan.sched_start.resize(n);
   plan.sched_len.resize(n);
   plan.sched_sample.resize(n);
+  // Without speculation the array stays empty (the workers read that as no lookahead anywhere).
+  plan.sched_lookahead.resize(config_.num_speculative_tokens > 0 ? n : 0);
+  if (config_.num_speculative_tokens > 0) {
+    for (size_t k = 0; k < n; ++k) plan.sched_lookahead[k] = in_flight_[k].lookahead;
+  }
   int32_t* slots = plan.sched_slots.data();
   int32_t* starts = plan.sched_start.data();
   int32_t* lens = plan.sched_len.data();
@@ -559,6 +619,42 @@ void Scheduler::match_result_rows(const StepResult& result) {
   }
 }
 
+void Scheduler::check_result_counts(const StepResult& result) {
+  const size_t rows = result.slots.size();
+  const bool multi = !result.token_counts.empty();
+  if ((multi && result.token_counts.size() != rows) ||
+      (!result.num_proposed.empty() && result.num_proposed.size() != rows)) {
+    throw std::runtime_error("StepResult token_counts / num_proposed are not one per sampled slot");
+  }
+  row_offsets_.resize(rows + 1);
+  row_offsets_[0] = 0;
+  for (size_t i = 0; i < rows; ++i) {
+    row_offsets_[i + 1] = row_offsets_[i] + static_cast<size_t>(multi ? std::max(result.token_counts[i], 0) : 1);
+  }
+  const size_t tokens = row_offsets_[rows];
+  if (result.token_ids.size() != tokens || result.logprobs.size() != tokens) {
+    throw std::runtime_error("StepResult has " + std::to_string(result.token_ids.size()) + " tokens, its rows count " +
+                             std::to_string(tokens));
+  }
+  if (result.top_token_ids.size() != size_t{result.num_top} * tokens ||
+      result.top_logprobs.size() != result.top_token_ids.size()) {
+    throw std::runtime_error("StepResult top arrays are not [tokens, num_top]");
+  }
+  if (!multi && result.num_proposed.empty()) return;
+  for (const Scheduled& s : in_flight_) {
+    if (!s.sample) continue;
+    const auto row = static_cast<size_t>(s.result);
+    const int32_t n = multi ? result.token_counts[row] : 1;
+    const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row];
+    // Each accepted token must be a verified draft token, and drafts only fill the slots the plan reserved.
+    if (proposed < 0 || proposed > s.lookahead || n < 1 || n - 1 > proposed) {
+      throw std::runtime_error("StepResult slot " + std::to_string(s.slot) + ": " + std::to_string(n) + " tokens from " +
+                               std::to_string(proposed) + " proposed, but its lookahead is " +
+                               std::to_string(s.lookahead));
+    }
+  }
+}
+
 PackedOutput& Scheduler::new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled) {
   PackedOutput& o = outputs_.emplace_back(make_output(r, reason, num_scheduled, false, 0, 0.0f));
   return o;
@@ -571,15 +667,12 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
                              std::to_string(in_flight_step_) + " is in flight");
   }
   const size_t expected = num_in_flight_samples_;
-  if (result.slots.size() != expected || result.token_ids.size() != expected) {
+  if (result.slots.size() != expected) {
     throw std::runtime_error("StepResult has " + std::to_string(result.slots.size()) + " sampled slots, plan asked for " +
                              std::to_string(expected));
   }
-  if (result.top_token_ids.size() != size_t{result.num_top} * expected ||
-      result.top_logprobs.size() != result.top_token_ids.size()) {
-    throw std::runtime_error("StepResult top arrays are not [sampled slots, num_top]");
-  }
   match_result_rows(result);  // throws, changing nothing, unless every sampled entry got exactly one row
+  check_result_counts(result);  // throws, changing nothing, unless every row's tokens fit its lookahead
   step_in_flight_ = false;
 
   pending_cache_.clear();
@@ -591,37 +684,76 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   // One output per scheduled request; growing the array happens only until it reached its high-water mark.
   const int32_t* tokens = result.token_ids.data();
   const float* logprobs = result.logprobs.empty() ? nullptr : result.logprobs.data();
+  const bool multi = !result.token_counts.empty();
+  trimming_.clear();
+  uint64_t generated = 0;
   for (size_t k = 0; k < count; ++k) {
     const Scheduled& s = in_flight_[k];
     RequestState& r = table_[static_cast<size_t>(s.index)];
-    r.num_computed_tokens += s.num_tokens;
-    // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
-    if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
     if (!s.sample) {
+      r.num_computed_tokens += s.num_tokens;
+      if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
       new_output(r, FinishReason::kNone, s.num_tokens);  // a prefill chunk: progress only, for tracing
       continue;
     }
-    const auto at = static_cast<size_t>(s.result);
-    const int32_t token = tokens[at];
-    r.token_ids.push_back(token);  // within the capacity reserved at add_request
-    if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-    const FinishReason reason = stop_reason(r, token);
-    PackedOutput& o = outputs_.emplace_back(
-        make_output(r, reason, s.num_tokens, true, token, logprobs != nullptr ? logprobs[at] : 0.0f));
+    const auto row_index = static_cast<size_t>(s.result);
+    const size_t first = multi ? row_offsets_[row_index] : row_index;
+    const int32_t num_new = multi ? result.token_counts[row_index] : 1;
+    const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
     // num_logprobs sits in the request's cold part: read it only when the worker sent top logprobs at all.
     const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(r.num_logprobs),
                                                              uint32_t{std::numeric_limits<uint16_t>::max()}});
-    if (top > 0) {
-      const auto row = static_cast<std::ptrdiff_t>(at * result.num_top);
-      o.num_top = static_cast<uint16_t>(top);
-      top_token_ids_.insert(top_token_ids_.end(), result.top_token_ids.begin() + row,
-                            result.top_token_ids.begin() + row + top);
-      top_logprobs_.insert(top_logprobs_.end(), result.top_logprobs.begin() + row,
-                           result.top_logprobs.begin() + row + top);
+    if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
+    r.num_computed_tokens += s.num_tokens;
+    // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.
+    FinishReason reason = FinishReason::kNone;
+    int32_t appended = 0;
+    while (appended < num_new && reason == FinishReason::kNone) {
+      const size_t at = first + static_cast<size_t>(appended);
+      const int32_t token = tokens[at];
+      r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
+      reason = stop_reason(r, token);
+      PackedOutput& o = outputs_.emplace_back(make_output(r, reason, appended == 0 ? s.num_tokens + proposed : 0, true,
+                                                          token, logprobs != nullptr ? logprobs[at] : 0.0f));
+      if (appended == 0 && proposed > 0) {
+        o.num_spec_proposed_tokens = static_cast<uint8_t>(proposed);
+        o.num_spec_accepted_tokens = static_cast<uint8_t>(num_new - 1);
+      }
+      if (top > 0) {
+        const auto row = static_cast<std::ptrdiff_t>(at * result.num_top);
+        o.num_top = static_cast<uint16_t>(top);
+        top_token_ids_.insert(top_token_ids_.end(), result.top_token_ids.begin() + row,
+                              result.top_token_ids.begin() + row + top);
+        top_logprobs_.insert(top_logprobs_.end(), result.top_logprobs.begin() + row,
+                             result.top_logprobs.begin() + row + top);
+      }
+      ++appended;
     }
-    if (reason != FinishReason::kNone) finished_.push_back(s.index);
+    generated += static_cast<uint64_t>(appended);
+    // The KV of the accepted drafts was computed in this step; the last token's is computed next step.
+    r.num_computed_tokens += appended - 1;
+    // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
+    if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
+    if (proposed > 0) {
+      const int32_t accepted = num_new - 1;
+      r.spec_proposed_tokens += static_cast<uint64_t>(proposed);
+      r.spec_accepted_tokens += static_cast<uint64_t>(accepted);
+      spec_proposed_tokens_ += static_cast<uint64_t>(proposed);
+      spec_accepted_tokens_ += static_cast<uint64_t>(accepted);
+      ++spec_verify_rows_;
+      r.spec_acceptance = 0.75f * r.spec_acceptance + 0.25f * static_cast<float>(accepted) / static_cast<float>(proposed);
+      if (r.spec_acceptance < config_.spec_min_acceptance) {
+        r.spec_backoff = config_.spec_backoff_steps;
+        r.spec_acceptance = 1.0f;  // a fresh start after the pause
+      }
+    }
+    if (reason != FinishReason::kNone) {
+      finished_.push_back(s.index);
+    } else if (s.lookahead > 0) {
+      trimming_.push_back(s.index);
+    }
   }
-  total_generation_tokens_ += expected;
+  total_generation_tokens_ += generated;
   // Registrations read three arrays of their own per request (hash chain, block table, the block's tokens), cold by
   // now: touch them all first so their misses overlap, then hash and register.
   for (const int32_t index : registering_) {
@@ -634,6 +766,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   for (const int32_t index : registering_) register_computed_blocks(table_[static_cast<size_t>(index)]);
   // Register before releasing: a block must still be referenced when it enters the cache.
   for (const PendingBlock& b : pending_cache_) pool_.cache(b.block, b.hash);
+  for (const int32_t index : trimming_) trim_lookahead_blocks(table_[static_cast<size_t>(index)]);
   for (const int32_t index : finished_) release(index);  // status becomes kFree; removed from running_ below
   if (!finished_.empty()) {
     std::erase_if(running_, [this](int32_t i) { return table_[static_cast<size_t>(i)].status != RequestStatus::kRunning; });
@@ -668,6 +801,9 @@ EngineStats Scheduler::stats(uint64_t query_id) const {
   s.kv_usage = 1.0f - static_cast<float>(pool_.num_free()) / static_cast<float>(pool_.num_blocks());
   s.total_prompt_tokens = total_prompt_tokens_;
   s.total_generation_tokens = total_generation_tokens_;
+  s.spec_proposed_tokens = spec_proposed_tokens_;
+  s.spec_accepted_tokens = spec_accepted_tokens_;
+  s.spec_verify_rows = spec_verify_rows_;
   return s;
 }
 
@@ -684,6 +820,10 @@ void Scheduler::check_invariants() const {
     for (const int32_t b : r.block_ids) ++holders[static_cast<size_t>(b)];
     if (r.block_ids.size() < static_cast<size_t>(blocks_for(r.num_computed_tokens))) fail("too few blocks");
     if (r.num_computed_tokens >= r.num_tokens() && r.status == RequestStatus::kRunning) fail("nothing left to compute");
+    // Between steps a request holds no lookahead blocks: rejected drafts' slots went back to the pool.
+    if (!step_in_flight_ && r.block_ids.size() > static_cast<size_t>(blocks_for(r.num_tokens()))) {
+      fail("blocks beyond the request's tokens");
+    }
     if (r.status == RequestStatus::kRunning) {
       if (r.slot < 0 || slot_owner_[static_cast<size_t>(r.slot)] != static_cast<int32_t>(i)) fail("slot owner");
       if (std::count(running_.begin(), running_.end(), static_cast<int32_t>(i)) != 1) fail("running list");

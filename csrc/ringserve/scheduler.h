@@ -46,6 +46,15 @@ struct EngineConfig {
   // Aging: a request's effective priority value drops by one for every priority_aging_ms it has waited since it
   // arrived, so later arrivals of a better priority stop overtaking it after a bounded time (0 = strict priority).
   int32_t priority_aging_ms = 0;
+  // Speculative decoding: a decoding request may get up to num_speculative_tokens lookahead slots per step (0 = off,
+  // at most kMaxSpeculativeTokens); the workers propose and verify that many draft tokens in the same step. Policy:
+  // no speculation in a step where more than spec_max_batch requests run (0 = no limit: a large batch is already
+  // compute bound, verifying drafts would cost throughput), and a request whose recent acceptance rate (moving
+  // average) drops below spec_min_acceptance decodes without it for spec_backoff_steps steps, then tries again.
+  int32_t num_speculative_tokens = 0;
+  int32_t spec_max_batch = 16;
+  float spec_min_acceptance = 0.25f;
+  int32_t spec_backoff_steps = 16;
 };
 
 enum class RequestStatus : uint8_t { kFree, kWaiting, kRunning };
@@ -93,6 +102,10 @@ struct alignas(64) RequestState {
   uint64_t cache_salt = 0;
   std::vector<int32_t> stop_token_ids;
   std::vector<int32_t> suppress_token_ids;  // EOS (unless ignore_eos) + stop ids, masked before min_tokens
+  float spec_acceptance = 1.0f;  // moving average of accepted / proposed draft tokens
+  int32_t spec_backoff = 0;      // steps left without speculation
+  uint64_t spec_proposed_tokens = 0;  // cumulative, for tests and usage
+  uint64_t spec_accepted_tokens = 0;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
@@ -150,6 +163,7 @@ class Scheduler {
     int32_t start;  // num_computed_tokens when scheduled
     int32_t num_tokens;
     int32_t result;  // update(): this request's row in the StepResult, -1 until matched
+    int32_t lookahead;  // draft tokens the workers may verify after its token (reserved KV slots)
     bool sample;
   };
   struct SampleMark {  // slot -> the in-flight entry that samples it, valid while step == in_flight_step_
@@ -174,7 +188,11 @@ class Scheduler {
   void extend_block_hashes(RequestState& r, int32_t num_blocks);
   void register_computed_blocks(RequestState& r);
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
-  void schedule_chunk(int32_t index, int32_t slot, int32_t start, int32_t num_tokens, int32_t total);  // -> in_flight_
+  void schedule_chunk(int32_t index, int32_t slot, int32_t start, int32_t num_tokens, int32_t total,
+                      int32_t lookahead = 0);  // -> in_flight_
+  int32_t lookahead_for(RequestState& r, int32_t budget_left);
+  void check_result_counts(const StepResult& result);  // fills row_offsets_; throws on a count the plan did not allow
+  void trim_lookahead_blocks(RequestState& r);
   void write_entries(StepPlan& plan) const;                // in_flight_ -> the plan's sched_* arrays
   void match_result_rows(const StepResult& result);        // sets in_flight_[*].result
   void preempt(int32_t index, StepPlan& plan);
@@ -205,6 +223,11 @@ class Scheduler {
   std::vector<PendingBlock> pending_cache_;  // scratch for update(): full blocks to register, prefetched first
   std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
   std::vector<int32_t> registering_;         // scratch for update(): requests that completed a block
+  std::vector<size_t> row_offsets_;          // scratch for update(): first token of each result row
+  std::vector<int32_t> trimming_;            // scratch for update(): speculating requests, trimmed after registration
+  std::vector<int32_t> pending_trim_slots_;  // go into the next plan's trim_slots / trim_num_blocks
+  std::vector<int32_t> pending_trim_blocks_;
+  bool spec_step_ = false;                   // the step in flight may speculate (sched_lookahead is sent)
 
   // Plan entries and outputs keep their arrays' storage between steps.
   std::vector<BlockAppend> spare_appends_;
@@ -223,6 +246,9 @@ class Scheduler {
   uint64_t prefix_cache_hits_ = 0;
   uint64_t total_prompt_tokens_ = 0;
   uint64_t total_generation_tokens_ = 0;
+  uint64_t spec_proposed_tokens_ = 0;
+  uint64_t spec_accepted_tokens_ = 0;
+  uint64_t spec_verify_rows_ = 0;
 };
 
 }  // namespace ringserve

@@ -155,8 +155,8 @@ TEST(packed_outputs_encode_byte_for_byte_like_request_outputs) {
   std::vector<PackedOutput> packed(4);
   packed[0] = {.request_id = 11, .arrival_time_ns = 100, .first_scheduled_time_ns = 110, .first_token_time_ns = 120,
                .num_prompt_tokens = 7, .num_cached_tokens = 4, .num_computed_tokens = 7, .num_scheduled_tokens = 1,
-               .num_preemptions = 2, .token_id = 42, .logprob = -0.25f, .finish_reason = FinishReason::kNone,
-               .has_token = true, .num_top = 2};
+               .token_id = 42, .logprob = -0.25f, .num_preemptions = 2, .num_spec_proposed_tokens = 4,
+               .num_spec_accepted_tokens = 3, .finish_reason = FinishReason::kNone, .has_token = true, .num_top = 2};
   packed[1] = {.request_id = 12, .arrival_time_ns = 200, .first_scheduled_time_ns = 210, .num_prompt_tokens = 900,
                .num_computed_tokens = 256, .num_scheduled_tokens = 256};
   packed[2] = {.request_id = 13, .arrival_time_ns = 300, .num_prompt_tokens = 5, .finish_reason = FinishReason::kAbort};

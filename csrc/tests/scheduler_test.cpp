@@ -60,7 +60,18 @@ class FakeWorker {
   // token_for(slot state tokens) -> sampled token
   const std::vector<int32_t>& tokens_of(int32_t slot) const { return slots_.at(static_cast<size_t>(slot)).tokens; }
 
+  // Speculation: proposes draft tokens for a slot's tokens (up to `max`); verification is greedy against token_for
+  // evaluated on the tokens plus the drafts accepted so far, like a real target model.
+  std::function<std::vector<int32_t>(const std::vector<int32_t>& tokens, int32_t max)> proposer;
+
   StepResult execute(const StepPlan& plan, const std::function<int32_t(int32_t slot)>& token_for) {
+    CHECK(plan.trim_slots.size() == plan.trim_num_blocks.size());
+    for (size_t i = 0; i < plan.trim_slots.size(); ++i) {  // before finished_slots: the slot's old occupant
+      Slot& s = slots_.at(static_cast<size_t>(plan.trim_slots[i]));
+      CHECK(s.live && plan.trim_num_blocks[i] < static_cast<int32_t>(s.blocks.size()));
+      CHECK(plan.trim_num_blocks[i] * config_.block_size >= s.computed);
+      s.blocks.resize(static_cast<size_t>(plan.trim_num_blocks[i]));
+    }
     for (int32_t s : plan.finished_slots) slots_.at(static_cast<size_t>(s)).live = false;
     for (const NewRequestData& nr : plan.new_requests) {
       Slot& s = slots_.at(static_cast<size_t>(nr.slot));
@@ -95,12 +106,33 @@ class FakeWorker {
       CHECK(s.computed <= static_cast<int32_t>(s.tokens.size()));
       CHECK(static_cast<int32_t>(s.blocks.size()) * config_.block_size >= s.computed);
       CHECK((plan.sched_sample[i] != 0) == (s.computed == static_cast<int32_t>(s.tokens.size())));
-      if (plan.sched_sample[i] != 0) {
-        const int32_t token = token_for(plan.sched_slots[i]);
+      const int32_t lookahead = plan.sched_lookahead.empty() ? 0 : plan.sched_lookahead[i];
+      CHECK(lookahead >= 0 && lookahead <= kMaxSpeculativeTokens);
+      if (lookahead > 0) {
+        CHECK(plan.sched_sample[i] != 0 && plan.sched_len[i] == 1);
+        CHECK(static_cast<int32_t>(s.blocks.size()) * config_.block_size >= s.computed + lookahead);  // reserved
+      }
+      if (plan.sched_sample[i] == 0) continue;
+      std::vector<int32_t> drafts;
+      if (lookahead > 0 && proposer) drafts = proposer(s.tokens, lookahead);
+      CHECK(static_cast<int32_t>(drafts.size()) <= lookahead);
+      int32_t accepted = 0;
+      int32_t token = token_for(plan.sched_slots[i]);
+      while (accepted < static_cast<int32_t>(drafts.size()) && token == drafts[static_cast<size_t>(accepted)]) {
         s.tokens.push_back(token);
-        result.slots.push_back(plan.sched_slots[i]);
         result.token_ids.push_back(token);
-        result.logprobs.push_back(-0.5f);
+        result.logprobs.push_back(-0.25f);
+        ++accepted;
+        token = token_for(plan.sched_slots[i]);  // the target's next token given the accepted drafts
+      }
+      s.tokens.push_back(token);
+      s.computed += accepted;  // the accepted drafts' KV was computed in this step
+      result.slots.push_back(plan.sched_slots[i]);
+      result.token_ids.push_back(token);
+      result.logprobs.push_back(-0.5f);
+      if (!plan.sched_lookahead.empty()) {
+        result.token_counts.push_back(accepted + 1);
+        result.num_proposed.push_back(static_cast<int32_t>(drafts.size()));
       }
     }
     return result;
@@ -135,7 +167,8 @@ struct Harness {
   bool step(const std::function<int32_t(int32_t)>& token_for = [](int32_t) { return 7; }) {
     const bool scheduled = scheduler.schedule(plan, ++now);
     if (scheduled) {
-      const int32_t total = std::accumulate(plan.sched_len.begin(), plan.sched_len.end(), 0);
+      const int32_t total = std::accumulate(plan.sched_len.begin(), plan.sched_len.end(), 0) +
+                            std::accumulate(plan.sched_lookahead.begin(), plan.sched_lookahead.end(), 0);
       CHECK(total <= config.max_num_batched_tokens);
       CHECK(scheduler.num_running() <= config.max_num_seqs);
       for (int32_t s : plan.sched_slots) CHECK(s >= 0 && s < config.max_num_seqs);
@@ -688,6 +721,219 @@ TEST(top_logprobs_reach_each_output_up_to_its_own_num_logprobs) {
   CHECK(out.size() == 2);
   CHECK(out[0].num_top == 2 && (out[0].top_token_ids == std::vector<int32_t>{7, 4}) && out[0].top_logprobs[1] == -1.0f);
   CHECK(out[1].num_top == 0 && out[1].top_token_ids.empty());
+}
+
+// ---- speculative decoding -------------------------------------------------------------------------------------
+
+EngineConfig spec_config(int32_t num_blocks, int32_t k, int32_t max_seqs = 4, int32_t budget = 64) {
+  EngineConfig c = make_config(num_blocks, max_seqs, budget);
+  c.num_speculative_tokens = k;
+  c.spec_max_batch = 0;
+  c.spec_min_acceptance = 0.0f;
+  return c;
+}
+
+// A deterministic "model": the next token is a function of every token so far.
+int32_t model_next(const std::vector<int32_t>& t) { return 10 + std::accumulate(t.begin(), t.end(), 0) % 997; }
+
+// Drafts that follow the model except where its token is a multiple of 3 (then they are off by one).
+std::vector<int32_t> sometimes_wrong_drafts(std::vector<int32_t> ctx, int32_t max) {
+  std::vector<int32_t> drafts;
+  for (int32_t j = 0; j < max; ++j) {
+    int32_t d = model_next(ctx);
+    if (d % 3 == 0) d += 1;
+    drafts.push_back(d);
+    ctx.push_back(d);
+  }
+  return drafts;
+}
+
+TEST(speculation_gives_the_tokens_of_plain_decoding_with_and_without_preemption) {
+  auto run = [](int32_t num_blocks, int32_t k) {
+    Harness h(spec_config(num_blocks, k));
+    h.worker.proposer = sometimes_wrong_drafts;
+    for (uint64_t id = 1; id <= 3; ++id) CHECK(h.add(make_request(id, 6 + static_cast<int32_t>(id), 20)));
+    int steps = 0;
+    while (h.scheduler.has_unfinished() && steps++ < 2000) {
+      h.step([&](int32_t slot) { return model_next(h.worker.tokens_of(slot)); });
+    }
+    CHECK(!h.scheduler.has_unfinished());
+    CHECK(h.scheduler.block_pool().num_free() == num_blocks);  // no leak
+    const EngineStats st = h.scheduler.stats(0);
+    return std::make_tuple(h.tokens, h.scheduler.num_preemptions(), st.spec_accepted_tokens, steps);
+  };
+  const auto [plain, plain_preempt, plain_accepted, plain_steps] = run(64, 0);
+  const auto [spec, spec_preempt, spec_accepted, spec_steps] = run(64, 4);
+  const auto [tight, tight_preempt, tight_accepted, tight_steps] = run(12, 4);
+  CHECK(plain_accepted == 0 && spec_accepted > 0 && tight_accepted > 0);
+  CHECK(spec_steps < plain_steps);
+  CHECK(tight_preempt > 0);
+  CHECK(spec == plain);
+  CHECK(tight == plain);
+}
+
+TEST(lookahead_slots_are_reserved_and_counted_against_the_budget) {
+  Harness h(spec_config(64, 4, 4, 64));
+  CHECK(h.add(make_request(1, 4, 50)));
+  h.step();  // prefill: no lookahead on a prompt chunk
+  CHECK(h.plan.sched_lookahead.size() == 1 && h.plan.sched_lookahead[0] == 0);
+  CHECK(h.scheduler.schedule(h.plan, ++h.now));
+  CHECK(h.plan.sched_lookahead[0] == 4 && h.plan.sched_len[0] == 1);
+  CHECK(h.scheduler.last_step_tokens() == 5);
+  // positions 4..8 need 3 blocks of 4: one was appended for the lookahead
+  CHECK(h.plan.block_appends.size() == 1 && h.plan.block_appends[0].block_ids.size() == 2);
+  h.scheduler.update(h.worker.execute(h.plan, [](int32_t) { return 7; }), ++h.now);  // no drafts: 1 token
+  h.collect();
+  h.scheduler.check_invariants();
+  // Budget: 3 tokens leave room for 2 lookahead slots.
+  Harness b(spec_config(64, 4, 4, 3));
+  CHECK(b.add(make_request(1, 3, 50)));
+  b.step();
+  CHECK(b.scheduler.schedule(b.plan, ++b.now) && b.plan.sched_lookahead[0] == 2);
+  CHECK(b.scheduler.last_step_tokens() == 3);
+}
+
+TEST(rejected_lookahead_blocks_go_back_to_the_pool_and_the_workers_trim_them) {
+  Harness h(spec_config(16, 4));
+  h.worker.proposer = [](const std::vector<int32_t>&, int32_t max) { return std::vector<int32_t>(size_t(max), 999); };
+  CHECK(h.add(make_request(1, 4, 50)));
+  h.step();  // prefill: 4 prompt tokens + 1 sampled
+  CHECK(h.scheduler.block_pool().num_free() == 15);
+  h.step();  // decode with 4 lookahead slots (3 blocks), all rejected: 6 tokens need 2 blocks
+  CHECK(h.plan.sched_lookahead[0] == 4 && h.plan.block_appends[0].block_ids.size() == 2);
+  CHECK(h.scheduler.block_pool().num_free() == 14);
+  CHECK(h.tokens[1].size() == 2);
+  h.step();  // the next plan tells the workers to drop the block
+  CHECK(h.plan.trim_slots.size() == 1 && h.plan.trim_num_blocks[0] == 2);
+  const EngineStats st = h.scheduler.stats(0);
+  CHECK(st.spec_proposed_tokens == 8 && st.spec_accepted_tokens == 0 && st.spec_verify_rows == 2);
+}
+
+TEST(stop_rules_apply_token_by_token_to_accepted_drafts) {
+  // The model answers 7, 7, EOS, 7, ... by output count; perfect drafts get all of them accepted in one step.
+  auto model = [](size_t outputs) { return outputs == 2 ? kEos : 7; };
+  Harness h(spec_config(64, 8));
+  h.worker.proposer = [&](const std::vector<int32_t>& t, int32_t max) {
+    std::vector<int32_t> d;
+    for (int32_t j = 0; j < max; ++j) d.push_back(model(t.size() - 4 + static_cast<size_t>(j)));
+    return d;
+  };
+  CHECK(h.add(make_request(1, 4, 50)));
+  for (int i = 0; i < 10 && h.scheduler.has_unfinished(); ++i) {
+    h.step([&](int32_t slot) { return model(h.worker.tokens_of(slot).size() - 4); });
+  }
+  CHECK(h.scheduler.stats(0).num_steps == 2);  // prefill, then one step gave 7, 7, EOS (and dropped the rest)
+  CHECK(h.finished[1] == FinishReason::kStop && h.tokens[1] == (std::vector<int32_t>{7, 7, kEos}));
+  CHECK(h.scheduler.block_pool().num_free() == 64);
+  // max_tokens caps the lookahead: 3 tokens in all, so the decode step may verify at most 1 draft.
+  Harness g(spec_config(64, 8));
+  g.worker.proposer = [](const std::vector<int32_t>&, int32_t max) { return std::vector<int32_t>(size_t(max), 7); };
+  CHECK(g.add(make_request(1, 4, 3)));
+  g.step();
+  CHECK(g.scheduler.schedule(g.plan, ++g.now) && g.plan.sched_lookahead[0] == 1);
+  g.scheduler.update(g.worker.execute(g.plan, [](int32_t) { return 7; }), ++g.now);
+  g.collect();
+  CHECK(g.finished[1] == FinishReason::kLength && g.tokens[1].size() == 3);
+}
+
+TEST(speculation_is_off_for_large_batches_and_backs_off_on_low_acceptance) {
+  EngineConfig c = spec_config(256, 4, 8);
+  c.spec_max_batch = 2;
+  Harness h(c);
+  for (uint64_t id = 1; id <= 3; ++id) CHECK(h.add(make_request(id, 4, 40)));
+  h.step();
+  CHECK(h.scheduler.schedule(h.plan, ++h.now));
+  for (int32_t k : h.plan.sched_lookahead) CHECK(k == 0);  // 3 running > spec_max_batch
+  h.scheduler.update(h.worker.execute(h.plan, [](int32_t) { return 7; }), ++h.now);
+
+  EngineConfig d = spec_config(256, 4, 8);
+  d.spec_min_acceptance = 0.5f;
+  d.spec_backoff_steps = 5;
+  Harness g(d);
+  g.worker.proposer = [](const std::vector<int32_t>&, int32_t max) { return std::vector<int32_t>(size_t(max), 999); };
+  CHECK(g.add(make_request(1, 4, 200)));
+  g.step();
+  std::vector<int32_t> lookaheads;
+  for (int i = 0; i < 12; ++i) {
+    g.step();
+    lookaheads.push_back(g.plan.sched_lookahead[0]);
+  }
+  // Acceptance 0 drags the average under 0.5 after 3 verifications, then 5 steps without speculation.
+  CHECK(lookaheads == (std::vector<int32_t>{4, 4, 4, 0, 0, 0, 0, 0, 4, 4, 4, 0}));
+}
+
+TEST(a_result_with_more_tokens_than_its_lookahead_allows_is_rejected) {
+  Scheduler s(spec_config(64, 2));
+  CHECK(!s.add_request(make_request(1, 3, 20), 0));
+  StepPlan plan;
+  CHECK(s.schedule(plan, 0));
+  s.update(StepResult{plan.step_id, {plan.sched_slots[0]}, {7}, {0.0f}}, 0);
+  s.clear_outputs();
+  CHECK(s.schedule(plan, 0) && plan.sched_lookahead[0] == 2);
+  const int32_t slot = plan.sched_slots[0];
+  const uint64_t step = plan.step_id;
+  auto result = [&](std::vector<int32_t> tokens, int32_t proposed) {
+    StepResult r{step, {slot}, tokens, std::vector<float>(tokens.size(), 0.0f)};
+    r.token_counts = {static_cast<int32_t>(tokens.size())};
+    r.num_proposed = {proposed};
+    return r;
+  };
+  CHECK_THROWS(std::runtime_error, s.update(result({7, 7, 7, 7}, 2), 0));  // 3 accepted of 2 proposed
+  CHECK_THROWS(std::runtime_error, s.update(result({7, 7}, 0), 0));        // accepted without a proposal
+  CHECK_THROWS(std::runtime_error, s.update(result({7}, 3), 0));           // more proposed than reserved
+  s.update(result({7, 8, 9}, 2), 0);
+  std::vector<RequestOutput> out;
+  s.take_outputs(out);
+  CHECK(out.size() == 3 && out[0].num_spec_proposed_tokens == 2 && out[0].num_spec_accepted_tokens == 2);
+  CHECK(out[0].num_scheduled_tokens == 3 && out[1].num_scheduled_tokens == 0 && out[2].new_token_ids[0] == 9);
+  s.check_invariants();
+}
+
+TEST(steady_state_speculative_steps_do_not_allocate) {
+  EngineConfig c = make_config(1024, 16, 256, 16);
+  c.num_speculative_tokens = 4;
+  c.spec_max_batch = 0;
+  Scheduler s(c);
+  for (uint64_t id = 0; id < 16; ++id) {
+    AddRequest r = make_request(id, 20 + static_cast<int32_t>(id), 1000);
+    r.prompt_token_ids[0] = static_cast<int32_t>(id);
+    r.ignore_eos = true;
+    CHECK(!s.add_request(r, 0));
+  }
+  StepPlan plan;
+  StepResult result;
+  auto one_step = [&]() -> int64_t {
+    const int64_t before = g_allocations.load();
+    CHECK(s.schedule(plan, 0));
+    int64_t allocations = g_allocations.load() - before;
+    result.step_id = plan.step_id;
+    result.slots.clear();
+    result.token_ids.clear();
+    result.logprobs.clear();
+    result.token_counts.clear();
+    result.num_proposed.clear();
+    for (size_t i = 0; i < plan.sched_slots.size(); ++i) {
+      if (!plan.sched_sample[i]) continue;
+      const int32_t k = plan.sched_lookahead[i];
+      const int32_t n = 1 + std::min(k, static_cast<int32_t>(i % 3));  // varied acceptance
+      result.slots.push_back(plan.sched_slots[i]);
+      for (int32_t j = 0; j < n; ++j) {
+        result.token_ids.push_back(7);
+        result.logprobs.push_back(-1.0f);
+      }
+      result.token_counts.push_back(n);
+      result.num_proposed.push_back(k);
+    }
+    const int64_t mid = g_allocations.load();
+    s.update(result, 0);
+    s.clear_outputs();
+    return allocations + g_allocations.load() - mid;
+  };
+  for (int i = 0; i < 64; ++i) one_step();
+  int64_t allocations = 0;
+  for (int i = 0; i < 150; ++i) allocations += one_step();
+  CHECK(allocations == 0);
+  s.check_invariants();
 }
 
 TEST_MAIN()

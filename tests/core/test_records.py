@@ -181,8 +181,8 @@ def test_every_truncation_is_rejected() -> None:
             _core.decode_request_record(prefix)
 
 
-def test_layout_version_is_2() -> None:
-    assert _core.LAYOUT_VERSION == 2
+def test_layout_version_is_3() -> None:
+    assert _core.LAYOUT_VERSION == 3
 
 
 def test_add_request_v2_fields_round_trip() -> None:
@@ -256,3 +256,40 @@ def test_engine_config_v2_defaults() -> None:
     config = _core.EngineConfig()
     assert config.enable_prefix_caching is True
     assert config.long_prefill_token_threshold == 0 and config.stats_interval_ms == 100
+
+
+def test_step_result_carries_several_tokens_per_row_with_speculation() -> None:
+    record = _core.encode_step_result(
+        9, np.array([3, 1], np.int32), np.array([5, 6, 7, 8], np.int32), np.zeros(4, np.float32),
+        token_counts=np.array([3, 1], np.int32), num_proposed=np.array([4, 0], np.int32),
+    )  # fmt: skip
+    r = _core.decode_worker_result(record)
+    assert r.token_ids.tolist() == [5, 6, 7, 8]
+    assert r.token_counts.tolist() == [3, 1] and r.num_proposed.tolist() == [4, 0]
+    with pytest.raises(_core.RecordError, match="one entry per token"):  # counts say 4 tokens, 3 given
+        _core.encode_step_result(9, np.array([3, 1], np.int32), np.array([5, 6, 7], np.int32), np.zeros(3, np.float32),
+                                 token_counts=np.array([3, 1], np.int32))  # fmt: skip
+
+
+def test_step_plan_lookahead_and_trims_round_trip_as_views() -> None:
+    plan = _core.StepPlan()
+    plan.step_id = 4
+    plan.sched_slots = np.array([0, 2], np.int32)
+    plan.sched_start = np.array([10, 20], np.int32)
+    plan.sched_len = np.array([1, 1], np.int32)
+    plan.sched_sample = np.array([True, True])
+    plan.sched_lookahead = np.array([4, 0], np.int32)
+    plan.trim_slots = np.array([2], np.int32)
+    plan.trim_num_blocks = np.array([3], np.int32)
+    decoded = _core.decode_worker_command(_core.encode_record(plan))
+    assert decoded.sched_lookahead.tolist() == [4, 0]
+    assert decoded.trim_slots.tolist() == [2] and decoded.trim_num_blocks.tolist() == [3]
+    plan.sched_lookahead = np.array([4], np.int32)  # neither empty nor one per entry
+    with pytest.raises(_core.RecordError, match="sched_lookahead"):
+        _core.encode_record(plan)
+
+
+def test_engine_config_speculation_defaults_are_off() -> None:
+    config = _core.EngineConfig()
+    assert config.num_speculative_tokens == 0 and config.spec_max_batch == 16
+    assert config.spec_min_acceptance == pytest.approx(0.25) and config.spec_backoff_steps == 16

@@ -31,6 +31,8 @@ class TimedFakeOutput:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     top_token_ids: list[int] = field(default_factory=list)
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class TimedEngine(ScriptedEngine):
@@ -40,8 +42,10 @@ class TimedEngine(ScriptedEngine):
     """
 
     def __init__(self, chunks: list[list[int]], finish: str = "LENGTH", chunk: int = 4, cached: int = 0,
-                 preemptions: int = 0, lag_ns: int = 100_000) -> None:  # fmt: skip
+                 preemptions: int = 0, lag_ns: int = 100_000,
+                 spec: tuple[int, int] | None = None) -> None:  # fmt: skip
         super().__init__(chunks, finish)
+        self.spec = spec  # (proposed, accepted) reported on every decode output after the first
         self.chunk = chunk
         self.cached = cached
         self.preemptions = preemptions
@@ -75,7 +79,10 @@ class TimedEngine(ScriptedEngine):
             if index:
                 emit += STEP_NS
                 await self._wait_until(emit + self.lag_ns)
-            yield output(list(ids), self.finish if last else FakeFinishReason.NONE, step if index == 0 else 1)
+            out = output(list(ids), self.finish if last else FakeFinishReason.NONE, step if index == 0 else 1)
+            if self.spec is not None and index:
+                out.num_spec_proposed_tokens, out.num_spec_accepted_tokens = self.spec
+            yield out
 
     @staticmethod
     async def _wait_until(ns: int) -> None:

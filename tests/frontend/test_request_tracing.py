@@ -202,3 +202,22 @@ def test_http_exporter_posts_to_the_collectors_traces_path() -> None:
     exporter.shutdown()
     with pytest.raises(ValueError, match="grpc"):
         make_exporter(TracingSettings(endpoint="x", protocol="thrift"))
+
+
+async def test_speculative_steps_are_decode_span_events_and_usage(tiny_tokenizer: ModelTokenizer) -> None:
+    chunks = completion_chunks(tiny_tokenizer)
+    t = await start_traced(tiny_tokenizer, TimedEngine(chunks, chunk=4, spec=(4, 3)), token_events=False)
+    try:
+        responses = await t.generate(text_request())
+        usage = responses[-1].usage
+        verify_steps = len(chunks) - 1
+        assert usage.spec_proposed_tokens == 4 * verify_steps and usage.spec_accepted_tokens == 3 * verify_steps
+        decode = t.spans()["decode"]
+        events = [e for e in decode.events if e.name == "spec_verify"]
+        assert len(events) == verify_steps
+        assert events[0].attributes["ringserve.spec.accepted_tokens"] == 3
+        assert decode.attributes["ringserve.spec.acceptance_rate"] == pytest.approx(0.75)
+        assert decode.attributes["ringserve.spec.mean_accepted_length"] == pytest.approx(4.0)
+    finally:
+        await t.harness.channel.close()
+        await t.harness.server.stop(grace=None)

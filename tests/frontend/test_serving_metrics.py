@@ -133,3 +133,21 @@ async def test_the_feed_polls_only_while_the_engine_pushes_no_stats() -> None:
         assert value(metrics, "ringserve_num_requests_running") == 42
     finally:
         await feed.stop()
+
+
+@dataclass
+class SpecStats(Stats):
+    spec_verify_rows: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
+def test_speculative_decoding_counters_follow_engine_stats() -> None:
+    metrics = ServingMetrics(MODEL)
+    metrics.observe_engine_stats(SpecStats(spec_verify_rows=5, spec_proposed_tokens=20, spec_accepted_tokens=8))
+    assert value(metrics, "ringserve_spec_decode_num_draft_tokens_total") == 0  # before we looked
+    metrics.observe_engine_stats(SpecStats(spec_verify_rows=7, spec_proposed_tokens=28, spec_accepted_tokens=14))
+    assert value(metrics, "ringserve_spec_decode_num_drafts_total") == 2
+    assert value(metrics, "ringserve_spec_decode_num_draft_tokens_total") == 8
+    assert value(metrics, "ringserve_spec_decode_num_accepted_tokens_total") == 6
+    assert value(metrics, "ringserve_spec_decode_acceptance_rate") == pytest.approx(0.5)

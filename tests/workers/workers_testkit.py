@@ -125,3 +125,52 @@ def bind_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> KVC
     cache = KVCache.allocate(model.config, num_blocks, block_size, torch.float32, "cpu")
     model.bind_kv_cache(cache)
     return cache
+
+
+def serve_in_process(
+    runner: object,
+    requests: list[dict[str, object]],
+    *,
+    num_blocks: int,
+    block_size: int,
+    num_speculative_tokens: int = 0,
+    max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 16,
+    spec_max_batch: int = 0,
+    spec_min_acceptance: float = 0.0,
+) -> tuple[dict[int, list[int]], object]:
+    """The real C++ scheduler and a ModelRunner in one process, talking through encoded records like the engine and
+    a worker do. requests: AddRequest attribute dicts (request_id, prompt_token_ids, max_tokens, ...).
+    Returns each request's output tokens and the scheduler's final stats."""
+    from ringserve import _core
+    from ringserve.workers.worker_main import encode_result
+
+    config = _core.EngineConfig()
+    config.block_size = block_size
+    config.num_blocks = num_blocks
+    config.max_num_seqs = max_num_seqs
+    config.max_num_batched_tokens = max_num_batched_tokens
+    config.num_speculative_tokens = num_speculative_tokens
+    config.spec_max_batch = spec_max_batch
+    config.spec_min_acceptance = spec_min_acceptance
+    scheduler = _core.Scheduler(config)
+    for fields in requests:
+        r = _core.AddRequest()
+        for name, value in fields.items():
+            setattr(r, name, value)
+        assert scheduler.add_request(r) is None
+    tokens: dict[int, list[int]] = {int(f["request_id"]): [] for f in requests}  # type: ignore[call-overload]
+    for _ in range(10_000):
+        if not scheduler.has_unfinished:
+            break
+        plan = scheduler.schedule()
+        if plan is None:
+            break
+        plan = _core.decode_worker_command(_core.encode_record(plan))  # exactly what a worker reads
+        result = _core.decode_worker_result(encode_result(_core, runner.execute(plan)))  # type: ignore[attr-defined]
+        scheduler.update(result)
+        for o in scheduler.take_outputs():
+            tokens[o.request_id].extend(o.new_token_ids)
+        scheduler.check_invariants()
+    assert not scheduler.has_unfinished
+    return tokens, scheduler.stats()

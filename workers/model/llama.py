@@ -341,6 +341,16 @@ class LlamaForCausalLM(nn.Module):
         for layer, k, v in zip(self.model.layers, kv_cache.k, kv_cache.v, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache, layer.self_attn.backend = k, v, backend
 
+    def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """Logits of every row from the first `num_layers` layers, the final norm and the LM head (a self-draft)."""
+        x = self.model.embed_tokens(input_ids)
+        try:
+            for layer in self.model.layers[:num_layers]:
+                x = layer(positions, x)
+        finally:
+            self.model.rotary.end_step()
+        return self.lm_head(self.model.norm(x)).float()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Packed token ids and positions [num_tokens] -> float32 logits for the metadata's logits rows."""
         hidden = self.model(input_ids, positions)

@@ -1,0 +1,208 @@
+"""Speculative decoding in the workers: proposers, lossless acceptance, and the engine's lookahead contract end to end
+(the real C++ scheduler in process, records encoded and decoded as between the engine and a worker)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from ringserve.workers.loader import load_hf_model
+from ringserve.workers.model_runner import ModelRunner
+from ringserve.workers.speculative import LayerDraftProposer, NgramProposer, make_proposer
+from workers_testkit import save_tiny_hf_model, serve_in_process
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_spec")
+    save_tiny_hf_model("llama", folder)
+    # A separate draft checkpoint: same vocabulary, other weights (so its proposals are often wrong).
+    save_tiny_hf_model("llama", folder / "draft", seed=1)
+    # The target's own weights as a separate checkpoint: every draft is right iff its own KV cache is kept right.
+    save_tiny_hf_model("llama", folder / "draft_same", seed=0)
+    return folder
+
+
+def runner_for(folder, draft: str | None, num_blocks: int = 128) -> ModelRunner:
+    model = load_hf_model(folder, torch.float32)
+    runner = ModelRunner(model, block_size=BLOCK, num_kv_blocks=num_blocks)
+    if draft is not None:
+        runner.proposer = make_proposer(
+            draft, runner.model, num_blocks, BLOCK, torch.Generator().manual_seed(1),
+            load_draft=lambda path: load_hf_model(path, torch.float32),
+        )  # fmt: skip
+    return runner
+
+
+def copying_prompts(count: int, rng: np.random.Generator) -> list[list[int]]:
+    """Prompts that repeat a random phrase, so n-gram lookup finds continuations to propose."""
+    prompts = []
+    for _ in range(count):
+        phrase = rng.integers(3, 250, size=int(rng.integers(4, 9))).tolist()
+        prompts.append((phrase * 3)[: int(rng.integers(10, 3 * len(phrase) + 1))])
+    return prompts
+
+
+def test_ngram_lookup_prefers_the_longest_and_latest_match() -> None:
+    ngram = NgramProposer(min_n=1, max_n=3)
+    assert ngram.lookup(np.array([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]), 3).tolist() == [4, 9, 2]  # "1 2 3" matched
+    assert ngram.lookup(np.array([7, 2, 3, 8, 6, 2, 3]), 2).tolist() == [8, 6]  # "2 3": the only earlier match
+    assert ngram.lookup(np.array([5, 6, 5, 7, 5]), 2).tolist() == [7, 5]  # the latest "5"
+    assert ngram.lookup(np.array([1, 2, 3]), 4).tolist() == []
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        NgramProposer(min_n=3, max_n=2)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "layers:1", "model"])
+def test_greedy_output_equals_plain_decoding_in_mixed_batches_with_preemption(tiny_folder, draft: str) -> None:
+    if draft == "model":
+        draft = str(tiny_folder / "draft_same")
+    rng = np.random.default_rng(0)
+    prompts = copying_prompts(6, rng)
+    requests = [
+        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+        for i, p in enumerate(prompts)
+    ]
+    # Request 3 asks for a penalty: the worker never drafts for it, in the same batches as the others.
+    requests[2]["repetition_penalty"] = 1.3
+    plain, _ = serve_in_process(runner_for(tiny_folder, None), requests, num_blocks=128, block_size=BLOCK)
+    spec, stats = serve_in_process(
+        runner_for(tiny_folder, draft), requests, num_blocks=128, block_size=BLOCK, num_speculative_tokens=4
+    )
+    assert spec == plain
+    assert stats.spec_accepted_tokens > 0
+    if draft.endswith("draft_same"):  # the target's own weights: wrong only where float rounding differs
+        assert stats.spec_accepted_tokens >= 0.9 * stats.spec_proposed_tokens
+    # A pool too small for all six: requests get preempted and recomputed mid-run, lookahead shrinks.
+    tight, tight_stats = serve_in_process(
+        runner_for(tiny_folder, draft, num_blocks=40), requests, num_blocks=40, block_size=BLOCK,
+        num_speculative_tokens=4,
+    )  # fmt: skip
+    assert tight_stats.num_preemptions > 0
+    assert tight == plain
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_ngram_speculation(tiny_folder) -> None:
+    rng = np.random.default_rng(1)
+    requests = [
+        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": 20, "temperature": 0.1, "top_p": 0.9,
+         "seed": 100 + i, "has_seed": True, "ignore_eos": True}
+        for i, p in enumerate(copying_prompts(4, rng))
+    ]  # fmt: skip
+    plain, _ = serve_in_process(runner_for(tiny_folder, None), requests, num_blocks=128, block_size=BLOCK)
+    runner = runner_for(tiny_folder, None)
+    runner.proposer = NgramProposer(min_n=1, max_n=3)
+    spec, stats = serve_in_process(runner, requests, num_blocks=128, block_size=BLOCK, num_speculative_tokens=4)
+    assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0
+    assert spec == plain
+
+
+def test_self_draft_rejects_a_layer_count_it_cannot_take(tiny_folder) -> None:
+    model = load_hf_model(tiny_folder, torch.float32)
+    with pytest.raises(ValueError, match="layers:2"):
+        LayerDraftProposer(model, 2, torch.Generator())
+
+
+# chi-square critical values at p = 0.001 for 1..9 degrees of freedom: a correct rule fails about once in 1000 runs
+# per check, and the draws below are seeded, so the test is deterministic.
+_CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88]
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    keep = probs > 0
+    expected = probs[keep] * counts.sum()
+    assert counts[~keep].sum() == 0, "a token outside the target's support was emitted"
+    return float(((counts[keep] - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.8, 0.0), (1.4, 4, 1.0, 0.0), (1.0, 0, 1.0, 0.15)],
+)
+@pytest.mark.parametrize("draft_kind", ["sampled", "point_mass"])
+def test_rejection_sampling_keeps_the_target_distribution(
+    temperature: float, top_k: int, top_p: float, min_p: float, draft_kind: str
+) -> None:
+    """Every emitted token is distributed as the target's processed p at its position, whatever the draft's q."""
+    from ringserve.workers.sampler import Sampler, SamplingBatch, sampling_distribution
+    from ringserve.workers.speculative import verify_drafts
+
+    vocab, k, trials = 8, 3, 6000
+    gen = torch.Generator().manual_seed(7)
+    target = torch.randn(k + 1, vocab, generator=gen) * 1.5  # per position, the same in every trial
+    draft = target[:k] + torch.randn(k, vocab, generator=gen)  # deliberately unlike the target
+    one = SamplingBatch.build([temperature] * (k + 1), [top_k] * (k + 1), [top_p] * (k + 1))
+    one.min_p = torch.full((k + 1,), min_p)
+    p = sampling_distribution(target, one)  # [k + 1, vocab]
+    q = sampling_distribution(torch.cat([draft, draft[:1]]), one)[:k]
+    drafts = torch.multinomial(q.repeat(trials, 1), 1, generator=gen).view(trials, k)
+    if draft_kind == "point_mass":
+        drafts[:, 0] = int(q[0].argmax())  # a fixed proposal, q = its point mass
+    batch = SamplingBatch.build([temperature] * trials, [top_k] * trials, [top_p] * trials)
+    batch.min_p = torch.full((trials,), min_p)
+    batch.output_index = torch.zeros(trials, dtype=torch.int64)
+    result = verify_drafts(
+        target.repeat(trials, 1),
+        np.full(trials, k),
+        [d.numpy() for d in drafts],
+        batch,
+        Sampler(torch.Generator().manual_seed(11)),
+        None if draft_kind == "point_mass" else [q] * trials,
+    )
+    lengths = np.array([len(t) for t in result.token_ids])
+    assert lengths.min() >= 1 and lengths.max() <= k + 1 and (lengths > 1).any()
+    for position in range(k + 1):
+        emitted = np.array([t[position] for t in result.token_ids if len(t) > position])
+        if len(emitted) < 500:
+            continue
+        stat, dof = _chi_square(np.bincount(emitted, minlength=vocab), p[position].numpy())
+        if dof > 0:
+            assert stat < _CHI2_999[dof - 1], (position, stat, dof)
+
+
+def test_sampled_drafts_from_a_draft_model_are_reproducible_for_seeded_requests(tiny_folder) -> None:
+    rng = np.random.default_rng(2)
+    requests = [
+        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": 12, "temperature": 0.9, "top_k": 20,
+         "seed": 7 + i, "has_seed": True, "ignore_eos": True}
+        for i, p in enumerate(copying_prompts(3, rng))
+    ]  # fmt: skip
+    folder, draft = tiny_folder, str(tiny_folder / "draft")
+    runs = [
+        serve_in_process(runner_for(folder, draft), requests, num_blocks=64, block_size=4, num_speculative_tokens=3)
+        for _ in range(2)
+    ]
+    assert runs[0][0] == runs[1][0]
+    assert all(len(t) == 12 for t in runs[0][0].values())
+    assert runs[0][1].spec_proposed_tokens > 0
+
+
+@pytest.mark.skipif(not os.environ.get("RINGSERVE_TEST_GGUF"), reason="set RINGSERVE_TEST_GGUF to a llama .gguf file")
+def test_embedded_model_greedy_output_is_unchanged_by_speculation() -> None:
+    from ringserve.workers.loader import load_model
+
+    model = load_model(os.environ["RINGSERVE_TEST_GGUF"], torch.float32, "cpu")
+    # Copying prompts (a phrase of real ids, repeated) and a fresh one; 6 blocks of 16 for 3 requests of up to 52
+    # tokens, so requests are preempted and recomputed mid-run.
+    phrase = [504, 3575, 282, 4649, 314, 7042, 30, 216]
+    requests = [
+        {"request_id": 1, "prompt_token_ids": phrase * 3, "max_tokens": 28, "temperature": 0.0},
+        {"request_id": 2, "prompt_token_ids": phrase[::-1] * 2 + phrase[:3], "max_tokens": 28, "temperature": 0.0},
+        {"request_id": 3, "prompt_token_ids": [504, 3575, 282, 4649, 314], "max_tokens": 28, "temperature": 0.0},
+    ]
+    outputs = {}
+    for draft in (None, "ngram", "layers:8"):
+        runner = ModelRunner(model, block_size=16, num_kv_blocks=6)  # a fresh KV cache and batch on the same weights
+        if draft is not None:
+            runner.proposer = make_proposer(draft, runner.model, 6, 16, torch.Generator())
+        outputs[draft], stats = serve_in_process(
+            runner, requests, num_blocks=6, block_size=16, num_speculative_tokens=4 if draft else 0
+        )
+        assert stats.num_preemptions > 0
+        if draft is not None:
+            assert stats.spec_accepted_tokens > 0
+            assert outputs[draft] == outputs[None], draft

@@ -1,0 +1,198 @@
+"""Draft-token proposers behind one interface: n-gram prompt lookup, a self-draft (the target's first layers) and a
+separate draft model.
+
+A proposer sees the persistent batch (every slot's known tokens and block table) and returns, per request, up to
+`max_tokens[i]` draft tokens, plus the drafter's sampling distribution for them when it sampled (None = point mass).
+Model drafters run `max_tokens` sequential one-token forward passes over the paged KV of the lookahead positions the
+engine reserved; the target's verification pass afterwards rewrites those positions with its own KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.input_batch import InputBatch
+from ringserve.workers.model import KVCache, LlamaForCausalLM
+from ringserve.workers.sampler import _GREEDY_TEMPERATURE, SamplingBatch, _select, sampling_distribution
+
+
+@dataclass
+class DraftProposal:
+    token_ids: np.ndarray  # int64 [n], n <= the request's lookahead
+    probs: torch.Tensor | None = None  # [n, vocab] the drafter's distribution (sampled drafts); None = point mass
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(
+        self, batch: InputBatch, slots: np.ndarray, max_tokens: np.ndarray, sampling: SamplingBatch
+    ) -> list[DraftProposal]: ...
+
+    def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Called with every target forward pass (a drafter with its own KV cache computes the same tokens)."""
+
+
+class NgramProposer:
+    """Prompt lookup: the last n tokens (n from max_n down to min_n) matched earlier in prompt + output; proposes
+    what followed the most recent match. No model; a few vectorized numpy comparisons per request."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min ({min_n}) <= max ({max_n})")
+        self.min_n, self.max_n = min_n, max_n
+
+    def lookup(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            pattern = tokens[length - n :]
+            # Windows that end before the last token, so each has at least one token after it.
+            windows = sliding_window_view(tokens[: length - 1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].copy()
+        return np.zeros(0, np.int64)
+
+    def propose(
+        self, batch: InputBatch, slots: np.ndarray, max_tokens: np.ndarray, sampling: SamplingBatch
+    ) -> list[DraftProposal]:
+        return [
+            DraftProposal(self.lookup(batch.token_ids[slot, : batch.num_tokens[slot]], int(k)))
+            for slot, k in zip(slots.tolist(), max_tokens.tolist(), strict=True)
+        ]
+
+    def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        pass
+
+
+class _ModelDrafter:
+    """k sequential one-token passes of a drafting forward; greedy rows draft by argmax, sampled rows draw from the
+    drafter's distribution after the request's own temperature / min-p / top-k / top-p (the q of rejection sampling)."""
+
+    name = "draft"
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def propose(
+        self, batch: InputBatch, slots: np.ndarray, max_tokens: np.ndarray, sampling: SamplingBatch
+    ) -> list[DraftProposal]:
+        n = len(slots)
+        steps = int(max_tokens.max()) if n else 0
+        dev = batch.device
+        bs = batch.block_size
+        last = batch.num_tokens[slots] - 1  # the position of each request's newest token (computed this step)
+        tokens = torch.from_numpy(batch.token_ids[slots, last]).to(dev)
+        drafted = torch.zeros(n, steps, dtype=torch.int64, device=dev)
+        sampled = sampling.temperature > _GREEDY_TEMPERATURE
+        probs: torch.Tensor | None = None
+        for j in range(steps):
+            # Every request drafts `steps` tokens (the verification keeps only its own max_tokens): one batch shape.
+            pos = last + j
+            width = int(-(-(pos.max() + 1) // bs))
+            slot_mapping = batch.block_table[slots, pos // bs].astype(np.int64) * bs + pos % bs
+            metadata = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+                cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.from_numpy((pos + 1).astype(np.int32)).to(dev),
+                block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[slots, :width])).to(dev),
+                logits_indices=None,
+                query_lens_cpu=[1] * n,
+                seq_lens_cpu=(pos + 1).tolist(),
+                block_size=bs,
+            )
+            with torch.inference_mode(), attention_metadata_scope(metadata):
+                logits = self._forward(tokens, torch.from_numpy(pos).to(dev))
+            nxt = logits.argmax(dim=-1)
+            if bool(sampled.any()):
+                rows = sampled.nonzero().squeeze(1)
+                q = sampling_distribution(logits[rows], _select(sampling, rows))
+                nxt[rows] = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+                if probs is None:
+                    probs = torch.zeros(n, steps, logits.shape[-1], device=dev)
+                probs[rows, j] = q
+            drafted[:, j] = nxt
+            tokens = nxt
+        out = drafted.cpu().numpy()
+        proposals = []
+        for i, k in enumerate(max_tokens.tolist()):
+            q_i = probs[i, :k] if probs is not None and bool(sampled[i]) else None
+            proposals.append(DraftProposal(out[i, :k], q_i))
+        return proposals
+
+    def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        pass
+
+
+class LayerDraftProposer(_ModelDrafter):
+    """Self-draft: the target's first `num_layers` layers, its final norm and LM head. Those layers' KV of every
+    computed token is the target's own, so it drafts from the target's KV cache with no cache of its own."""
+
+    name = "layers"
+
+    def __init__(self, target: LlamaForCausalLM, num_layers: int, generator: torch.Generator) -> None:
+        super().__init__(generator)
+        if not 1 <= num_layers < target.config.num_layers:
+            raise ValueError(f"--draft layers:{num_layers}: needs 1 <= N < the target's {target.config.num_layers}")
+        self.target, self.num_layers = target, num_layers
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.target.forward_layers(input_ids, positions, self.num_layers)
+
+
+class DraftModelProposer(_ModelDrafter):
+    """A separate llama-family checkpoint with the target's vocabulary and its own paged KV cache (same block size
+    and block ids as the target's), fed every token the target computes so its cache stays complete."""
+
+    name = "draft_model"
+
+    def __init__(
+        self, model: LlamaForCausalLM, target_vocab: int, num_blocks: int, block_size: int, generator: torch.Generator
+    ) -> None:
+        super().__init__(generator)
+        if model.config.vocab_size != target_vocab:
+            raise ValueError(f"draft vocabulary {model.config.vocab_size} differs from the target's {target_vocab}")
+        model.fuse_projections()
+        self.model = model
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype, device)
+        model.bind_kv_cache(self.kv_cache)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_layers(input_ids, positions, self.model.config.num_layers)
+
+    def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        with torch.inference_mode(), attention_metadata_scope(metadata):
+            self.model.model(input_ids, positions)  # KV only: no LM head
+
+
+def make_proposer(
+    spec: str,
+    target: LlamaForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    generator: torch.Generator,
+    ngram_min: int = 2,
+    ngram_max: int = 4,
+    load_draft: object = None,
+) -> Proposer:
+    """`ngram`, `layers:N` or a draft checkpoint path (`load_draft(path) -> LlamaForCausalLM`)."""
+    if spec == "ngram":
+        return NgramProposer(ngram_min, ngram_max)
+    if spec.startswith("layers:"):
+        return LayerDraftProposer(target, int(spec.split(":", 1)[1]), generator)
+    if load_draft is None or not callable(load_draft):
+        raise ValueError(f"--draft {spec!r}: expected ngram, layers:N or a model path")
+    return DraftModelProposer(load_draft(spec), target.config.vocab_size, num_blocks, block_size, generator)
