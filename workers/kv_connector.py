@@ -131,6 +131,25 @@ def check_compatible(local: KvPeerInfo, remote: KvPeerInfo) -> None:
         raise KvHandshakeError("incompatible KV layouts: " + "; ".join(problems))
 
 
+def pack_peer_infos(infos: list[bytes]) -> bytes:
+    """Every TP rank's encoded KvPeerInfo, rank order, each as u32 length + bytes: the `peer` of a KV pull."""
+    return b"".join(struct.pack("<I", len(i)) + i for i in infos)
+
+
+def unpack_peer_infos(data: bytes) -> list[bytes]:
+    out: list[bytes] = []
+    pos = 0
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise KvHandshakeError("peer info list is truncated")
+        (n,) = struct.unpack_from("<I", data, pos)
+        if pos + 4 + n > len(data):
+            raise KvHandshakeError("peer info list is truncated")
+        out.append(bytes(data[pos + 4 : pos + 4 + n]))
+        pos += 4 + n
+    return out
+
+
 class KvRegion:
     """The KV cache memory of one worker rank in a shared-memory segment, created zero-filled, unlinked on close."""
 
