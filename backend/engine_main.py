@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size in blocks")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache budget when not given in blocks")
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
+    p.add_argument("--kv-transfer", choices=("none", "shm", "nixl"), default="none",
+                   help="disaggregation: the workers' KV transfer backend")
+    p.add_argument("--kv-info-dir", default=None, help="where the workers write their KV peer infos")
+    p.add_argument("--model-id", default="", help="model identity the KV handshake compares")
     return p.parse_args(argv)
 
 
@@ -70,6 +74,10 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
     ]  # fmt: skip
     if args.num_kv_blocks is not None:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.kv_transfer != "none":
+        cmd += ["--kv-transfer", args.kv_transfer, "--model-id", args.model_id]
+        if args.kv_info_dir:
+            cmd += ["--kv-info-dir", args.kv_info_dir]
     return cmd
 
 

@@ -11,12 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ringserve.backend.process import stop_child, wait_for_exit
 from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
 from ringserve.frontend.cli_env import env_default, env_help, parse_bool
+from ringserve.frontend.disagg import model_identity
 from ringserve.frontend.engine_client import EngineClient
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
 from ringserve.frontend.security import ServerSecurity, add_server_security_arguments
@@ -88,6 +90,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--metrics-port", 0, int, "serve Prometheus metrics at http://HOST:PORT/metrics; 0 = off (default)")
     flag("--metrics-stats-interval", 1.0, float,
          "seconds between engine stats queries when the engine pushes none (default %(default)s)")
+    # Disaggregated prefill/decode (DESIGN.md §8): a router sends prompts to prefill servers and decoding to decode
+    # servers; their workers move KV blocks through the --kv-transfer backend.
+    flag("--role", "both", str, "both = ordinary server; prefill / decode = a disaggregated deployment's part "
+         "(default %(default)s)", choices=["both", "prefill", "decode"])
+    flag("--kv-transfer", "auto", str, "KV transfer backend between prefill and decode servers: shm (same host), "
+         "nixl (NIXL over UCX: RDMA, TCP), none; auto = shm for --role prefill/decode, none for both",
+         choices=["auto", "none", "shm", "nixl"])
+    flag("--kv-pin-timeout", 30.0, float, "seconds a prefill server keeps a request's KV blocks pinned waiting for "
+         "the decode server's pull (default %(default)s)")
     add_server_security_arguments(p)  # --tls-*, --api-key(-file), --max-message-size-mib
 
 
@@ -136,7 +147,18 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
     ]  # fmt: skip
     if args.num_kv_blocks > 0:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    transfer = kv_transfer_backend(args)
+    if transfer != "none":
+        cmd += ["--kv-transfer", transfer, "--kv-info-dir", args.kv_info_dir,
+                "--model-id", model_identity(str(source.path), source.name, dtype)]  # fmt: skip
     return cmd
+
+
+def kv_transfer_backend(args: argparse.Namespace) -> str:
+    choice = getattr(args, "kv_transfer", "none")
+    if choice == "auto":
+        return "none" if getattr(args, "role", "both") == "both" else "shm"
+    return choice
 
 
 def check_serve_arguments(args: argparse.Namespace) -> str | None:
@@ -152,6 +174,10 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
         return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {args.priority_aging_ms})"
     if args.max_model_len < 0 or args.num_kv_blocks < 0 or args.kv_cache_memory_gib <= 0:
         return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
+    if args.role != "both" and kv_transfer_backend(args) == "none":
+        return f"--role {args.role} needs a KV transfer backend: --kv-transfer shm or nixl"
+    if args.kv_pin_timeout <= 0:
+        return f"--kv-pin-timeout must be > 0 seconds (got {args.kv_pin_timeout})"
     return None
 
 
@@ -231,6 +257,7 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
         server = build_server(client, tokenizer, info, args.host, args.port, tracer=tracer, metrics=metrics,
                               model_url=str(source.path), max_num_seqs=args.max_num_seqs, security=security,
                               max_waiting_requests=args.max_waiting_requests)
+        add_disaggregation(server, client, args, ready)
         await server.start()
         log.info("serving %s on %s:%d (%d KV blocks of %d tokens)", source.name, args.host, server.port,
                  ready.num_total_blocks, ready.block_size)  # fmt: skip
@@ -258,6 +285,22 @@ async def serve_until_stopped(args: argparse.Namespace, source: ModelSource, dty
         await stop_observability(tracer, metrics_http, stats_feed)
 
 
+def add_disaggregation(server: Any, client: EngineClient, args: argparse.Namespace, ready: Any) -> None:
+    """The internal Disaggregation service, with this server's role and its workers' KV peer infos."""
+    from ringserve.frontend.disagg import DisaggregationServicer, LocalKv, read_worker_infos
+    from ringserve.internal import disagg_pb2_grpc
+
+    transfer = kv_transfer_backend(args)
+    kv = None
+    if transfer != "none":
+        infos = read_worker_infos(args.kv_info_dir, args.tensor_parallel_size)
+        kv = LocalKv(transfer, infos, ready.block_size, args.kv_pin_timeout)
+    servicer = DisaggregationServicer(server.servicer, client, args.role, kv)
+    disagg_pb2_grpc.add_DisaggregationServicer_to_server(servicer, server.server)
+    if args.role != "both" or kv is not None:
+        log.info("role %s, KV transfer %s, engine id %s", args.role, transfer, servicer.engine_id)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (error := check_serve_arguments(args)) is not None:
@@ -277,6 +320,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     for name in _core.reclaim_stale_segments():
         log.info("removed stale shared-memory segment %s left by a dead process", name)
+    kv_info_dir = tempfile.TemporaryDirectory(prefix="ringserve-kv-")  # the workers' KV peer infos
+    args.kv_info_dir = kv_info_dir.name
     request_ring = _core.ShmRing.create(new_segment_name("req"), REQUEST_RING_BYTES, 1)
     event_ring = _core.ShmRing.create(new_segment_name("evt"), EVENT_RING_BYTES, 1)
     engine: subprocess.Popen[bytes] | None = None
@@ -291,3 +336,4 @@ def run_serve(args: argparse.Namespace) -> int:
             stop_child(engine, timeout_s=15.0)
         request_ring.unlink()
         event_ring.unlink()
+        kv_info_dir.cleanup()
