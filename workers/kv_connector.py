@@ -151,14 +151,14 @@ class _NixlBackend:
 
     def __post_init__(self) -> None:
         try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
+            from nixl_cu12 import _api
         except ImportError:
             try:
-                from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+                from nixl import _api  # type: ignore[no-redef]
             except ImportError as exc:
                 raise RuntimeError("the NIXL KV backend needs the nixl (or nixl-cu12) package") from exc
         self.name = f"ringserve-{os.getpid()}-{secrets.token_hex(4)}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent = _nixl_agent_with_progress_delay(_api, self.name, _PROGRESS_DELAY_US)
         r = self.region
         self.agent.register_memory([(r.base_address, r.region_bytes, 0, "")], "DRAM")
         self.local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _block_descs(r.base_address, r), "DRAM")
@@ -224,6 +224,28 @@ class _NixlBackend:
         if self.local_dlist is not None:
             self.agent.release_dlist_handle(self.local_dlist)
             self.local_dlist = None
+
+
+# The UCX progress thread must run on both sides (over TCP a READ is served by the source's thread), but the Python
+# wrapper starts it with no delay between polls: a spinning core per worker, which on a CPU-only box takes a core
+# from the forward pass. Between polls it now sleeps this long (RINGSERVE_NIXL_PROGRESS_DELAY_US overrides; 0 = spin).
+_PROGRESS_DELAY_US = int(os.environ.get("RINGSERVE_NIXL_PROGRESS_DELAY_US", "200"))
+
+
+def _nixl_agent_with_progress_delay(api: Any, name: str, delay_us: int) -> Any:
+    """`nixl_agent(name, UCX)`, its progress thread sleeping `delay_us` between polls. The wrapper hard-codes
+    pthrDelay = 0, so the config is adjusted on its way into the native agent (only during this construction)."""
+    native_agent = api.nixlBind.nixlAgent
+
+    def agent_with_delay(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return native_agent(agent_name, config)
+
+    api.nixlBind.nixlAgent = agent_with_delay
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    finally:
+        api.nixlBind.nixlAgent = native_agent
 
 
 def _block_descs(base: int, layout: Any) -> np.ndarray:

@@ -38,11 +38,10 @@ PROMPTS = [
     "def add(a: int, b: int) -> int:\n    \"\"\"Return the sum of a and b.",
     # Longer than one 128-token step: the prefill server chunks it.
     "In a distant galaxy, a small maintenance robot named Pip discovered a map. " * 6,
-    "Hi",
 ]
 
 
-def greedy(text: str, max_tokens: int = 12) -> pb.GenerateRequest:
+def greedy(text: str, max_tokens: int = 8) -> pb.GenerateRequest:
     return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                     ignore_eos=True))  # fmt: skip
 
@@ -140,43 +139,61 @@ def check_equal_to_colocated(prefill: RunningServer, decode: RunningServer, rout
     expected = [tokens(decode.address, r) for r in requests]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda r: tokens(router.address, r), requests))
-    for prompt, want, have in zip(PROMPTS + ["max_tokens=1"], expected, got, strict=True):
+    for prompt, want, have in zip([*PROMPTS, "max_tokens=1"], expected, got, strict=True):
         assert have == want, prompt
     assert len(got[-1][0]) == 1
     wait_all_free(prefill, decode)
 
 
 @pytest.mark.parametrize("deployment", ["shm"], indirect=True)
-def test_shm_disaggregated_serving_and_failures(deployment) -> None:
+def test_shm_disaggregated_serving_prefix_cache_handshake_and_prefill_death(deployment) -> None:
     prefill, decode, router = deployment
     check_equal_to_colocated(prefill, decode, router)
 
-    # The prefill server's prefix cache serves a repeated prompt (a direct internal call, then released).
     with grpc.insecure_channel(prefill.address) as channel:
         stub = dpb_grpc.DisaggregationStub(channel)
+        # The prefill server's prefix cache serves a repeated prompt; both requests' pins share those blocks.
         fresh = greedy("A prompt no earlier request used, about tides and the moon and the sea. " * 4)
         first = stub.Prefill(dpb.PrefillRequest(request=fresh), timeout=120)
         again = stub.Prefill(dpb.PrefillRequest(request=fresh), timeout=120)
         assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16 * 3
-        assert first.handle.block_ids[:3] == again.handle.block_ids[:3]  # the pinned blocks are shared
+        assert first.handle.block_ids[:3] == again.handle.block_ids[:3]
         assert stats(prefill).free_kv_blocks < stats(prefill).total_kv_blocks
         for pre in (first, again):
             stub.ReleaseKv(dpb.ReleaseKvRequest(engine_id=pre.handle.engine_id, request_id=pre.handle.request_id))
-        # A handle from another model layout is refused by the decode server's handshake.
+        wait_all_free(prefill)
+        # A handle whose layout differs from the decode server's is refused by the handshake, with the reason.
         bad = dpb.PrefillResponse()
         bad.CopyFrom(first)
         bad.handle.block_size = 32
         with grpc.insecure_channel(decode.address) as dchannel, pytest.raises(grpc.RpcError) as refused:
             list(dpb_grpc.DisaggregationStub(dchannel).GenerateFromKv(
-                dpb.GenerateFromKvRequest(request=greedy(PROMPTS[4]), prefill=bad), timeout=60))
+                dpb.GenerateFromKvRequest(request=fresh, prefill=bad), timeout=60))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "block sizes differ" in refused.value.details()
-    wait_all_free(prefill, decode)
+        # kill -9 the prefill server after it handed out a handle: the decode server still completes the request
+        # (pulling from the segment the dead workers left, or computing the prompt when it is gone).
+        request = greedy(PROMPTS[2])
+        expected = tokens(decode.address, request)
+        handle = stub.Prefill(dpb.PrefillRequest(request=request), timeout=120)
+    kill_tree(prefill)
+    with grpc.insecure_channel(decode.address) as channel:
+        responses = list(dpb_grpc.DisaggregationStub(channel).GenerateFromKv(
+            dpb.GenerateFromKvRequest(request=request, prefill=handle), timeout=120))
+    assert [t for r in responses for t in r.token_ids] == expected[0]
+    # With the prefill server gone, the router's Prefill fails and the decode server runs the whole request.
+    assert tokens(router.address, request) == expected
+    wait_all_free(decode)
 
-    # A decode server killed mid-stream: the client gets UNAVAILABLE naming it, the prefill's pin is released.
-    long_request = greedy(PROMPTS[1], max_tokens=400)
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed")
+@pytest.mark.parametrize("deployment", ["nixl"], indirect=True)
+def test_nixl_disaggregated_serving_and_decode_death(deployment) -> None:
+    prefill, decode, router = deployment
+    check_equal_to_colocated(prefill, decode, router)
+    # kill -9 the decode server mid-stream: the client gets UNAVAILABLE naming it; the prefill pin is released.
     with grpc.insecure_channel(router.address) as channel:
-        stream = generation_pb2_grpc.GenerationStub(channel).Generate(long_request, timeout=120)
+        stream = generation_pb2_grpc.GenerationStub(channel).Generate(greedy(PROMPTS[1], max_tokens=400), timeout=120)
         next(stream)
         next(stream)
         kill_tree(decode)
@@ -185,38 +202,3 @@ def test_shm_disaggregated_serving_and_failures(deployment) -> None:
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "decode server" in failed.value.details()
     wait_all_free(prefill)
-
-
-@pytest.mark.parametrize("deployment", ["shm"], indirect=True)
-def test_prefill_server_death_falls_back_to_local_prefill(deployment) -> None:
-    prefill, decode, router = deployment
-    request = greedy(PROMPTS[2])
-    expected = tokens(decode.address, request)
-    with grpc.insecure_channel(prefill.address) as channel:
-        handle = dpb_grpc.DisaggregationStub(channel).Prefill(dpb.PrefillRequest(request=request), timeout=120)
-    kill_tree(prefill)  # after handing out a handle: its segment may be gone; the decode side computes the prompt
-    with grpc.insecure_channel(decode.address) as channel:
-        responses = list(dpb_grpc.DisaggregationStub(channel).GenerateFromKv(
-            dpb.GenerateFromKvRequest(request=request, prefill=handle), timeout=120))
-    assert [t for r in responses for t in r.token_ids] == expected[0]
-    # Before any handle: the router's Prefill call fails and the decode server runs the whole request.
-    assert tokens(router.address, request) == expected
-    wait_all_free(decode)
-
-
-@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed")
-@pytest.mark.parametrize("deployment", ["nixl"], indirect=True)
-def test_nixl_disaggregated_serving(deployment) -> None:
-    prefill, decode, router = deployment
-    check_equal_to_colocated(prefill, decode, router)
-    # The source dies after handing out a handle: the NIXL READ fails and the decode workers compute the prompt.
-    request = greedy(PROMPTS[3])
-    expected = tokens(decode.address, request)
-    with grpc.insecure_channel(prefill.address) as channel:
-        handle = dpb_grpc.DisaggregationStub(channel).Prefill(dpb.PrefillRequest(request=request), timeout=120)
-    kill_tree(prefill)
-    with grpc.insecure_channel(decode.address) as channel:
-        responses = list(dpb_grpc.DisaggregationStub(channel).GenerateFromKv(
-            dpb.GenerateFromKvRequest(request=request, prefill=handle), timeout=120))
-    assert [t for r in responses for t in r.token_ids] == expected[0]
-    wait_all_free(decode)
