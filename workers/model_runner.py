@@ -218,7 +218,12 @@ class ModelRunner:
                     peers = kvc.unpack_peer_infos(pull.peer)
                     if len(peers) != world:
                         raise kvc.KvHandshakeError(f"source has {len(peers)} TP ranks, this server {world}")
+                    before_bytes, before_s = self.kv_connector.bytes_pulled, self.kv_connector.seconds_pulling
                     self.kv_connector.pull(peers[rank], pull.remote_block_ids, pull.local_block_ids)
+                    moved = self.kv_connector.bytes_pulled - before_bytes
+                    seconds = max(self.kv_connector.seconds_pulling - before_s, 1e-9)
+                    log.info("KV pull: %d blocks, %d bytes in %.3f ms (%.3f GiB/s)", len(pull.local_block_ids),
+                             moved, seconds * 1e3, moved / seconds / (1 << 30))
                 except (kvc.KvTransferError, kvc.KvHandshakeError) as exc:
                     log.warning("KV pull for slot %d failed, computing its prompt locally: %s", pull.slot, exc)
                     failed = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -161,6 +162,8 @@ def make_kv_connector(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     die_with_parent(args.parent_pid)
+    logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(message)s")  # fmt: skip
     # Ctrl-C reaches the whole process group; the engine stops the workers in order (WorkerShutdown), so ignore it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ringserve import _core as core  # built from csrc/; imported here so the rest of workers/ needs no build
