@@ -8,6 +8,7 @@ workers pull the blocks, stream the completion starting with the prefill's token
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -73,7 +74,7 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
         except _Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
         pin_ms = max(1, int(kv.pin_timeout_s * 1000))
-        params = params.__class__(**{**params.__dict__, "kv": KvTransfer("prefill", pin_timeout_ms=pin_ms)})
+        params = dataclasses.replace(params, kv=KvTransfer("prefill", pin_timeout_ms=pin_ms))
         request_id = self._engine.allocate_request_id()
         pinned: Any = None
         final: Any = None
