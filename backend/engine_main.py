@@ -67,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
     p.add_argument("--worker-threads", type=int, default=0,
                    help="torch CPU threads per worker (default 0: the usable CPUs divided among the ranks)")
+    p.add_argument("--kv-transfer", choices=("none", "shm", "nixl"), default="none",
+                   help="disaggregation: the workers' KV transfer backend")
+    p.add_argument("--kv-info-dir", default=None, help="where the workers write their KV peer infos")
+    p.add_argument("--model-id", default="", help="model identity the KV handshake compares")
     return p.parse_args(argv)
 
 
@@ -86,6 +90,10 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
     if args.num_speculative_tokens > 0:
         cmd += ["--speculation", "--draft", args.draft, "--prompt-lookup-min", str(args.prompt_lookup_min),
                 "--prompt-lookup-max", str(args.prompt_lookup_max)]  # fmt: skip
+    if args.kv_transfer != "none":
+        cmd += ["--kv-transfer", args.kv_transfer, "--model-id", args.model_id]
+        if args.kv_info_dir:
+            cmd += ["--kv-info-dir", args.kv_info_dir]
     return cmd
 
 

@@ -293,7 +293,10 @@ py::object decode_worker_command_py(const py::buffer& record) {
   StepPlanLayout layout;
   WorkerCommand command = decode_worker_command(view.span(), layout);
   auto* decoded = std::get_if<StepPlan>(&command);
-  if (decoded == nullptr) return py::cast(std::get<WorkerShutdown>(command));
+  if (decoded == nullptr) {
+    if (auto* pull = std::get_if<KvPull>(&command)) return py::cast(std::move(*pull));
+    return py::cast(std::get<WorkerShutdown>(command));
+  }
   // bytes are immutable; anything else is viewed through a memoryview, whose buffer export keeps a bytearray (say)
   // from being resized under the views.
   const py::object owner = PyBytes_Check(record.ptr()) ? py::object(record) : py::object(py::memoryview(record));
@@ -594,6 +597,50 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("rank", &WorkerFailed::rank)
       .def_property("message", &message_of<WorkerFailed>, &set_message<WorkerFailed>);
 
+  // ---- disaggregated prefill/decode (issue #8) -------------------------------------------------------------------
+  py::enum_<KvMode>(m, "KvMode")
+      .value("NONE", KvMode::kNone)
+      .value("PREFILL_ONLY", KvMode::kPrefillOnly)
+      .value("PULL_REMOTE", KvMode::kPullRemote);
+  auto bytes_of = [](const std::vector<uint8_t>& v) {
+    return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+  };
+  auto to_vector = [](const py::bytes& b) {
+    const std::string_view s(b);
+    return std::vector<uint8_t>(s.begin(), s.end());
+  };
+  py::class_<KvRequestOptions>(m, "KvRequestOptions")
+      .def(py::init<>())
+      .def_readwrite("request_id", &KvRequestOptions::request_id)
+      .def_readwrite("mode", &KvRequestOptions::mode)
+      .def_readwrite("pin_timeout_ms", &KvRequestOptions::pin_timeout_ms)
+      .def_readwrite("first_token_id", &KvRequestOptions::first_token_id)
+      .def_readwrite("remote_block_ids", &KvRequestOptions::remote_block_ids)
+      .def_property(
+          "peer", [bytes_of](const KvRequestOptions& r) { return bytes_of(r.peer); },
+          [to_vector](KvRequestOptions& r, const py::bytes& b) { r.peer = to_vector(b); });
+  py::class_<ReleaseKv>(m, "ReleaseKv").def(py::init<>()).def_readwrite("request_id", &ReleaseKv::request_id);
+  py::class_<KvPinned>(m, "KvPinned")
+      .def(py::init<>())
+      .def_readwrite("request_id", &KvPinned::request_id)
+      .def_readwrite("num_tokens", &KvPinned::num_tokens)
+      .def_readwrite("expires_at_ns", &KvPinned::expires_at_ns)
+      .def_readwrite("block_ids", &KvPinned::block_ids);
+  py::class_<KvPull>(m, "KvPull")
+      .def(py::init<>())
+      .def_readwrite("slot", &KvPull::slot)
+      .def_readwrite("remote_block_ids", &KvPull::remote_block_ids)
+      .def_readwrite("local_block_ids", &KvPull::local_block_ids)
+      .def_property(
+          "peer", [bytes_of](const KvPull& r) { return bytes_of(r.peer); },
+          [to_vector](KvPull& r, const py::bytes& b) { r.peer = to_vector(b); });
+  m.def("encode_kv_request_options", &encode_py<KvRequestOptions>, py::arg("r"));
+  m.def("encode_release_kv", [](uint64_t id) { return encode_py(ReleaseKv{id}); }, py::arg("request_id"));
+  m.def("encode_record", &encode_py<KvRequestOptions>, py::arg("record"));
+  m.def("encode_record", &encode_py<ReleaseKv>, py::arg("record"));
+  m.def("encode_record", &encode_py<KvPinned>, py::arg("record"));
+  m.def("encode_record", &encode_py<KvPull>, py::arg("record"));
+
   // Encoders named by the contract.
   m.def("encode_add_request", &encode_py<AddRequest>, py::arg("r"));
   m.def("encode_abort_request", [](uint64_t id) { return encode_py(AbortRequest{id}); }, py::arg("request_id"));
@@ -794,11 +841,22 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<EngineConfig>(), py::arg("config"))
       .def(
           "add_request",
-          [](Scheduler& s, const AddRequest& r, int64_t now_ns) -> py::object {
-            auto rejected = s.add_request(r, now_ns);
+          [](Scheduler& s, const AddRequest& r, int64_t now_ns, const std::optional<KvRequestOptions>& kv) -> py::object {
+            auto rejected = s.add_request(r, now_ns, kv ? &*kv : nullptr);
             return rejected ? py::cast(*rejected) : py::none();
           },
-          py::arg("request"), py::arg("now_ns") = 0)
+          py::arg("request"), py::arg("now_ns") = 0, py::arg("kv") = py::none())
+      .def("release_pinned", &Scheduler::release_pinned, py::arg("request_id"))
+      .def("expire_pinned", &Scheduler::expire_pinned, py::arg("now_ns"))
+      .def_property_readonly("num_pinned_requests", &Scheduler::num_pinned_requests)
+      .def("take_kv_pulls",
+           [](Scheduler& s) { return std::vector<KvPull>(s.kv_pulls().begin(), s.kv_pulls().end()); })
+      .def("take_kv_pins",
+           [](Scheduler& s) {
+             std::vector<KvPinned> pins(s.kv_pins().begin(), s.kv_pins().end());
+             s.clear_kv_pins();
+             return pins;
+           })
       .def("abort_request", &Scheduler::abort_request, py::arg("request_id"))
       .def(
           "schedule",

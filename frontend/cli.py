@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
 
+    router = commands.add_parser("router", help="route requests over prefill and decode servers",
+                                 description="Serve the public API over disaggregated prefill and decode servers.")
+    from ringserve.frontend.router import add_router_arguments
+
+    add_router_arguments(router)
+
     generate = commands.add_parser("generate", help="generate text from a running server",
                                    description="Send one Generate request and print the completion.")
     add_generate_arguments(generate)
@@ -190,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ringserve.frontend.launcher import run_serve
 
         sys.exit(run_serve(args))
+    if args.command == "router":
+        from ringserve.frontend.router import run_router
+
+        sys.exit(run_router(args))
     runners = {"generate": run_generate, "tokenize": run_tokenize, "model-info": run_model_info,
                "stats": run_model_info}
     try:

@@ -80,6 +80,26 @@ class SamplingOptions:
     trace_id: bytes = bytes(16)  # zero = no trace context
     span_id: bytes = bytes(8)
     trace_flags: int = 0
+    kv: KvTransfer | None = None  # disaggregated prefill/decode
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """How a request uses KV computed on another server (the engine's KvRequestOptions record).
+
+    mode "prefill": run the prompt, sample one token, keep the blocks pinned for `pin_timeout_ms` (the stream yields
+    a `_core.KvPinned` before the final output). mode "pull": the prompt's KV is pulled from `remote_block_ids` on
+    the source `peer` (packed KvPeerInfos); the stream starts with `first_token_id`, the token the prefill server
+    sampled, and ends there when `first_finish` (an engine finish reason name) is not NONE.
+    """
+
+    mode: str
+    pin_timeout_ms: int = 0
+    first_token_id: int = 0
+    first_logprob: float = 0.0
+    first_finish: str = "NONE"
+    remote_block_ids: tuple[int, ...] = ()
+    peer: bytes = b""
 
 
 class TimedOutput:
@@ -261,12 +281,20 @@ class EngineClient:
         self._raise_if_failed()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id} is already in flight")
+        kv = params.kv
+        first = self._first_output(request_id, prompt_ids, kv) if kv is not None and kv.mode == "pull" else None
+        if first is not None and kv is not None and kv.first_finish != "NONE":
+            yield first  # the prefill's token ended the request: nothing for the engine to do
+            return
         record = self._core.encode_add_request(self._add_request(request_id, prompt_ids, params))
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = queue
-        submitted = finished = False
+        submitted = finished = pinned = False
+        kv_pinned = getattr(self._core, "KvPinned", ())
         try:
             try:
+                if kv is not None and not self._writer.try_write(self._kv_options(request_id, kv)):
+                    raise EngineBusyError()
                 written = self._writer.try_write(record)
             except ValueError as exc:  # larger than the ring's largest record
                 message = f"the prompt of {len(prompt_ids)} tokens is too large for the request ring: {exc}"
@@ -274,11 +302,17 @@ class EngineClient:
             if not written:
                 raise EngineBusyError()
             submitted = True
+            if first is not None:
+                yield first  # at once: the client sees the first token while the KV is being pulled
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if isinstance(item, kv_pinned):
+                    pinned = True
+                    yield item
+                    continue
                 finished = item.finish_reason.name != "NONE"
                 yield item
                 if finished:
@@ -286,7 +320,14 @@ class EngineClient:
         finally:
             self._streams.pop(request_id, None)
             if submitted and not finished and self._failure is None:
+                # An abort also frees blocks pinned for this id (a prefill whose caller went away).
                 self._send_control(self._core.encode_abort_request(request_id))
+            elif pinned and not finished and self._failure is None:
+                self._send_control(self._core.encode_release_kv(request_id))
+
+    def release_kv(self, request_id: int) -> None:
+        """Free the blocks a prefill-only request left pinned (the decode side has them or gave up)."""
+        self._send_control(self._core.encode_release_kv(request_id))
 
     async def abort(self, request_id: int) -> None:
         """Abort a request by id (its stream then ends with an ABORT output)."""
@@ -338,6 +379,28 @@ class EngineClient:
         record.span_id = params.span_id
         record.trace_flags = params.trace_flags
         return record
+
+    def _kv_options(self, request_id: int, kv: KvTransfer) -> bytes:
+        core = self._core
+        options = core.KvRequestOptions()
+        options.request_id = request_id
+        options.mode = core.KvMode.PREFILL_ONLY if kv.mode == "prefill" else core.KvMode.PULL_REMOTE
+        options.pin_timeout_ms = kv.pin_timeout_ms
+        options.first_token_id = kv.first_token_id
+        options.remote_block_ids = list(kv.remote_block_ids)
+        options.peer = kv.peer
+        return core.encode_kv_request_options(options)
+
+    def _first_output(self, request_id: int, prompt_ids: Sequence[int], kv: KvTransfer) -> TimedOutput:
+        """The prefill server's token as this request's first output."""
+        output = self._core.RequestOutput()
+        output.request_id = request_id
+        output.new_token_ids = [kv.first_token_id]
+        output.logprobs = [kv.first_logprob]
+        output.finish_reason = getattr(self._core.FinishReason, kv.first_finish)
+        output.num_prompt_tokens = len(prompt_ids)
+        now = time.time_ns()
+        return TimedOutput(output, now, now)
 
     def _send_control(self, record: bytes) -> None:
         # Keep order: once anything is pending, later records queue behind it.
@@ -398,6 +461,12 @@ class EngineClient:
                 if not future.done():
                     future.set_result(event)
             self._ready_waiters.clear()
+        elif isinstance(event, getattr(core, "KvPinned", ())):
+            queue = self._streams.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+            else:  # nobody is left to hand the blocks to a decode server
+                self.release_kv(event.request_id)
         elif isinstance(event, core.EngineFailed):
             log.error("engine failed: %s", event.message)
             self.fail(event.message)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import grpc
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
 from ringserve.frontend.cli_env import env_default, env_help, parse_bool
 from ringserve.frontend.deployment import ModelDeployment
+from ringserve.frontend.disagg import model_identity
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
 from ringserve.frontend.security import ServerSecurity, add_server_security_arguments
 from ringserve.frontend.server import (
@@ -38,7 +40,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 if TYPE_CHECKING:
+    from ringserve.frontend.disagg import DisaggregationServicer
     from ringserve.frontend.metrics import ServingMetrics
+    from ringserve.frontend.server import FrontendServer
     from ringserve.frontend.tracing import RequestTracer
 
 log = logging.getLogger("ringserve.serve")
@@ -132,6 +136,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--metrics-port", 0, int, "serve Prometheus metrics at http://HOST:PORT/metrics; 0 = off (default)")
     flag("--metrics-stats-interval", 1.0, float,
          "seconds between engine stats queries when the engine pushes none (default %(default)s)")
+    # Disaggregated prefill/decode (DESIGN.md §8): a router sends prompts to prefill servers and decoding to decode
+    # servers; their workers move KV blocks through the --kv-transfer backend.
+    flag("--role", "both", str, "both = ordinary server; prefill / decode = a disaggregated deployment's part "
+         "(default %(default)s)", choices=["both", "prefill", "decode"])
+    flag("--kv-transfer", "auto", str, "KV transfer backend between prefill and decode servers: shm (same host), "
+         "nixl (NIXL over UCX: RDMA, TCP), none; auto = shm for --role prefill/decode, none for both",
+         choices=["auto", "none", "shm", "nixl"])
+    flag("--kv-pin-timeout", 30.0, float, "seconds a prefill server keeps a request's KV blocks pinned waiting for "
+         "the decode server's pull (default %(default)s)")
     add_server_security_arguments(p)  # --tls-*, --api-key(-file), --max-message-size-mib
 
 
@@ -185,7 +198,18 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.worker_threads > 0:
         cmd += ["--worker-threads", str(args.worker_threads)]
+    transfer = kv_transfer_backend(args)
+    if transfer != "none":
+        cmd += ["--kv-transfer", transfer, "--kv-info-dir", args.kv_info_dir,
+                "--model-id", model_identity(str(source.path), source.name, dtype)]  # fmt: skip
     return cmd
+
+
+def kv_transfer_backend(args: argparse.Namespace) -> str:
+    choice = getattr(args, "kv_transfer", "none")
+    if choice == "auto":
+        return "none" if getattr(args, "role", "both") == "both" else "shm"
+    return choice
 
 
 def check_serve_arguments(args: argparse.Namespace) -> str | None:
@@ -214,6 +238,14 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
         return f"--worker-threads must be >= 0 (0 = automatic; got {args.worker_threads})"
     if args.max_model_len < 0 or args.num_kv_blocks < 0 or args.kv_cache_memory_gib <= 0:
         return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
+    if args.role != "both" and kv_transfer_backend(args) == "none":
+        return f"--role {args.role} needs a KV transfer backend: --kv-transfer shm or nixl"
+    if kv_transfer_backend(args) != "none" and (getattr(args, "models_config", "")
+                                                or getattr(args, "data_parallel_size", 1) > 1):
+        return ("a disaggregated server (--role prefill/decode or --kv-transfer) serves one model with one engine "
+                "replica: drop --models-config and --data-parallel-size, and run more servers behind the router")
+    if args.kv_pin_timeout <= 0:
+        return f"--kv-pin-timeout must be > 0 seconds (got {args.kv_pin_timeout})"
     return None
 
 
@@ -422,6 +454,7 @@ async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], 
     manager = ModelManager(catalog, launcher.load, drain_s=args.shutdown_grace,
                            runtime_changes=args.model_management)
     server = build_catalog_server(manager, args.host, args.port, security=security)
+    disaggregation = add_disaggregation(server, args)
     server.starting = True
     try:
         await server.start()  # health answers NOT_SERVING while the models load
@@ -438,6 +471,7 @@ async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], 
                 return 1
         if default_model:
             manager.set_default(default_model)
+        bind_disaggregation(disaggregation, catalog.get(specs[0].name), args)
         server.started()
         await stop_wait
         log.info("stopping: draining in-flight streams for up to %.1f s", args.shutdown_grace)
@@ -454,6 +488,32 @@ async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], 
             await server.stop(0)
         await manager.stop_all(0.0)
         await stop_observability(tracer, metrics_http)
+
+
+def add_disaggregation(server: FrontendServer, args: argparse.Namespace) -> DisaggregationServicer:
+    """The internal Disaggregation service (bound to the model once it is loaded): it must exist before the start."""
+    from ringserve.frontend.disagg import DisaggregationServicer
+    from ringserve.internal import disagg_pb2_grpc
+
+    servicer = DisaggregationServicer(None, None, args.role, None)
+    disagg_pb2_grpc.add_DisaggregationServicer_to_server(servicer, server.server)
+    return servicer
+
+
+def bind_disaggregation(servicer: DisaggregationServicer, model: ServedModel, args: argparse.Namespace) -> None:
+    """Give the service the model's engine (a disaggregated server runs one model, one replica) and KV peer infos."""
+    from ringserve.frontend.disagg import LocalKv, read_worker_infos
+
+    assert model.deployment is not None and model.servicer is not None
+    replica = model.deployment.replicas[0]
+    transfer = kv_transfer_backend(args)
+    kv = None
+    if transfer != "none":
+        infos = read_worker_infos(args.kv_info_dir, model.describe().tensor_parallel_size)
+        kv = LocalKv(transfer, infos, replica.ready.block_size, args.kv_pin_timeout)
+    servicer.bind(model.servicer, replica.client, kv)
+    if args.role != "both" or kv is not None:
+        log.info("role %s, KV transfer %s, engine id %s", args.role, transfer, servicer.engine_id)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -473,4 +533,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     for name in _core.reclaim_stale_segments():
         log.info("removed stale shared-memory segment %s left by a dead process", name)
-    return asyncio.run(serve_until_stopped(args, specs, default_model, metadata, security))
+    kv_info_dir = tempfile.TemporaryDirectory(prefix="ringserve-kv-")  # the workers' KV peer infos
+    args.kv_info_dir = kv_info_dir.name
+    try:
+        return asyncio.run(serve_until_stopped(args, specs, default_model, metadata, security))
+    finally:
+        kv_info_dir.cleanup()

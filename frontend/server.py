@@ -21,7 +21,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from ringserve.frontend.catalog import CatalogServicer, ModelCatalog, ModelManager, ServedModel
 from ringserve.frontend.detokenizer import CompletionText
-from ringserve.frontend.engine_client import EngineError, GenerationEngine, SamplingOptions
+from ringserve.frontend.engine_client import EngineError, GenerationEngine, KvTransfer, SamplingOptions
 from ringserve.frontend.security import ServerSecurity
 from ringserve.frontend.timeline import RequestTimeline, trace_headers
 from ringserve.frontend.tokenizer import ModelTokenizer
@@ -132,11 +132,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        async with contextlib.aclosing(self.generate(request, context)) as responses:
+            async for response in responses:
+                yield response
+
+    async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       prompt_ids: list[int] | None = None,
+                       kv: KvTransfer | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """Generate; disaggregation passes the prompt's ids (already tokenized by the prefill server) and `kv`."""
         # Observation costs one None check per output while tracing and metrics are off.
         timeline = self._start_timeline(request, context) if self._observed else None
         try:
             self._check_model(request.model)
-            prompt_ids = await self._prompt_ids(request)
+            if prompt_ids is None:
+                prompt_ids = await self._prompt_ids(request)
+            else:
+                self._check_token_ids(prompt_ids, "prompt_token_ids")
             if timeline is not None:
                 timeline.tokenize_end_ns = time.time_ns()
                 timeline.prompt_tokens = len(prompt_ids)
@@ -144,6 +155,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = self._sampling_options(sampling, len(prompt_ids), request.priority, request.cache_salt)
             n = _num_samples(sampling)
             stop = _stop_strings(sampling)
+            if kv is not None:
+                if n != 1:
+                    raise _invalid("sampling.n must be 1 for a request continuing from transferred KV")
+                params = dataclasses.replace(params, kv=kv)
             self._admit(n)  # last: nothing awaits between the queue check and the submission
         except _Rejection as rejection:
             if timeline is not None:

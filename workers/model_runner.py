@@ -7,6 +7,7 @@ gathers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ from ringserve.workers.sampler import Sampler
 from ringserve.workers.speculative import Proposer, verify_drafts
 
 _GIB = 1 << 30
+log = logging.getLogger(__name__)
 
 
 class NewRequestLike(Protocol):
@@ -149,6 +151,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_cache_dtype: torch.dtype | None = None,
         proposer: Proposer | None = None,
+        kv_cache: KVCache | None = None,
+        kv_connector: Any = None,
     ) -> None:
         model.fuse_projections()  # inference only from here on: one GEMM for q/k/v and one for gate/up
         self.model = model
@@ -156,10 +160,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         kv_dtype = kv_cache_dtype or next(model.parameters()).dtype
+        if kv_cache is not None:
+            num_kv_blocks = kv_cache.num_blocks
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for_memory(self.config, block_size, kv_dtype, kv_cache_memory_gib)
         self.num_kv_blocks = num_kv_blocks
-        self.kv_cache = KVCache.allocate(self.config, num_kv_blocks, block_size, kv_dtype, self.device)
+        # A given cache (e.g. views into a KV connector's shared region) must match num_kv_blocks and block_size.
+        self.kv_cache = kv_cache or KVCache.allocate(self.config, num_kv_blocks, block_size, kv_dtype, self.device)
+        self.kv_connector = kv_connector  # workers/kv_connector.KvConnector, for KvPull records (disaggregation)
+        self.kv_pulls: list[Any] = []  # KvPulls to run before the next plan
         model.bind_kv_cache(self.kv_cache, get_attention_backend(attention_backend, self.device))
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
         self.batch = InputBatch(block_size, num_kv_blocks, self.config.max_position, self.device)
@@ -182,6 +191,8 @@ class ModelRunner:
 
     def execute(self, plan: StepPlanLike) -> StepOutput:
         self.apply_plan_deltas(plan)
+        if self.kv_pulls:
+            self._run_kv_pulls()
         slots = np.asarray(plan.sched_slots, np.int64).reshape(-1)
         if not len(slots):
             return StepOutput(plan.step_id, *_empty_result())
@@ -302,6 +313,49 @@ class ModelRunner:
             counts,
             num_drafts[sampled].astype(np.int32),
         )
+
+
+    def _run_kv_pulls(self) -> None:
+        """Pulls each admitted remote-KV request's prompt blocks; on any failure computes them here instead."""
+        from ringserve.workers import kv_connector as kvc
+
+        pulls, self.kv_pulls = self.kv_pulls, []
+        rank, world = _tp_rank_and_size()
+        for pull in pulls:
+            failed = self.kv_connector is None
+            if not failed:
+                try:
+                    peers = kvc.unpack_peer_infos(pull.peer)
+                    if len(peers) != world:
+                        raise kvc.KvHandshakeError(f"source has {len(peers)} TP ranks, this server {world}")
+                    before_bytes, before_s = self.kv_connector.bytes_pulled, self.kv_connector.seconds_pulling
+                    self.kv_connector.pull(peers[rank], pull.remote_block_ids, pull.local_block_ids)
+                    moved = self.kv_connector.bytes_pulled - before_bytes
+                    seconds = max(self.kv_connector.seconds_pulling - before_s, 1e-9)
+                    log.info("KV pull: %d blocks, %d bytes in %.3f ms (%.3f GiB/s)", len(pull.local_block_ids),
+                             moved, seconds * 1e3, moved / seconds / (1 << 30))
+                except (kvc.KvTransferError, kvc.KvHandshakeError) as exc:
+                    log.warning("KV pull for slot %d failed, computing its prompt locally: %s", pull.slot, exc)
+                    failed = True
+            if world > 1:  # every rank must take the same path: the fallback forward runs collectives
+                flag = torch.tensor([1 if failed else 0], device=self.device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                failed = bool(flag.item())
+            if failed:
+                self.compute_prompt_kv(int(pull.slot))
+
+    def compute_prompt_kv(self, slot: int) -> None:
+        """Local-prefill fallback: writes the KV of the slot's prompt into its blocks (no sampling)."""
+        n = int(self.batch.num_prompt_tokens[slot])
+        step = self.batch.prepare(np.array([slot]), np.array([0]), np.array([n]), np.array([False]))
+        with torch.inference_mode(), attention_metadata_scope(step.metadata):
+            self.model(step.input_ids, step.positions)
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _empty_result() -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -62,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the ngram proposer matches")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram proposer matches")
     p.add_argument("--speculation", action="store_true", help="build the proposer (the engine plans lookahead)")
+    p.add_argument(
+        "--kv-transfer", choices=("none", "shm", "nixl"), default="none",
+        help="disaggregation: keep the KV cache in a shared region and serve / pull blocks through this backend",
+    )  # fmt: skip
+    p.add_argument("--kv-info-dir", default=None, help="where each rank writes its KV peer info (rank<r>.bin)")
+    p.add_argument("--model-id", default="", help="model identity the KV handshake compares")
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size {args.world_size} must be at least 1")
@@ -116,6 +123,7 @@ def serve_steps(
     core: ModuleType, reader: Any, writer: Any, runner: Any, rank: int, keep_running: Callable[[], bool]
 ) -> int:
     """The step loop; returns the exit code. Raises on a failed step (the caller reports WorkerFailed)."""
+    kv_pull = getattr(core, "KvPull", ())  # () matches nothing: a core (or test double) without disaggregation
     while True:
         record = reader.read(_READ_TIMEOUT_S)
         if record is None:
@@ -125,15 +133,52 @@ def serve_steps(
         command = core.decode_worker_command(record)
         if isinstance(command, core.WorkerShutdown):
             return 0
+        if isinstance(command, kv_pull):  # runs before the next plan, which admits its slot
+            runner.kv_pulls.append(command)
+            continue
         out = runner.execute(command)
         if rank == 0:  # every rank sampled the same tokens (same logits, same seeds); one answer is enough
             if not write_until_accepted(writer, encode_result(core, out), keep_running):
                 return 1
 
 
+def make_kv_connector(
+    args: argparse.Namespace, model: Any, kv_dtype: torch.dtype | None, device: torch.device
+) -> tuple[Any, Any]:
+    """With --kv-transfer: the KV cache as views into a shared region, its connector, and this rank's peer info
+    written to --kv-info-dir (the frontend hands it out in KV handles). (None, None) otherwise."""
+    if args.kv_transfer == "none":
+        return None, None
+    if device.type != "cpu":
+        raise RuntimeError("--kv-transfer keeps the KV cache in host shared memory; this build supports it on CPU only")
+    from ringserve.workers.kv_connector import KvConnector, KvRegion
+    from ringserve.workers.model import KVCache
+    from ringserve.workers.model_runner import kv_blocks_for_memory
+
+    config = model.config
+    dtype = kv_dtype or next(model.parameters()).dtype
+    blocks = args.num_kv_blocks or kv_blocks_for_memory(config, args.block_size, dtype, args.kv_cache_memory_gib)
+    region = KvRegion(config.num_layers, blocks, args.block_size, config.num_kv_heads, config.head_dim, dtype,
+                      role=f"kv{args.rank}")  # fmt: skip
+    try:
+        connector = KvConnector(args.kv_transfer, region, model_id=args.model_id, tp_rank=args.rank,
+                                tp_size=args.world_size)  # fmt: skip
+    except BaseException:
+        region.unlink()
+        raise
+    if args.kv_info_dir:
+        path = os.path.join(args.kv_info_dir, f"rank{args.rank}.bin")
+        with open(path + ".tmp", "wb") as f:
+            f.write(connector.info.encode())
+        os.replace(path + ".tmp", path)  # readers never see a partial file
+    return KVCache(k=region.k, v=region.v), connector
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     die_with_parent(args.parent_pid)
+    logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(message)s")  # fmt: skip
     # Ctrl-C reaches the whole process group; the engine stops the workers in order (WorkerShutdown), so ignore it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ringserve import _core as core  # built from csrc/; imported here so the rest of workers/ needs no build
@@ -146,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     def keep_running() -> bool:
         return parent_alive(args.parent_pid)
 
+    connector = None
     try:
         threads = args.num_threads or max(1, len(os.sched_getaffinity(0)) // args.world_size)
         torch.set_num_threads(threads)
@@ -153,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         init_distributed(args.rank, args.world_size, device)
         model = load_model(args.model, parse_dtype(args.dtype), device, args.rank, args.world_size)
         kv_dtype = None if args.kv_cache_dtype == "auto" else parse_dtype(args.kv_cache_dtype)
+        kv_cache, connector = make_kv_connector(args, model, kv_dtype, device)
         runner = ModelRunner(
             model,
             block_size=args.block_size,
@@ -162,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             kv_cache_dtype=kv_dtype,
             attention_backend=args.attention_backend,
+            kv_cache=kv_cache,
+            kv_connector=connector,
         )
         if args.speculation:
             runner.proposer = make_proposer(
@@ -188,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             write_until_accepted(writer, core.encode_worker_failed(args.rank, message), keep_running)
         return 1
     finally:
+        if connector is not None:
+            connector.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

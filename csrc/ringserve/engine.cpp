@@ -54,6 +54,8 @@ void Engine::housekeeping(bool force) {
   for (const pid_t pid : worker_pids_) {
     if (!is_process_alive(pid)) throw WorkerFailure("worker process " + std::to_string(pid) + " died");
   }
+  // Pinned blocks whose decode side never released them (it died, or the router gave up) go back to the pool.
+  if (scheduler_ && scheduler_->num_pinned_requests() > 0) scheduler_->expire_pinned(realtime_ns());
   if (interrupt_check_ && interrupt_check_()) stop();
 }
 
@@ -125,7 +127,14 @@ bool Engine::handle_request(const ByteBuffer& record) {
     return true;
   }
   if (auto* add = std::get_if<AddRequest>(&request)) {
-    if (auto rejected = scheduler_->add_request(*add, realtime_ns())) emit_record(*rejected);
+    const auto kv = pending_kv_.find(add->request_id);
+    const KvRequestOptions* options = kv != pending_kv_.end() ? &kv->second : nullptr;
+    if (auto rejected = scheduler_->add_request(*add, realtime_ns(), options)) emit_record(*rejected);
+    if (options != nullptr) pending_kv_.erase(kv);
+  } else if (auto* kv = std::get_if<KvRequestOptions>(&request)) {
+    pending_kv_.insert_or_assign(kv->request_id, std::move(*kv));
+  } else if (const auto* release = std::get_if<ReleaseKv>(&request)) {
+    scheduler_->release_pinned(release->request_id);  // unknown: expired or released already
   } else if (const auto* abort = std::get_if<AbortRequest>(&request)) {
     scheduler_->abort_request(abort->request_id);  // unknown id: already finished, nothing to do
   } else if (const auto* query = std::get_if<StatsQuery>(&request)) {
@@ -179,7 +188,21 @@ bool Engine::await_result(StepResult& result) {
   }
 }
 
+void Engine::emit_kv_pins() {
+  for (const KvPinned& pin : scheduler_->kv_pins()) emit_record(pin);
+  scheduler_->clear_kv_pins();
+}
+
+bool Engine::write_step_record(const ByteBuffer& record) {
+  while (!steps_.write(record, kPollInterval, &stop_)) {
+    if (stopping()) return false;
+    housekeeping(false);
+  }
+  return true;
+}
+
 void Engine::flush_outputs() {
+  emit_kv_pins();  // before the final outputs of the same requests, so a frontend has the handle when they end
   const std::span<const PackedOutput> outputs = scheduler_->outputs();
   if (outputs.empty()) return;
   const std::span<const int32_t> top_ids = scheduler_->output_top_token_ids();
@@ -244,16 +267,14 @@ void Engine::run() {
           continue;
         }
         busy = true;
-        encode(plan_, plan_buffer_);
         bool sent = true;
-        while (!steps_.write(plan_buffer_, kPollInterval, &stop_)) {
-          if (stopping()) {
-            sent = false;
-            break;
-          }
-          housekeeping(false);
+        for (const KvPull& pull : scheduler_->kv_pulls()) {  // the workers pull these before running the plan
+          encode(pull, plan_buffer_);
+          if (!(sent = write_step_record(plan_buffer_))) break;
         }
         if (!sent) break;
+        encode(plan_, plan_buffer_);
+        if (!write_step_record(plan_buffer_)) break;
         // The previous step's tokens go out while the workers compute this one: encoding events overlaps the
         // forward pass instead of delaying the next plan. (schedule() leaves the pending outputs alone.)
         flush_outputs();

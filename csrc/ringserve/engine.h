@@ -12,6 +12,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ringserve/records.h"
@@ -62,6 +63,8 @@ class Engine {
   void maybe_emit_stats(bool force);  // unsolicited EngineStats, at most every stats_interval_ms unless forced
   void send_worker_shutdown() noexcept;
   bool stopping() const { return stop_.load(std::memory_order_acquire); }
+  bool write_step_record(const ByteBuffer& record);  // waits for space; false on stop
+  void emit_kv_pins();                               // KvPinned events of finished prefill-only requests
 
   EngineConfig config_;
   std::vector<pid_t> worker_pids_;
@@ -82,6 +85,8 @@ class Engine {
   int64_t last_step_time_ns_ = 0;
   uint64_t outputs_step_id_ = 0;  // StepEvents.step_id of the pending outputs: the step whose update made them
   std::chrono::steady_clock::time_point last_stats_{};
+  // KvRequestOptions wait here for the AddRequest that follows them (disaggregation, issue #8).
+  std::unordered_map<uint64_t, KvRequestOptions> pending_kv_;
 };
 
 int64_t realtime_ns();

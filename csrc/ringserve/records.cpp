@@ -491,6 +491,44 @@ void encode(const WorkerFailed& r, ByteBuffer& out) {
   w.finish();
 }
 
+void encode(const KvRequestOptions& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.request_id);
+  w.put(r.mode);
+  w.put(r.pin_timeout_ms);
+  w.put(r.first_token_id);
+  w.put_array(r.remote_block_ids);
+  w.put_array(r.peer);
+  w.finish();
+}
+
+void encode(const ReleaseKv& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.request_id);
+  w.finish();
+}
+
+void encode(const KvPinned& r, ByteBuffer& out) {
+  PayloadWriter w(out, r.kType);
+  w.put(r.request_id);
+  w.put(r.num_tokens);
+  w.put(r.expires_at_ns);
+  w.put_array(r.block_ids);
+  w.finish();
+}
+
+void encode(const KvPull& r, ByteBuffer& out) {
+  if (r.remote_block_ids.size() != r.local_block_ids.size()) {
+    throw RecordError("KvPull remote_block_ids and local_block_ids must have equal lengths");
+  }
+  PayloadWriter w(out, r.kType);
+  w.put(r.slot);
+  w.put_array(r.remote_block_ids);
+  w.put_array(r.local_block_ids);
+  w.put_array(r.peer);
+  w.finish();
+}
+
 RequestRecord decode_request_record(std::span<const uint8_t> bytes) {
   const RecordHeader h = check_header(bytes);
   PayloadReader rd(bytes);
@@ -537,6 +575,25 @@ RequestRecord decode_request_record(std::span<const uint8_t> bytes) {
     case RecordType::kShutdown:
       rd.finish();
       return Shutdown{};
+    case RecordType::kKvRequestOptions: {
+      KvRequestOptions r;
+      r.request_id = rd.get<uint64_t>("request_id");
+      const auto mode = rd.get<uint8_t>("mode");
+      if (mode > static_cast<uint8_t>(KvMode::kPullRemote)) throw RecordError("unknown KV mode " + std::to_string(mode));
+      r.mode = static_cast<KvMode>(mode);
+      r.pin_timeout_ms = rd.get<uint32_t>("pin_timeout_ms");
+      r.first_token_id = rd.get<int32_t>("first_token_id");
+      rd.get_array(r.remote_block_ids, "remote_block_ids");
+      rd.get_array(r.peer, "peer");
+      rd.finish();
+      return r;
+    }
+    case RecordType::kReleaseKv: {
+      ReleaseKv r;
+      r.request_id = rd.get<uint64_t>("request_id");
+      rd.finish();
+      return r;
+    }
     default:
       unknown_type(h.type, "request");
   }
@@ -622,6 +679,15 @@ EngineEvent decode_engine_event(std::span<const uint8_t> bytes) {
       rd.finish();
       return r;
     }
+    case RecordType::kKvPinned: {
+      KvPinned r;
+      r.request_id = rd.get<uint64_t>("request_id");
+      r.num_tokens = rd.get<uint32_t>("num_tokens");
+      r.expires_at_ns = rd.get<int64_t>("expires_at_ns");
+      rd.get_array(r.block_ids, "block_ids");
+      rd.finish();
+      return r;
+    }
     default:
       unknown_type(h.type, "event");
   }
@@ -699,6 +765,17 @@ WorkerCommand decode_worker_command(std::span<const uint8_t> bytes, StepPlanLayo
     case RecordType::kWorkerShutdown:
       rd.finish();
       return WorkerShutdown{};
+    case RecordType::kKvPull: {
+      KvPull r;
+      r.slot = rd.get<int32_t>("slot");
+      const uint32_t n = rd.get_array(r.remote_block_ids, "remote_block_ids");
+      if (rd.get_array(r.local_block_ids, "local_block_ids") != n) {
+        throw RecordError("KvPull remote_block_ids and local_block_ids have different lengths");
+      }
+      rd.get_array(r.peer, "peer");
+      rd.finish();
+      return r;
+    }
     default:
       unknown_type(h.type, "step");
   }

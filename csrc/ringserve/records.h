@@ -31,15 +31,19 @@ enum class RecordType : uint16_t {
   kAbortRequest = 2,
   kStatsQuery = 3,
   kShutdown = 4,
+  kKvRequestOptions = 5,  // disaggregated prefill/decode (issue #8)
+  kReleaseKv = 6,
   // event ring: engine -> frontend
   kStepEvents = 16,
   kEngineStats = 17,
   kRequestRejected = 18,
   kEngineReady = 19,
   kEngineFailed = 20,
+  kKvPinned = 21,
   // step ring: engine -> workers (broadcast)
   kStepPlan = 32,
   kWorkerShutdown = 33,
+  kKvPull = 34,
   // result ring: worker rank 0 -> engine
   kStepResult = 48,
   kWorkerReady = 49,
@@ -298,10 +302,54 @@ struct WorkerFailed {
   std::string message;
 };
 
+// ---- disaggregated prefill/decode (issue #8): record types of their own, no existing payload changes -------------
+// How a request uses KV computed elsewhere.
+enum class KvMode : uint8_t {
+  kNone = 0,
+  kPrefillOnly = 1,  // compute the prompt, sample one token, then keep the blocks pinned (KvPinned) until ReleaseKv
+  kPullRemote = 2,   // the prompt's KV is pulled from a remote engine; decoding starts at first_token_id
+};
+
+// Request ring: sent immediately before the AddRequest of the same request_id, which it modifies.
+struct KvRequestOptions {
+  static constexpr RecordType kType = RecordType::kKvRequestOptions;
+  uint64_t request_id = 0;
+  KvMode mode = KvMode::kNone;
+  uint32_t pin_timeout_ms = 0;  // kPrefillOnly: pinned blocks are freed after this long without a ReleaseKv
+  int32_t first_token_id = 0;   // kPullRemote: the token the prefill side sampled after the prompt
+  std::vector<int32_t> remote_block_ids;  // kPullRemote: the prompt's blocks on the source, in order
+  std::vector<uint8_t> peer;  // kPullRemote: the source workers' KV peer infos (opaque here; workers/kv_connector.py)
+};
+
+// Request ring: the decode side has the blocks (or gave up): free a pinned request's blocks. Unknown ids are ignored.
+struct ReleaseKv {
+  static constexpr RecordType kType = RecordType::kReleaseKv;
+  uint64_t request_id = 0;
+};
+
+// Event ring: a kPrefillOnly request finished and its blocks are pinned; sent before its final output.
+struct KvPinned {
+  static constexpr RecordType kType = RecordType::kKvPinned;
+  uint64_t request_id = 0;
+  uint32_t num_tokens = 0;     // tokens whose KV the blocks hold (the prompt)
+  int64_t expires_at_ns = 0;   // CLOCK_REALTIME when the engine frees them unless released earlier
+  std::vector<int32_t> block_ids;
+};
+
+// Step ring: written right before the StepPlan that admits `slot`: pull these remote blocks into the local ones
+// before running that plan.
+struct KvPull {
+  static constexpr RecordType kType = RecordType::kKvPull;
+  int32_t slot = 0;
+  std::vector<int32_t> remote_block_ids;
+  std::vector<int32_t> local_block_ids;  // same length
+  std::vector<uint8_t> peer;
+};
+
 using ByteBuffer = std::vector<uint8_t>;
-using RequestRecord = std::variant<AddRequest, AbortRequest, StatsQuery, Shutdown>;
-using EngineEvent = std::variant<StepEvents, EngineStats, RequestRejected, EngineReady, EngineFailed>;
-using WorkerCommand = std::variant<StepPlan, WorkerShutdown>;
+using RequestRecord = std::variant<AddRequest, AbortRequest, StatsQuery, Shutdown, KvRequestOptions, ReleaseKv>;
+using EngineEvent = std::variant<StepEvents, EngineStats, RequestRejected, EngineReady, EngineFailed, KvPinned>;
+using WorkerCommand = std::variant<StepPlan, WorkerShutdown, KvPull>;
 using WorkerResult = std::variant<StepResult, WorkerReady, WorkerFailed>;
 
 // Encoders replace the contents of `out` (reusing its capacity, so hot paths do not allocate per record).
@@ -320,6 +368,10 @@ void encode(const WorkerShutdown& r, ByteBuffer& out);
 void encode(const StepResult& r, ByteBuffer& out);
 void encode(const WorkerReady& r, ByteBuffer& out);
 void encode(const WorkerFailed& r, ByteBuffer& out);
+void encode(const KvRequestOptions& r, ByteBuffer& out);
+void encode(const ReleaseKv& r, ByteBuffer& out);
+void encode(const KvPinned& r, ByteBuffer& out);
+void encode(const KvPull& r, ByteBuffer& out);
 
 template <class Record>
 ByteBuffer encode_to_bytes(const Record& r) {

@@ -182,7 +182,34 @@ void Scheduler::insert_running(int32_t index) {
   running_.insert(at, index);
 }
 
-std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int64_t now_ns) {
+std::optional<RequestRejected> Scheduler::check_kv_options(const AddRequest& req, const KvRequestOptions& kv) const {
+  const uint64_t id = req.request_id;
+  if (kv.mode == KvMode::kPrefillOnly && kv.pin_timeout_ms == 0) {
+    return reject(id, kStatusInvalidArgument, "a prefill-only request needs pin_timeout_ms > 0");
+  }
+  if (kv.mode != KvMode::kPullRemote) return std::nullopt;
+  const auto prompt_blocks = static_cast<size_t>(blocks_for(static_cast<int32_t>(req.prompt_token_ids.size())));
+  if (kv.remote_block_ids.size() != prompt_blocks) {
+    return reject(id, kStatusInvalidArgument,
+                  "remote_block_ids has " + std::to_string(kv.remote_block_ids.size()) + " blocks, the prompt needs " +
+                      std::to_string(prompt_blocks));
+  }
+  if (req.max_tokens < 2) {
+    return reject(id, kStatusInvalidArgument, "a request continuing from remote KV needs max_tokens >= 2");
+  }
+  if (kv.first_token_id < 0) return reject(id, kStatusInvalidArgument, "first_token_id is negative");
+  if (kv.peer.empty()) return reject(id, kStatusInvalidArgument, "a remote KV pull needs the source's peer info");
+  for (const int32_t b : kv.remote_block_ids) {
+    if (b < 0) return reject(id, kStatusInvalidArgument, "remote block id " + std::to_string(b) + " is negative");
+  }
+  if (kPlanFixedBytes + kv.peer.size() + 2 * prompt_blocks * sizeof(int32_t) > max_plan_bytes_) {
+    return reject(id, kStatusResourceExhausted, "the KV pull of this request exceeds the step ring's record limit");
+  }
+  return std::nullopt;
+}
+
+std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int64_t now_ns,
+                                                      const KvRequestOptions* kv) {
   const uint64_t id = req.request_id;
   if (req.prompt_token_ids.empty()) return reject(id, kStatusInvalidArgument, "prompt is empty");
   if (req.max_tokens < 1) {
@@ -200,6 +227,9 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   }
   if (index_of_.contains(id)) {
     return reject(id, kStatusInvalidArgument, "request id " + std::to_string(id) + " is already active");
+  }
+  if (kv != nullptr) {
+    if (auto rejected = check_kv_options(req, *kv)) return rejected;
   }
   const int64_t prompt = static_cast<int64_t>(req.prompt_token_ids.size());
   const int64_t total = prompt + req.max_tokens;
@@ -281,6 +311,18 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   r.arrival_time_ns = now_ns;
   r.first_scheduled_time_ns = 0;
   r.first_token_time_ns = 0;
+  r.kv_mode = kv != nullptr ? kv->mode : KvMode::kNone;
+  r.kv_pin_timeout_ms = kv != nullptr ? kv->pin_timeout_ms : 0;
+  r.kv_pull_pending = r.kv_mode == KvMode::kPullRemote;
+  r.kv_remote_block_ids.clear();
+  r.kv_peer.clear();
+  if (r.kv_mode == KvMode::kPrefillOnly) {
+    r.length_limit = std::min(r.length_limit, r.num_prompt_tokens + 1);  // the first token only
+  } else if (r.kv_pull_pending) {
+    r.kv_remote_block_ids = kv->remote_block_ids;
+    r.kv_peer = kv->peer;
+    r.token_ids.push_back(kv->first_token_id);  // sampled by the prefill side: the first output
+  }
   index_of_.emplace(id, index);
   insert_waiting(index);
   return std::nullopt;
@@ -289,7 +331,7 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
 bool Scheduler::abort_request(uint64_t request_id) {
   if (step_in_flight_) throw std::logic_error("abort_request while a step is in flight");
   const auto it = index_of_.find(request_id);
-  if (it == index_of_.end()) return false;
+  if (it == index_of_.end()) return release_pinned(request_id);  // a finished prefill-only request's blocks
   const int32_t index = it->second;
   RequestState& r = table_[static_cast<size_t>(index)];
   if (r.status == RequestStatus::kWaiting) {
@@ -388,7 +430,8 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   const int32_t bs = config_.block_size;
   hits_.clear();
   int32_t revived = 0;  // hits that sit on the free list now and stop counting as free once taken
-  if (config_.enable_prefix_caching) {
+  const bool pull = r.kv_pull_pending;  // the prompt's KV arrives from a remote engine before this step runs
+  if (config_.enable_prefix_caching && !pull) {
     extend_block_hashes(r, r.num_tokens() / bs);
     // At least the last token is computed, so its logits exist to sample from.
     const int32_t max_hits = (r.num_tokens() - 1) / bs;
@@ -400,7 +443,7 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
     }
   }
   const auto cached_blocks = static_cast<int32_t>(hits_.size());
-  const int32_t cached_tokens = cached_blocks * bs;
+  const int32_t cached_tokens = pull ? r.num_prompt_tokens : cached_blocks * bs;
   const int32_t n = std::min(r.num_tokens() - cached_tokens, chunk_cap(budget));
   const int32_t needed = blocks_for(cached_tokens + n) - cached_blocks;
   if (needed + revived > pool_.num_free()) return false;  // the head waits for blocks, nobody overtakes it
@@ -418,10 +461,10 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   r.num_computed_tokens = cached_tokens;
   r.num_registered_blocks = cached_blocks;
   if (r.num_cached_tokens < 0) {  // first admission (a resumed request keeps its first figure)
-    r.num_cached_tokens = cached_tokens;
+    r.num_cached_tokens = pull ? 0 : cached_tokens;
     total_prompt_tokens_ += static_cast<uint64_t>(r.num_prompt_tokens);
   }
-  if (config_.enable_prefix_caching) {
+  if (config_.enable_prefix_caching && !pull) {
     prefix_cache_queries_ += static_cast<uint64_t>(r.num_tokens());
     prefix_cache_hits_ += static_cast<uint64_t>(cached_tokens);
   }
@@ -430,6 +473,15 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   slot_owner_[static_cast<size_t>(r.slot)] = index;
   r.status = RequestStatus::kRunning;
   insert_running(index);
+  if (pull) {
+    KvPull& p = kv_pulls_.emplace_back();
+    p.slot = r.slot;
+    p.remote_block_ids = r.kv_remote_block_ids;
+    p.local_block_ids.assign(r.block_ids.begin(),
+                             r.block_ids.begin() + static_cast<std::ptrdiff_t>(r.kv_remote_block_ids.size()));
+    p.peer = r.kv_peer;
+    r.kv_pull_pending = false;
+  }
 
   NewRequestData& nr = reuse_back(plan.new_requests, spare_new_requests_);
   nr.slot = r.slot;
@@ -468,6 +520,7 @@ void Scheduler::recycle_plan(StepPlan& plan) {
 bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   if (step_in_flight_) throw std::logic_error("schedule while a step is in flight");
   recycle_plan(plan);
+  kv_pulls_.clear();
   in_flight_.clear();
   num_in_flight_samples_ = 0;
   plan.finished_slots.swap(released_slots_);
@@ -767,11 +820,50 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   // Register before releasing: a block must still be referenced when it enters the cache.
   for (const PendingBlock& b : pending_cache_) pool_.cache(b.block, b.hash);
   for (const int32_t index : trimming_) trim_lookahead_blocks(table_[static_cast<size_t>(index)]);
-  for (const int32_t index : finished_) release(index);  // status becomes kFree; removed from running_ below
+  for (const int32_t index : finished_) {  // status becomes kFree; removed from running_ below
+    if (table_[static_cast<size_t>(index)].kv_mode == KvMode::kPrefillOnly) pin_blocks(index, now_ns);
+    release(index);
+  }
   if (!finished_.empty()) {
     std::erase_if(running_, [this](int32_t i) { return table_[static_cast<size_t>(i)].status != RequestStatus::kRunning; });
   }
   in_flight_.clear();
+}
+
+void Scheduler::pin_blocks(int32_t index, int64_t now_ns) {
+  RequestState& r = table_[static_cast<size_t>(index)];
+  const int64_t expires = now_ns + int64_t{r.kv_pin_timeout_ms} * 1'000'000;
+  KvPinned& event = kv_pins_.emplace_back();
+  event.request_id = r.request_id;
+  event.num_tokens = static_cast<uint32_t>(r.num_prompt_tokens);
+  event.expires_at_ns = expires;
+  event.block_ids.assign(r.block_ids.begin(), r.block_ids.begin() + blocks_for(r.num_prompt_tokens));
+  // The references move from the request to the pin: release() then has nothing to free.
+  pinned_.push_back({r.request_id, expires, std::move(r.block_ids)});
+  r.block_ids = {};
+}
+
+bool Scheduler::release_pinned(uint64_t request_id) {
+  const auto it = std::find_if(pinned_.begin(), pinned_.end(),
+                               [&](const PinnedBlocks& p) { return p.request_id == request_id; });
+  if (it == pinned_.end()) return false;
+  pool_.free(it->block_ids, /*tail_first=*/true);  // full prompt blocks stay cached for later prefix hits
+  pinned_.erase(it);
+  return true;
+}
+
+int32_t Scheduler::expire_pinned(int64_t now_ns) {
+  int32_t freed = 0;
+  for (size_t k = 0; k < pinned_.size();) {
+    if (pinned_[k].expires_at_ns <= now_ns) {
+      pool_.free(pinned_[k].block_ids, /*tail_first=*/true);
+      pinned_.erase(pinned_.begin() + static_cast<std::ptrdiff_t>(k));
+      ++freed;
+    } else {
+      ++k;
+    }
+  }
+  return freed;
 }
 
 void Scheduler::take_outputs(std::vector<RequestOutput>& out) {
@@ -833,6 +925,9 @@ void Scheduler::check_invariants() const {
     }
   }
   if (live != running_.size() + waiting_.size() || live != index_of_.size()) fail("request counts");
+  for (const PinnedBlocks& p : pinned_) {
+    for (const int32_t b : p.block_ids) ++holders[static_cast<size_t>(b)];
+  }
   // Sharing: a block's reference count is exactly the number of requests holding it.
   for (int32_t b = 0; b < pool_.num_blocks(); ++b) {
     if (pool_.ref_count(b) != holders[static_cast<size_t>(b)]) fail("ref_count of block " + std::to_string(b));

@@ -106,6 +106,12 @@ struct alignas(64) RequestState {
   int32_t spec_backoff = 0;      // steps left without speculation
   uint64_t spec_proposed_tokens = 0;  // cumulative, for tests and usage
   uint64_t spec_accepted_tokens = 0;
+  // Disaggregated prefill/decode (issue #8).
+  KvMode kv_mode = KvMode::kNone;
+  uint32_t kv_pin_timeout_ms = 0;
+  bool kv_pull_pending = false;  // kPullRemote until its first admission (a preempted one recomputes locally)
+  std::vector<int32_t> kv_remote_block_ids;
+  std::vector<uint8_t> kv_peer;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
@@ -119,8 +125,10 @@ class Scheduler {
   // `max_plan_bytes`: the step ring's max record size; admission stops before a plan would outgrow it.
   explicit Scheduler(EngineConfig config, size_t max_plan_bytes = std::numeric_limits<size_t>::max());
 
-  // Queues the request, or returns why it can never run (INVALID_ARGUMENT / RESOURCE_EXHAUSTED).
-  std::optional<RequestRejected> add_request(const AddRequest& request, int64_t now_ns);
+  // Queues the request, or returns why it can never run (INVALID_ARGUMENT / RESOURCE_EXHAUSTED). `kv` (optional)
+  // makes it a prefill-only request (its blocks are pinned when it finishes) or one whose prompt KV is pulled.
+  std::optional<RequestRejected> add_request(const AddRequest& request, int64_t now_ns,
+                                             const KvRequestOptions* kv = nullptr);
   // Removes a waiting or running request, frees its blocks and queues its final ABORT output. False if unknown.
   // Only between steps (not while a plan is in flight).
   bool abort_request(uint64_t request_id);
@@ -143,6 +151,17 @@ class Scheduler {
   }
   // Unpacks the pending outputs into `out` and clears them (tests and bindings).
   void take_outputs(std::vector<RequestOutput>& out);
+
+  // Disaggregation. Pinned blocks of finished prefill-only requests are freed by release_pinned (ReleaseKv, or an
+  // abort of that id), or by expire_pinned once their timeout passed. Only between steps.
+  bool release_pinned(uint64_t request_id);
+  int32_t expire_pinned(int64_t now_ns);  // returns how many pins it freed
+  int32_t num_pinned_requests() const { return static_cast<int32_t>(pinned_.size()); }
+  // The pulls the workers must do before the plan of the last schedule() (one per admitted kPullRemote request).
+  std::span<const KvPull> kv_pulls() const { return kv_pulls_; }
+  // KvPinned events since the last clear (sent before the outputs of the same update).
+  std::span<const KvPinned> kv_pins() const { return kv_pins_; }
+  void clear_kv_pins() { kv_pins_.clear(); }
 
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
   EngineStats stats(uint64_t query_id) const;
@@ -199,6 +218,8 @@ class Scheduler {
   void release(int32_t index);  // frees blocks, slot and table entry
   PackedOutput& new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled);
   RequestRejected reject(uint64_t id, uint32_t code, std::string message) const;
+  std::optional<RequestRejected> check_kv_options(const AddRequest& req, const KvRequestOptions& kv) const;
+  void pin_blocks(int32_t index, int64_t now_ns);  // a finished prefill-only request: its blocks -> pinned_
   void recycle_plan(StepPlan& plan);
 
   EngineConfig config_;
@@ -235,6 +256,15 @@ class Scheduler {
   std::vector<PackedOutput> outputs_;
   std::vector<int32_t> top_token_ids_;  // the outputs' top logprobs, in output order
   std::vector<float> top_logprobs_;
+
+  struct PinnedBlocks {
+    uint64_t request_id;
+    int64_t expires_at_ns;
+    std::vector<int32_t> block_ids;
+  };
+  std::vector<PinnedBlocks> pinned_;
+  std::vector<KvPull> kv_pulls_;
+  std::vector<KvPinned> kv_pins_;
 
   uint64_t next_step_id_ = 1;
   uint64_t next_arrival_seq_ = 0;

@@ -1,0 +1,60 @@
+"""The decode server's handshake on KV handles and the router's least-outstanding-tokens choice (no processes)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ringserve.backend.kv_peer import KvPeerInfo
+from ringserve.frontend.disagg import LocalKv, check_handle
+from ringserve.frontend.router import Upstream, estimate_prompt_tokens, least_loaded
+from ringserve.internal import disagg_pb2 as dpb
+from ringserve.v1 import generation_pb2 as pb
+
+INFO = KvPeerInfo(backend=1, model_id="llama:m.gguf:123:float32", dtype="float32", block_size=16, num_layers=30,
+                  num_kv_heads=3, head_dim=64, tp_rank=0, tp_size=1, num_blocks=100, block_bytes=12288,
+                  region_bytes=100 * 60 * 12288, base_address=0x1000, shm_name="ringserve-1-ab-kv0")  # fmt: skip
+LOCAL = LocalKv("shm", (INFO.encode(),), 16)
+
+
+def prefill_response(info: KvPeerInfo = INFO, num_tokens: int = 20, **handle: object) -> dpb.PrefillResponse:
+    fields = {"engine_id": "e", "request_id": 1, "worker_infos": [info.encode()], "block_ids": [4, 5],
+              "num_tokens": num_tokens, "block_size": 16, "tensor_parallel_size": 1, "backend": "shm",
+              "expires_at_unix_nano": time.time_ns() + 10**10, **handle}  # fmt: skip
+    return dpb.PrefillResponse(handle=dpb.KvHandle(**fields), prompt_token_ids=list(range(num_tokens)))
+
+
+def test_a_matching_handle_passes() -> None:
+    assert check_handle(LOCAL, prefill_response()) is None
+
+
+def test_mismatches_are_named() -> None:
+    problem = check_handle(LOCAL, prefill_response(replace(INFO, model_id="llama:other.gguf:9:float32")))
+    assert problem is not None and "model" in problem and "other.gguf" in problem
+    problem = check_handle(LOCAL, prefill_response(replace(INFO, dtype="bfloat16")))
+    assert problem is not None and "KV dtype" in problem
+    problem = check_handle(LOCAL, prefill_response(replace(INFO, num_kv_heads=6, head_dim=32)))
+    assert problem is not None and "KV heads" in problem and "head dim" in problem
+    problem = check_handle(LOCAL, prefill_response(block_size=32))
+    assert problem is not None and "block sizes differ" in problem
+    problem = check_handle(LOCAL, prefill_response(backend="nixl"))
+    assert problem is not None and "backends differ" in problem
+
+
+def test_different_tensor_parallel_sizes_are_refused_clearly() -> None:
+    two = [replace(INFO, tp_size=2, tp_rank=r).encode() for r in range(2)]
+    problem = check_handle(LOCAL, prefill_response(worker_infos=two, tensor_parallel_size=2))
+    assert problem is not None and "prefill TP=2, decode TP=1" in problem
+
+
+def test_inconsistent_or_expired_handles_are_refused() -> None:
+    assert "do not match" in (check_handle(LOCAL, prefill_response(num_tokens=40)) or "")
+    expired = prefill_response(expires_at_unix_nano=time.time_ns() - 1)
+    assert "expired" in (check_handle(LOCAL, expired) or "")
+
+
+def test_router_picks_the_least_outstanding_tokens() -> None:
+    ups = [Upstream(f"h{i}:1", None, None, None, tokens) for i, tokens in enumerate((300, 20, 20))]  # type: ignore[arg-type]
+    assert least_loaded(ups).address == "h1:1"  # ties: the first listed
+    assert estimate_prompt_tokens(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))) == 3
+    assert estimate_prompt_tokens(pb.GenerateRequest(text="x" * 400)) == 101
