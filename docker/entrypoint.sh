@@ -1,7 +1,7 @@
 #!/bin/sh
 # Entrypoint of the RingServe images (tests/integration/test_docker_entrypoint.py runs this same script outside Docker).
 #   docker run IMAGE [FLAGS...]                       -> ringserve serve FLAGS...
-#   docker run IMAGE serve|generate|tokenize|... ARGS -> that ringserve subcommand
+#   docker run IMAGE serve|router|generate|... ARGS   -> that ringserve subcommand
 #   docker run IMAGE PROGRAM [ARGS...]                -> PROGRAM (e.g. sh, to look around)
 # Every `ringserve serve` flag also reads a RINGSERVE_* variable (--max-num-seqs <- RINGSERVE_MAX_NUM_SEQS); a flag
 # given on the command line wins over its variable.
@@ -22,7 +22,7 @@ case "${1:-}" in
 esac
 
 case "$1" in
-  serve | generate | tokenize | model-info | stats) ;;
+  serve | router | generate | tokenize | model-info | stats) ;;
   *) exec "$@" ;;
 esac
 

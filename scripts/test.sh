@@ -20,7 +20,7 @@ elif command -v docker-compose >/dev/null; then
   compose=(docker-compose)  # the standalone client (e.g. Debian's docker-compose) validates the same file
 fi
 if [ ${#compose[@]} -gt 0 ]; then
-  for profile in single observability; do
+  for profile in single observability disagg; do
     "${compose[@]}" -f docker/compose.yaml --profile "$profile" config -q
   done
 else

@@ -1,0 +1,52 @@
+"""docker/compose.yaml's deployments run commands the CLI accepts: every profile's `command` parses with the real
+`ringserve` parser and passes the same checks `ringserve serve` makes, and the disaggregated profile's router points
+at the prefill and decode services with the roles and KV transfer they need (images cannot be built on this machine,
+so this is what keeps the compose file from drifting away from the CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ringserve.frontend.cli import build_parser
+from ringserve.frontend.launcher import check_serve_arguments
+
+COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def parsed(service: dict[str, Any]) -> Any:
+    command = service.get("command") or ["serve"]  # the image's CMD
+    return build_parser().parse_args(command)
+
+
+def test_every_ringserve_service_runs_a_valid_command(services: dict[str, Any]) -> None:
+    ringserve = {name: s for name, s in services.items() if s.get("image", "").startswith("ringserve:")}
+    assert {"ringserve", "ringserve-prefill", "ringserve-decode", "ringserve-router"} <= ringserve.keys()
+    for name, service in ringserve.items():
+        args = parsed(service)
+        if args.command == "serve":
+            assert check_serve_arguments(args) is None, name
+
+
+def test_the_disaggregated_profile_wires_router_prefill_and_decode(services: dict[str, Any]) -> None:
+    disagg = {name for name, s in services.items() if "disagg" in s.get("profiles", [])}
+    assert disagg == {"ringserve-prefill", "ringserve-decode", "ringserve-router"}
+    prefill, decode = parsed(services["ringserve-prefill"]), parsed(services["ringserve-decode"])
+    assert (prefill.role, prefill.kv_transfer) == ("prefill", "nixl")
+    assert (decode.role, decode.kv_transfer) == ("decode", "nixl")
+    router = parsed(services["ringserve-router"])
+    assert router.command == "router" and router.host == "0.0.0.0"
+    assert router.prefill == [f"ringserve-prefill:{prefill.port}"]
+    assert router.decode == [f"ringserve-decode:{decode.port}"]
+    # Only the router is published; the servers are reached over the compose network.
+    assert services["ringserve-prefill"]["ports"] == [] and services["ringserve-decode"]["ports"] == []
+    assert any(f":{router.port}" in port for port in services["ringserve-router"]["ports"])
+    for name in ("ringserve-prefill", "ringserve-decode"):
+        assert "tcp" in services[name]["environment"]["UCX_TLS"]  # NIXL's UCX backend needs tcp (not sm alone)
