@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
-from ringserve.frontend.engine_client import GenerationEngine
+from ringserve.frontend.engine_client import EngineError, GenerationEngine
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -350,6 +350,8 @@ class ModelManager:
             raise
         except ModelError as error:
             model.load_error, model.load_error_code = error.message, error.code
+        except EngineError as error:  # the engine or a worker refused the settings or died while loading
+            model.load_error, model.load_error_code = error.message, grpc.StatusCode.FAILED_PRECONDITION
         except Exception as error:  # a failed load must not take the server down
             log.exception("loading model %s failed", spec.name)
             model.load_error = str(error) or type(error).__name__

@@ -76,8 +76,9 @@ class EngineReplica:
             await asyncio.wait({ready, self._watch}, return_when=asyncio.FIRST_COMPLETED)
             if not ready.done():
                 ready.cancel()
-                raise ModelError(grpc.StatusCode.INTERNAL, f"the engine exited with code {self.process.poll()} while "
-                                                     "loading the model (see the server log)")  # fmt: skip
+                raise ModelError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"the engine exited with code {self.process.poll()} while loading the model (see the "
+                                 "server log)")  # fmt: skip
             self.ready = ready.result()
         except BaseException:
             self.state = "FAILED"

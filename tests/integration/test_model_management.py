@@ -107,12 +107,16 @@ def test_register_scale_set_default_and_unregister_at_run_time(fleet: RunningSer
                                                                  model_path: Path) -> None:  # fmt: skip
     before = engines(fleet)
     reference = greedy(fleet, "small")
-    registered = ts(stubs, fleet, "register", "extra", f"{model_path}?max_model_len=1024&num_kv_blocks=64", "1")
+    # Settings ride on the url: this model runs tensor parallel over three worker processes (9 heads, 3 KV heads),
+    # in float32.
+    url = f"{model_path}?tensor_parallel_size=3&dtype=float32&max_model_len=1024&num_kv_blocks=64"
+    registered = ts(stubs, fleet, "register", "extra", url, "1")
     assert "registered with 1 initial workers" in registered["ok"]["status"], registered
     assert health(fleet, "extra") == health_pb2.HealthCheckResponse.SERVING
     assert ts(stubs, fleet, "predict", "extra", PROMPT)["ok"] == ts(stubs, fleet, "predict", "small", PROMPT)["ok"]
     info = fleet.stub().GetModelInfo(pb.ModelInfoRequest(model="extra"), timeout=10)
     assert info.context_length == 1024 and info.state == pb.MODEL_STATE_READY
+    assert info.tensor_parallel_size == 3 and info.dtype == "float32"
     again = ts(stubs, fleet, "register", "extra", str(model_path), "1")
     assert again["error"].startswith("ALREADY_EXISTS")
 
@@ -143,6 +147,9 @@ def test_register_scale_set_default_and_unregister_at_run_time(fleet: RunningSer
 def test_bad_registrations_are_refused_naming_the_field(fleet: RunningServer, stubs: Path, model_path: Path) -> None:
     bad_option = ts(stubs, fleet, "register", "x", f"{model_path}?tensor_parallel=2", "1")
     assert bad_option["error"].startswith("INVALID_ARGUMENT") and "tensor_parallel" in bad_option["error"]
+    # The engine refuses a split the model cannot take; the caller hears why and nothing stays registered.
+    indivisible = ts(stubs, fleet, "register", "x", f"{model_path}?tensor_parallel_size=2&num_kv_blocks=16", "1")
+    assert indivisible["error"].startswith("FAILED_PRECONDITION") and "9 attention heads" in indivisible["error"]
     bad_dtype = ts(stubs, fleet, "register", "x", f"{model_path}?dtype=int3", "1")
     assert bad_dtype["error"].startswith("INVALID_ARGUMENT") and "dtype" in bad_dtype["error"]
     assert ts(stubs, fleet, "scale", "small", "-1")["error"].startswith("INVALID_ARGUMENT")
