@@ -64,7 +64,7 @@ def test_greedy_output_equals_plain_decoding_in_mixed_batches_with_preemption(ti
     rng = np.random.default_rng(0)
     prompts = copying_prompts(6, rng)
     requests = [
-        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": 12 + 3 * i, "temperature": 0.0, "ignore_eos": True}
         for i, p in enumerate(prompts)
     ]
     # Request 3 asks for a penalty: the worker never drafts for it, in the same batches as the others.

@@ -98,32 +98,38 @@ class _ModelDrafter:
         sampled = sampling.temperature > _GREEDY_TEMPERATURE
         probs: torch.Tensor | None = None
         for j in range(steps):
-            # Every request drafts `steps` tokens (the verification keeps only its own max_tokens): one batch shape.
-            pos = last + j
+            # Only rows still drafting: a row's KV slots exist (reserved by the engine) up to its own lookahead.
+            active = np.flatnonzero(max_tokens > j)
+            rows_t = torch.from_numpy(active).to(dev)
+            act_slots = slots[active]
+            pos = last[active] + j
             width = int(-(-(pos.max() + 1) // bs))
-            slot_mapping = batch.block_table[slots, pos // bs].astype(np.int64) * bs + pos % bs
+            slot_mapping = batch.block_table[act_slots, pos // bs].astype(np.int64) * bs + pos % bs
             metadata = AttentionMetadata(
                 slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-                cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=dev),
+                cu_seqlens_q=torch.arange(len(active) + 1, dtype=torch.int32, device=dev),
                 seq_lens=torch.from_numpy((pos + 1).astype(np.int32)).to(dev),
-                block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[slots, :width])).to(dev),
+                block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[act_slots, :width])).to(dev),
                 logits_indices=None,
-                query_lens_cpu=[1] * n,
+                query_lens_cpu=[1] * len(active),
                 seq_lens_cpu=(pos + 1).tolist(),
                 block_size=bs,
             )
             with torch.inference_mode(), attention_metadata_scope(metadata):
-                logits = self._forward(tokens, torch.from_numpy(pos).to(dev))
+                logits = self._forward(tokens[rows_t], torch.from_numpy(pos).to(dev))
             nxt = logits.argmax(dim=-1)
-            if bool(sampled.any()):
-                rows = sampled.nonzero().squeeze(1)
-                q = sampling_distribution(logits[rows], _select(sampling, rows))
-                nxt[rows] = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+            act_sampled = sampled[rows_t]
+            if bool(act_sampled.any()):
+                local = act_sampled.nonzero().squeeze(1)
+                rows = rows_t[local]
+                q = sampling_distribution(logits[local], _select(sampling, rows))
+                nxt[local] = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
                 if probs is None:
                     probs = torch.zeros(n, steps, logits.shape[-1], device=dev)
                 probs[rows, j] = q
-            drafted[:, j] = nxt
-            tokens = nxt
+            drafted[rows_t, j] = nxt
+            tokens = tokens.clone()
+            tokens[rows_t] = nxt
         out = drafted.cpu().numpy()
         proposals = []
         for i, k in enumerate(max_tokens.tolist()):
