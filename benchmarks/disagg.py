@@ -193,7 +193,7 @@ def main() -> None:
     model = args.model or embedded_model_path()
     long_tokens = args.long_prompt_tokens or (512 if args.quick else LONG_PROMPT_TOKENS)
     window_s = args.window_s or (4.0 if args.quick else 10.0)
-    drain_s = 10.0 if args.quick else 60.0
+    drain_s = 3.0 if args.quick else 60.0
     cores = sorted(os.sched_getaffinity(0))
     can_pin = shutil.which("taskset") is not None and len(cores) >= 2
     prefill_cores, decode_cores = (str(cores[0]), str(cores[1])) if can_pin else (None, None)
