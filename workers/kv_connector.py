@@ -127,7 +127,14 @@ class _ShmBackend:
     def pull(self, peer: KvPeerInfo, remote_blocks: np.ndarray, local_blocks: np.ndarray, timeout_s: float) -> None:
         remote = self._map(peer)
         local = self.region.blocks.numpy()
-        local[:, local_blocks] = remote[:, remote_blocks]
+        # A prompt's blocks are mostly consecutive on both sides: copy each run of them as one slice per tensor
+        # (a strided memcpy) instead of a fancy-indexed gather, which would build a temporary of the whole pull.
+        breaks = np.flatnonzero((np.diff(remote_blocks) != 1) | (np.diff(local_blocks) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [len(remote_blocks)]))
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            r, lo, n = int(remote_blocks[s]), int(local_blocks[s]), e - s
+            local[:, lo : lo + n] = remote[:, r : r + n]
 
     def close(self) -> None:
         self._peers.clear()  # the mmaps unmap when their views are gone

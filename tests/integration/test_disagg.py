@@ -131,6 +131,10 @@ def deployment(request, tmp_path: Path) -> Iterator[tuple[RunningServer, Running
         router.stop()
         for server in (prefill, decode):
             server.__exit__(None, None, None)
+        # kill -9 leaves the dead servers' rings and KV regions behind; remove them as the next `serve` would.
+        from ringserve import _core
+
+        _core.reclaim_stale_segments()
 
 
 def check_equal_to_colocated(prefill: RunningServer, decode: RunningServer, router: Router) -> None:
