@@ -292,13 +292,20 @@ class EngineClient:
         submitted = finished = pinned = False
         kv_pinned = getattr(self._core, "KvPinned", ())
         try:
+            options_sent = False
             try:
-                if kv is not None and not self._writer.try_write(self._kv_options(request_id, kv)):
-                    raise EngineBusyError()
+                if kv is not None:
+                    if not self._writer.try_write(self._kv_options(request_id, kv)):
+                        raise EngineBusyError()
+                    options_sent = True
                 written = self._writer.try_write(record)
             except ValueError as exc:  # larger than the ring's largest record
                 message = f"the prompt of {len(prompt_ids)} tokens is too large for the request ring: {exc}"
+                written = False
                 raise EngineError(grpc.StatusCode.INVALID_ARGUMENT, message) from exc
+            finally:
+                if options_sent and not written:  # the engine holds options for a request that never comes
+                    self._send_control(self._core.encode_abort_request(request_id))
             if not written:
                 raise EngineBusyError()
             submitted = True

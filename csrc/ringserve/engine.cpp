@@ -136,6 +136,8 @@ bool Engine::handle_request(const ByteBuffer& record) {
   } else if (const auto* release = std::get_if<ReleaseKv>(&request)) {
     scheduler_->release_pinned(release->request_id);  // unknown: expired or released already
   } else if (const auto* abort = std::get_if<AbortRequest>(&request)) {
+    // Options whose AddRequest never came (the frontend could not write it) are dropped with the request.
+    pending_kv_.erase(abort->request_id);
     scheduler_->abort_request(abort->request_id);  // unknown id: already finished, nothing to do
   } else if (const auto* query = std::get_if<StatsQuery>(&request)) {
     emit_record(current_stats(query->query_id));

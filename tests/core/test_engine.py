@@ -448,3 +448,18 @@ def test_serve_passes_worker_threads_down_to_the_workers(tmp_path: Path) -> None
         worker = engine_main.worker_command(engine_args, 0, "/s", "/r")
         assert worker_args(worker[worker.index("--rank"):]).num_threads == want
     assert "--worker-threads" in launcher.check_serve_arguments(parser.parse_args(["--worker-threads", "-2"]))
+
+
+def test_an_abort_drops_kv_options_whose_request_never_came(frontend_factory: FrontendFactory) -> None:
+    f = frontend_factory()
+    f.start()
+    options = _core.KvRequestOptions()
+    options.request_id = 9
+    options.mode = _core.KvMode.PREFILL_ONLY
+    options.pin_timeout_ms = 60_000
+    f.send(_core.encode_kv_request_options(options))
+    f.send(_core.encode_abort_request(9))  # what the frontend sends when it could not write the AddRequest
+    f.add(9, prompt_ending_at(100, 20), max_tokens=4)  # the id reused: an ordinary request, not a pinned prefill
+    f.wait_finished([9])
+    assert f.log[9].tokens == [101, 102, 103, 104] and f.log[9].finish == _core.FinishReason.LENGTH
+    assert not any(isinstance(e, _core.KvPinned) for e in f.other_events)
