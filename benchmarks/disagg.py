@@ -22,20 +22,17 @@ import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
-from live_server import LiveServer, free_port
+from live_server import free_port, running_process
 from ringserve.frontend.model_source import embedded_model_path
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc
@@ -67,22 +64,6 @@ class Stream:
 
 def pinned(cores: str | None, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cores, *cmd] if cores is not None else cmd
-
-
-@contextmanager
-def process(cmd: list[str], log_path: Path, port: int) -> Iterator[LiveServer]:
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield LiveServer(proc, port, log_path)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def serve(model: Path, log_dir: Path, cores: str | None, *flags: str) -> tuple[list[str], Path, int]:
@@ -202,18 +183,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ringserve-disagg-") as tmp, ExitStack() as stack:
         log_dir = Path(tmp)
         # All three servers load at once (an idle server uses no CPU), then the deployments run one at a time.
-        colocated = stack.enter_context(process(*serve(model, log_dir, all_cores)))
+        colocated = stack.enter_context(running_process(*serve(model, log_dir, all_cores)))
         kv = ("--kv-transfer", args.backend)
-        prefill = stack.enter_context(process(*serve(model, log_dir, prefill_cores, "--role", "prefill", *kv)))
+        prefill = stack.enter_context(running_process(*serve(model, log_dir, prefill_cores, "--role", "prefill", *kv)))
         decode_cmd, decode_log, decode_port = serve(model, log_dir, decode_cores, "--role", "decode", *kv)
-        decode = stack.enter_context(process(decode_cmd, decode_log, decode_port))
+        decode = stack.enter_context(running_process(decode_cmd, decode_log, decode_port))
         for server in (colocated, prefill, decode):
             server.wait_serving(300)
         router_port = free_port()
         router_cmd = pinned(prefill_cores, [sys.executable, "-m", "ringserve.frontend.cli", "router", "--port",
                                             str(router_port), "--prefill", prefill.address, "--decode",
                                             decode.address, "--log-level", "WARNING"])  # fmt: skip
-        router = stack.enter_context(process(router_cmd, log_dir / "router.log", router_port))
+        router = stack.enter_context(running_process(router_cmd, log_dir / "router.log", router_port))
         router.wait_serving(60)
         print(f"servers up after {time.monotonic() - started:.1f} s", file=sys.stderr)
         results = {

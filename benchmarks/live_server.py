@@ -61,6 +61,13 @@ def live_server(model: Path, log_dir: Path, *flags: str) -> Iterator[LiveServer]
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "ringserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(model), "--dtype", "float32", "--log-level", "WARNING", *flags]  # fmt: skip
+    with running_process(cmd, log_path, port) as server:
+        yield server
+
+
+@contextmanager
+def running_process(cmd: list[str], log_path: Path, port: int) -> Iterator[LiveServer]:
+    """Runs `cmd` (a server listening on `port`, output to `log_path`); SIGTERM, then SIGKILL of its group, at exit."""
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
