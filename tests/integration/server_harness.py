@@ -100,3 +100,18 @@ def start_server(model: Path, log_dir: Path, *extra: str, ready_timeout_s: float
             time.sleep(0.25)
     server.stop()
     raise AssertionError(f"server not SERVING after {ready_timeout_s}s\n{server.log()}")
+
+
+def compile_torchserve_stubs(proto_dir: Path, out: Path) -> Path:
+    """Python stubs of TorchServe's protos (kept under tests/) in `out`, compiled by a separate protoc process.
+
+    Not in this process: grpc_tools' compiler carries its own copies of abseil and protobuf, and NIXL's libraries
+    (loaded by the KV connector tests in this same pytest process) abort the process when both are loaded.
+    """
+    import google.rpc
+
+    googleapis = Path(next(iter(google.rpc.__path__))).parent.parent
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{proto_dir}", f"-I{googleapis}",
+                    f"--python_out={out}", f"--grpc_python_out={out}", "inference.proto", "management.proto"],
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
+    return out

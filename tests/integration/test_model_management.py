@@ -16,7 +16,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
-from server_harness import RunningServer, start_server
+from server_harness import RunningServer, compile_torchserve_stubs, start_server
 
 CLIENT = Path(__file__).parent / "torchserve_client" / "ts_manage.py"
 PROMPT = "The capital of France is"
@@ -24,16 +24,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import google.rpc
-    from grpc_tools import protoc
-
-    gen = tmp_path_factory.mktemp("torchserve_stubs")
-    googleapis = Path(next(iter(google.rpc.__path__))).parent.parent
-    grpc_include = Path(protoc.__file__).parent / "_proto"
-    code = protoc.main(["protoc", f"-I{CLIENT.parent}", f"-I{googleapis}", f"-I{grpc_include}", f"--python_out={gen}",
-                        f"--grpc_python_out={gen}", "inference.proto", "management.proto"])  # fmt: skip
-    assert code == 0
-    return gen
+    return compile_torchserve_stubs(CLIENT.parent, tmp_path_factory.mktemp("torchserve_stubs"))
 
 
 @pytest.fixture(scope="module")

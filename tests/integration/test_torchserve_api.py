@@ -8,22 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_harness import RunningServer
+from server_harness import RunningServer, compile_torchserve_stubs
 
 CLIENT_DIR = Path(__file__).parent / "torchserve_client"
 
 
 @pytest.fixture(scope="module")
 def torchserve_observations(server: RunningServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    import google.rpc
-    from grpc_tools import protoc
-
-    gen = tmp_path_factory.mktemp("torchserve_stubs")
-    googleapis = Path(next(iter(google.rpc.__path__))).parent.parent
-    grpc_include = Path(protoc.__file__).parent / "_proto"
-    code = protoc.main(["protoc", f"-I{CLIENT_DIR}", f"-I{googleapis}", f"-I{grpc_include}", f"--python_out={gen}",
-                        f"--grpc_python_out={gen}", "inference.proto", "management.proto"])  # fmt: skip
-    assert code == 0, "TorchServe's protos did not compile"
+    gen = compile_torchserve_stubs(CLIENT_DIR, tmp_path_factory.mktemp("torchserve_stubs"))
     # A separate process: TorchServe's messages must not share a descriptor pool with the server's own copy.
     model = server.stub().GetModelInfo(__import__("ringserve.v1.generation_pb2").v1.generation_pb2.ModelInfoRequest(),
                                        timeout=10).model
