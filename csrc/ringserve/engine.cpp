@@ -2,6 +2,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <variant>
 
@@ -14,6 +15,7 @@ using namespace std::chrono_literals;
 
 // How long a blocking wait lasts before the loop re-checks the stop flag and worker liveness.
 constexpr auto kPollInterval = 100ms;
+constexpr auto kDeathGrace = 3s;  // how long a dead worker's siblings get to report why
 constexpr size_t kMaxFailureMessage = 1024;
 
 }  // namespace
@@ -52,7 +54,7 @@ void Engine::housekeeping(bool force) {
   if (!force && now - last_housekeeping_ < kPollInterval) return;
   last_housekeeping_ = now;
   for (const pid_t pid : worker_pids_) {
-    if (!is_process_alive(pid)) throw WorkerFailure("worker process " + std::to_string(pid) + " died");
+    if (!is_process_alive(pid)) worker_died(pid);
   }
   // Pinned blocks whose decode side never released them (it died, or the router gave up) go back to the pool.
   if (scheduler_ && scheduler_->num_pinned_requests() > 0) scheduler_->expire_pinned(realtime_ns());
@@ -91,6 +93,27 @@ WorkerResult decode_from_worker(const ByteBuffer& record) {
 }
 
 }  // namespace
+
+void Engine::worker_died(pid_t pid) {
+  // A rank that fails (a bad shard split, a broken file) exits at once, while rank 0, the result ring's only
+  // writer, may still be formatting the reason. Give its WorkerFailed a moment so the caller hears why, not just
+  // that a process died. Anything else on the ring is moot: the engine is failing.
+  const auto deadline = std::chrono::steady_clock::now() + kDeathGrace;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (!results_.read(in_buffer_, kPollInterval, &stop_)) {
+      if (stopping() || std::ranges::none_of(worker_pids_, is_process_alive)) break;
+      continue;
+    }
+    WorkerResult record;
+    try {
+      record = decode_worker_result(in_buffer_);
+    } catch (const RecordError&) {
+      continue;
+    }
+    if (const auto* failed = std::get_if<WorkerFailed>(&record)) throw_worker_failed(*failed);
+  }
+  throw WorkerFailure("worker process " + std::to_string(pid) + " died");
+}
 
 bool Engine::await_workers_ready() {
   int64_t num_blocks = config_.num_blocks;  // the host may size the pool itself

@@ -52,6 +52,7 @@ class Engine {
   bool await_result(StepResult& result);          // false on stop
   void check_result_ring_while_idle();
   void housekeeping(bool force);                  // worker liveness + interrupt check, rate limited
+  [[noreturn]] void worker_died(pid_t pid);       // prefers rank 0's WorkerFailed reason, if one is on its way
   void emit(const ByteBuffer& record);            // waits for space: the event ring never drops a record
   template <class Record>
   void emit_record(const Record& r) {

@@ -7,6 +7,7 @@ against it, and "samples" next = last token + 1, so every request's output is pr
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import threading
 import time
@@ -421,6 +422,25 @@ def test_worker_failed_record_fails_the_engine(frontend_factory: FrontendFactory
     assert "out of memory" in failed.message
     f.engine_thread.join(10)
     assert isinstance(f.run_error, RuntimeError)
+
+
+def test_a_dead_rank_waits_briefly_for_rank_0_to_say_why(frontend_factory: FrontendFactory) -> None:
+    # A tensor-parallel rank that refuses its shard exits at once; rank 0 reports the reason a little later.
+    sibling = subprocess.Popen(["sleep", "60"])
+    f = frontend_factory(worker_pids=[os.getpid(), sibling.pid])  # this process stands in for rank 0
+    f.start()
+    f.worker.quit.set()
+    f.worker.join(5)
+    f.add(1, [5, 6, 7], max_tokens=3)
+    sibling.kill()
+    sibling.wait()
+    time.sleep(0.5)  # the engine has seen the death by now (it polls every 100 ms)
+    assert f.worker.writer.write(_core.encode_worker_failed(0, "does not divide the model's 9 attention heads"), 5.0)
+    while not any(isinstance(e, _core.EngineFailed) for e in f.other_events):
+        f.next_event()
+    failed = next(e for e in f.other_events if isinstance(e, _core.EngineFailed))
+    assert "9 attention heads" in failed.message
+    f.engine_thread.join(10)
 
 
 def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> None:
