@@ -19,6 +19,7 @@ from types import FrameType
 from ringserve import _core
 from ringserve.backend.process import die_with_parent, stop_child
 from ringserve.backend.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
+from ringserve.workers.spec_tree import DraftTree
 
 log = logging.getLogger("ringserve.engine")
 
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec-min-acceptance", type=float, default=0.25,
                    help="a request whose recent draft acceptance falls below this pauses speculation for a while")
     p.add_argument("--draft", default="ngram", help="proposer: ngram, layers:N or a draft model path")
+    p.add_argument("--spec-tree", default="", help="WxD: a draft tree instead of a chain (empty = a chain)")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram proposer: shortest n-gram matched")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram proposer: longest n-gram matched")
     p.add_argument(
@@ -90,6 +92,8 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
     if args.num_speculative_tokens > 0:
         cmd += ["--speculation", "--draft", args.draft, "--prompt-lookup-min", str(args.prompt_lookup_min),
                 "--prompt-lookup-max", str(args.prompt_lookup_max)]  # fmt: skip
+        if args.spec_tree:
+            cmd += ["--spec-tree", args.spec_tree, "--spec-depth", str(args.num_speculative_tokens)]
     if args.kv_transfer != "none":
         cmd += ["--kv-transfer", args.kv_transfer, "--model-id", args.model_id]
         if args.kv_info_dir:
@@ -118,7 +122,10 @@ def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
     config.enable_prefix_caching = args.enable_prefix_caching
     config.long_prefill_token_threshold = args.long_prefill_token_threshold
     config.priority_aging_ms = args.priority_aging_ms
+    # The engine reserves lookahead slots: a chain's length, or every node of a draft tree.
     config.num_speculative_tokens = args.num_speculative_tokens
+    if args.spec_tree and args.num_speculative_tokens > 0:
+        config.num_speculative_tokens = DraftTree.parse(args.spec_tree, args.num_speculative_tokens).num_nodes
     config.spec_max_batch = args.spec_max_batch
     config.spec_min_acceptance = args.spec_min_acceptance
     # num_blocks stays 0: the engine then sizes its pool from the workers' WorkerReady (the blocks they really

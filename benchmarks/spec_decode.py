@@ -9,8 +9,9 @@ StepResult encoded and decoded as on the rings; no gRPC, ring transport or proce
 engine's and the worker's own (as in benchmarks/throughput.py).
 - single_tok_s_*: one greedy request on an input-copying chat prompt (rewrite the code given in the prompt);
   decode tokens / decode time (after its first token). base = no speculation; ngram = prompt lookup;
-  selfdraft = the model's first --self-draft-layers layers + LM head. tree = multi-candidate tree verification,
-  not implemented (null).
+  selfdraft = the model's first --self-draft-layers layers + LM head, a chain of --self-draft-tokens; tree = the same
+  self-draft proposing a --tree WxD tree of depth --self-draft-tokens (top-W candidates at the first D positions,
+  then greedy chains), verified in one pass with a tree attention mask.
 - mean_accepted: tokens per verification step (1 + accepted drafts per step that verified drafts), per proposer.
 - throughput_ratio_64: 64 concurrent requests (8 random tokens + the prompt's first --concurrent-prompt-len), generated
   tokens / wall time (prefill included) with n-gram speculation on (the default policy: no lookahead while more than
@@ -95,6 +96,7 @@ def main() -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--self-draft-layers", type=int, default=8)
     p.add_argument("--self-draft-tokens", type=int, default=3)
+    p.add_argument("--tree", default="2x2", help="the tree run's shape, WxD")
     p.add_argument("--single-len", type=int, default=128, help="tokens the single stream generates")
     p.add_argument("--concurrent", type=int, default=64)
     p.add_argument("--concurrent-len", type=int, default=32)
@@ -111,7 +113,7 @@ def main() -> None:
     from ringserve.frontend.tokenizer import load_tokenizer, tokenizer_from_gguf
     from ringserve.workers.loader import load_model, parse_dtype
     from ringserve.workers.model_runner import ModelRunner
-    from ringserve.workers.speculative import make_proposer
+    from ringserve.workers.speculative import DraftTree, make_proposer
 
     model_path = Path(args.model or os.environ.get("RINGSERVE_TEST_GGUF") or embedded_model_path())
     tokenizer = tokenizer_from_gguf(model_path) if model_path.suffix == ".gguf" else load_tokenizer(model_path)
@@ -121,19 +123,22 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     block_size, num_blocks = 16, 1024
 
-    def runner(draft: str | None) -> Any:
+    def runner(draft: str | None, tree: DraftTree | None = None) -> Any:
         r = ModelRunner(model, block_size=block_size, num_kv_blocks=num_blocks)  # fresh KV cache and batch
         if draft is not None:
-            r.proposer = make_proposer(draft, r.model, num_blocks, block_size, torch.Generator())
+            r.proposer = make_proposer(draft, r.model, num_blocks, block_size, torch.Generator(), tree=tree)
         return r
 
-    def single(draft: str | None, k: int) -> dict[str, Any]:
-        return serve(runner(draft), [prompt], args.single_len, k, args.spec_max_batch, num_blocks, block_size)
+    def single(draft: str | None, k: int, tree: DraftTree | None = None) -> dict[str, Any]:
+        slots = tree.num_nodes if tree is not None else k  # a tree takes one lookahead slot per node
+        return serve(runner(draft, tree), [prompt], args.single_len, slots, args.spec_max_batch, num_blocks, block_size)
 
     serve(runner(None), [prompt], 4, 0, 0, num_blocks, block_size)  # warm-up: allocator, kernels, rope tables
     base = single(None, 0)
     ngram = single("ngram", args.num_speculative_tokens)
     selfdraft = single(f"layers:{args.self_draft_layers}", args.self_draft_tokens)
+    shape = DraftTree.parse(args.tree, args.self_draft_tokens)
+    tree = single(f"layers:{args.self_draft_layers}", args.self_draft_tokens, shape)
     rng = np.random.default_rng(0)
     # 64 different requests: the copying prompt with a different short random prefix each (no shared prefix blocks).
     head = prompt[: args.concurrent_prompt_len]
@@ -147,6 +152,7 @@ def main() -> None:
     lossless = {
         "ngram": ngram["tokens"] == base["tokens"],
         "selfdraft": selfdraft["tokens"] == base["tokens"],
+        "tree": tree["tokens"] == base["tokens"],
         "concurrent_ngram": spec64["tokens"] == plain64["tokens"] == plain64_after["tokens"],
     }
     result = {
@@ -161,25 +167,31 @@ def main() -> None:
         "single_tok_s_base": round(base["decode_tok_s"], 2),
         "single_tok_s_ngram": round(ngram["decode_tok_s"], 2),
         "single_tok_s_selfdraft": round(selfdraft["decode_tok_s"], 2),
-        "single_tok_s_tree": None,  # tree verification is not implemented
+        "tree": f"layers:{args.self_draft_layers} {args.tree} depth {args.self_draft_tokens} ({shape.num_nodes} nodes)",
+        "single_tok_s_tree": round(tree["decode_tok_s"], 2),
+        "speedup_tree": round(tree["decode_tok_s"] / base["decode_tok_s"], 3),
         "speedup_ngram": round(ngram["decode_tok_s"] / base["decode_tok_s"], 3),
         "speedup_selfdraft": round(selfdraft["decode_tok_s"] / base["decode_tok_s"], 3),
         "mean_accepted": {
             "ngram": ngram["mean_accepted"] and round(ngram["mean_accepted"], 3),
             "selfdraft": selfdraft["mean_accepted"] and round(selfdraft["mean_accepted"], 3),
-            "tree": None,
+            "tree": tree["mean_accepted"] and round(tree["mean_accepted"], 3),
         },
-        "acceptance_rate": {"ngram": ngram["acceptance"], "selfdraft": selfdraft["acceptance"]},
+        "acceptance_rate": {
+            "ngram": ngram["acceptance"], "selfdraft": selfdraft["acceptance"], "tree": tree["acceptance"]
+        },
         "concurrent": args.concurrent,
         "throughput_tok_s_64_base": round(base64_tok_s, 2),
         "throughput_tok_s_64_ngram": round(spec64["tok_s"], 2),
         "throughput_ratio_64": round(spec64["tok_s"] / base64_tok_s, 3),
         "steps_64": {"base": plain64["steps"], "ngram": spec64["steps"]},
-        "single_steps": {"base": base["steps"], "ngram": ngram["steps"], "selfdraft": selfdraft["steps"]},
+        "single_steps": {
+            "base": base["steps"], "ngram": ngram["steps"], "selfdraft": selfdraft["steps"], "tree": tree["steps"]
+        },
         "lossless": lossless,
     }
-    print(f"single stream: base {base['steps']} steps, ngram {ngram['steps']}, selfdraft {selfdraft['steps']}",
-          file=sys.stderr)  # fmt: skip
+    print(f"single stream: base {base['steps']} steps, ngram {ngram['steps']}, selfdraft {selfdraft['steps']}, "
+          f"tree {tree['steps']}", file=sys.stderr)  # fmt: skip
     print(json.dumps(result))
 
 

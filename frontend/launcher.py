@@ -81,6 +81,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--draft", "ngram", str,
          "speculative proposer: ngram (prompt lookup, no model), layers:N (the model's first N layers + LM head) or "
          "a draft model path with the same vocabulary (default %(default)s)")
+    flag("--spec-tree", "", str,
+         "multi-candidate speculation: WxD proposes the drafter's top W tokens at each of the first D positions, "
+         "then greedy chains down to --num-speculative-tokens, and verifies the whole tree in one pass (e.g. 2x2; "
+         "needs a model drafter; default: one chain)")
     flag("--spec-max-batch", 16, int,
          "no speculation in a step where more requests run: big batches are compute bound (default %(default)s; "
          "0 = no limit)")
@@ -188,6 +192,7 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
         "--priority-aging-ms", str(args.priority_aging_ms),
         "--num-speculative-tokens", str(args.num_speculative_tokens), "--draft", args.draft,
+        "--spec-tree", args.spec_tree,
         "--spec-max-batch", str(args.spec_max_batch), "--spec-min-acceptance", str(args.spec_min_acceptance),
         "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max),
         "--kv-cache-dtype", args.kv_cache_dtype, "--attention-backend", args.attention_backend,
@@ -232,6 +237,15 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
                 f"({args.prompt_lookup_max})")  # fmt: skip
     if args.draft != "ngram" and not args.draft.startswith("layers:") and not Path(args.draft).exists():
         return f"--draft {args.draft!r}: expected ngram, layers:N or an existing draft model path"
+    if getattr(args, "spec_tree", ""):
+        from ringserve.workers.spec_tree import DraftTree
+
+        if args.num_speculative_tokens == 0 or args.draft == "ngram":
+            return "--spec-tree needs --num-speculative-tokens > 0 and a model drafter (--draft layers:N or a path)"
+        try:
+            DraftTree.parse(args.spec_tree, args.num_speculative_tokens)
+        except ValueError as error:
+            return str(error)
     if args.priority_aging_ms < 0:
         return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {args.priority_aging_ms})"
     if getattr(args, "worker_threads", 0) < 0:

@@ -19,6 +19,7 @@ from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
 from ringserve.workers.sampler import Sampler
 from ringserve.workers.speculative import Proposer, verify_drafts
+from ringserve.workers.speculative.tree import DraftTree, chunk_tree_mask, compact_accepted_kv, verify_tree
 
 _GIB = 1 << 30
 log = logging.getLogger(__name__)
@@ -254,6 +255,20 @@ class ModelRunner:
                 num_drafts[entry] = len(drafts)
                 self.batch.stage_drafts(int(slots[entry]), drafts)
         step = self.batch.prepare(slots, starts, lens, sample, num_drafts)
+        tree = getattr(self.proposer, "tree", None)
+        if tree is not None and len(spec):
+            # Tree nodes sit in consecutive lookahead slots but take their depth's RoPE position and see only the
+            # prefix and their ancestors.
+            ends = np.cumsum(lens + num_drafts)
+            positions = step.positions.cpu().numpy().copy()
+            masks = {}
+            for entry in spec.tolist():
+                n = int(num_drafts[entry])
+                last = starts[entry] + lens[entry] - 1
+                positions[ends[entry] - n : ends[entry]] = last + tree.node_depth[1 : n + 1]
+                masks[entry] = torch.from_numpy(chunk_tree_mask(tree, int(starts[entry]), int(lens[entry]), n))
+            step.positions = torch.from_numpy(positions).to(step.positions.device)
+            step.metadata.tree_masks = {e: m.to(step.positions.device) for e, m in masks.items()}
         with torch.inference_mode(), attention_metadata_scope(step.metadata):
             logits = self.model(step.input_ids, step.positions)
         self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
@@ -281,17 +296,14 @@ class ModelRunner:
             entries = sampled[verified_rows]
             index = np.concatenate([np.arange(first_row[i], first_row[i] + per[i]) for i in verified_rows.tolist()])
             by_entry = {e: p for e, p in zip(spec.tolist(), proposals, strict=True)}
-            result = verify_drafts(
-                logits[torch.from_numpy(index).to(logits.device)],
-                num_drafts[entries],
-                [self.batch.token_ids[slots[e], self.batch.num_tokens[slots[e]] :][: num_drafts[e]] for e in entries],
-                self.batch.sampling_batch(slots[entries]),
-                self.sampler,
-                [by_entry[e].probs for e in entries.tolist()],
-            )
-            for j, i in enumerate(verified_rows.tolist()):
-                tokens[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
+            if tree is not None:
+                self._verify_tree(tree, logits, index, slots, entries, num_drafts, verified_rows, tokens, logprobs)
+            else:
+                self._verify_chain(logits, index, slots, entries, num_drafts, verified_rows, by_entry, tokens, logprobs)
         counts = np.array([len(t) for t in tokens], np.int32)
+        proposed = num_drafts[sampled].astype(np.int32)
+        if tree is not None:  # a tree proposes one path's worth of tokens: its depth
+            proposed = tree.node_depth[proposed].astype(np.int32)
         for i, entry in enumerate(sampled.tolist()):
             self.batch.append_tokens(int(slots[entry]), tokens[i])
         if top_ids is not None and top_lps is not None:
@@ -311,8 +323,62 @@ class ModelRunner:
             top_ids,
             top_lps,
             counts,
-            num_drafts[sampled].astype(np.int32),
+            proposed,
         )
+
+    def _verify_chain(
+        self,
+        logits: torch.Tensor,
+        index: np.ndarray,
+        slots: np.ndarray,
+        entries: np.ndarray,
+        num_drafts: np.ndarray,
+        verified_rows: np.ndarray,
+        by_entry: dict[int, Any],
+        tokens: list[np.ndarray],
+        logprobs: list[np.ndarray],
+    ) -> None:
+        result = verify_drafts(
+            logits[torch.from_numpy(index).to(logits.device)],
+            num_drafts[entries],
+            [self.batch.token_ids[slots[e], self.batch.num_tokens[slots[e]] :][: num_drafts[e]] for e in entries],
+            self.batch.sampling_batch(slots[entries]),
+            self.sampler,
+            [by_entry[e].probs for e in entries.tolist()],
+        )
+        for j, i in enumerate(verified_rows.tolist()):
+            tokens[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
+
+    def _verify_tree(
+        self,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        index: np.ndarray,
+        slots: np.ndarray,
+        entries: np.ndarray,
+        num_drafts: np.ndarray,
+        verified_rows: np.ndarray,
+        tokens: list[np.ndarray],
+        logprobs: list[np.ndarray],
+    ) -> None:
+        entry_slots = slots[entries]
+        last = self.batch.num_tokens[entry_slots] - 1
+        verdict = verify_tree(
+            tree,
+            logits[torch.from_numpy(index).to(logits.device)],
+            num_drafts[entries],
+            [self.batch.token_ids[s, self.batch.num_tokens[s] : self.batch.num_tokens[s] + num_drafts[e]]
+             for s, e in zip(entry_slots, entries, strict=True)],
+            self.batch.sampling_batch(entry_slots),
+            self.sampler,
+        )
+        caches = [(self.kv_cache.k, self.kv_cache.v)]
+        own = getattr(self.proposer, "kv_cache", None)  # a draft model's cache holds tree KV too
+        if own is not None:
+            caches.append((own.k, own.v))
+        compact_accepted_kv(caches, self.batch, entry_slots, last, verdict.path)
+        for j, i in enumerate(verified_rows.tolist()):
+            tokens[i], logprobs[i] = verdict.token_ids[j], verdict.logprobs[j]
 
 
     def _run_kv_pulls(self) -> None:

@@ -22,6 +22,7 @@ from ringserve.workers.attention import ATTENTION_BACKENDS
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.parallel import init_distributed
+from ringserve.workers.spec_tree import DraftTree
 from ringserve.workers.speculative import make_proposer
 
 _READ_TIMEOUT_S = 0.5  # how often an idle worker checks that its parent is alive
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the ngram proposer matches")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram proposer matches")
     p.add_argument("--speculation", action="store_true", help="build the proposer (the engine plans lookahead)")
+    p.add_argument("--spec-tree", default="", help="WxD: draft a tree (top-W at the first D positions, then chains)")
+    p.add_argument("--spec-depth", type=int, default=0, help="the tree's depth (--num-speculative-tokens)")
     p.add_argument(
         "--kv-transfer", choices=("none", "shm", "nixl"), default="none",
         help="disaggregation: keep the KV cache in a shared region and serve / pull blocks through this backend",
@@ -217,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
                 args.draft, runner.model, runner.num_kv_blocks, args.block_size,
                 torch.Generator(device).manual_seed(args.seed + 1), args.prompt_lookup_min, args.prompt_lookup_max,
                 load_draft=lambda path: load_model(path, parse_dtype(args.dtype), device, args.rank, args.world_size),
+                tree=DraftTree.parse(args.spec_tree, args.spec_depth) if args.spec_tree else None,
             )  # fmt: skip
         print(
             f"worker {args.rank}/{args.world_size}: {args.model} ({args.dtype}, KV {args.kv_cache_dtype}) on {device}, "
             f"{runner.num_kv_blocks} KV blocks of {args.block_size}, {threads} threads, "
-            f"attention {args.attention_backend}" + (f", speculation {args.draft}" if args.speculation else ""),
+            f"attention {args.attention_backend}" + (f", speculation {args.draft}" if args.speculation else "")
+            + (f" tree {args.spec_tree}" if args.spec_tree else ""),
             file=sys.stderr,
             flush=True,
         )

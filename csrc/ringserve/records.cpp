@@ -194,7 +194,7 @@ void check_step_result_shape(const StepResult& r) {
     if (r.token_counts.size() != r.slots.size()) throw RecordError("StepResult token_counts is not one per slot");
     rows = 0;
     for (const int32_t c : r.token_counts) {
-      if (c < 1 || c > kMaxSpeculativeTokens + 1) throw RecordError("StepResult token_counts entry outside [1, 9]");
+      if (c < 1 || c > kMaxLookaheadSlots + 1) throw RecordError("StepResult token_counts entry outside [1, 65]");
       rows += static_cast<uint64_t>(c);
     }
   }

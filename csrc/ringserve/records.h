@@ -22,7 +22,7 @@ namespace ringserve {
 static_assert(std::endian::native == std::endian::little, "ring records are little-endian; add byte swaps here");
 
 inline constexpr uint16_t kLayoutVersion = 3;
-inline constexpr int32_t kMaxSpeculativeTokens = 8;  // lookahead slots per request per step
+inline constexpr int32_t kMaxLookaheadSlots = 64;  // lookahead slots per request per step (a chain's length, a tree's nodes)
 inline constexpr size_t kRecordAlign = 8;
 
 enum class RecordType : uint16_t {
@@ -150,7 +150,7 @@ struct PackedOutput {
   int32_t token_id = 0;  // the new token, when has_token
   float logprob = 0.0f;
   uint16_t num_preemptions = 0;  // saturates at 65535 (the record carries u32)
-  uint8_t num_spec_proposed_tokens = 0;  // at most kMaxSpeculativeTokens per step
+  uint8_t num_spec_proposed_tokens = 0;  // at most kMaxLookaheadSlots per step
   uint8_t num_spec_accepted_tokens = 0;
   FinishReason finish_reason = FinishReason::kNone;
   bool has_token = false;

@@ -118,8 +118,8 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   if (config_.num_blocks <= 0) throw std::invalid_argument("num_blocks must be > 0");
   if (config_.long_prefill_token_threshold < 0) throw std::invalid_argument("long_prefill_token_threshold must be >= 0");
   if (config_.priority_aging_ms < 0) throw std::invalid_argument("priority_aging_ms must be >= 0");
-  if (config_.num_speculative_tokens < 0 || config_.num_speculative_tokens > kMaxSpeculativeTokens) {
-    throw std::invalid_argument("num_speculative_tokens must be in [0, " + std::to_string(kMaxSpeculativeTokens) + "]");
+  if (config_.num_speculative_tokens < 0 || config_.num_speculative_tokens > kMaxLookaheadSlots) {
+    throw std::invalid_argument("num_speculative_tokens must be in [0, " + std::to_string(kMaxLookaheadSlots) + "]");
   }
   if (config_.spec_max_batch < 0) throw std::invalid_argument("spec_max_batch must be >= 0");
   if (config_.spec_backoff_steps < 0) throw std::invalid_argument("spec_backoff_steps must be >= 0");

@@ -47,7 +47,7 @@ struct EngineConfig {
   // arrived, so later arrivals of a better priority stop overtaking it after a bounded time (0 = strict priority).
   int32_t priority_aging_ms = 0;
   // Speculative decoding: a decoding request may get up to num_speculative_tokens lookahead slots per step (0 = off,
-  // at most kMaxSpeculativeTokens); the workers propose and verify that many draft tokens in the same step. Policy:
+  // at most kMaxLookaheadSlots); the workers propose and verify that many draft tokens in the same step. Policy:
   // no speculation in a step where more than spec_max_batch requests run (0 = no limit: a large batch is already
   // compute bound, verifying drafts would cost throughput), and a request whose recent acceptance rate (moving
   // average) drops below spec_min_acceptance decodes without it for spec_backoff_steps steps, then tries again.

@@ -107,7 +107,7 @@ class FakeWorker {
       CHECK(static_cast<int32_t>(s.blocks.size()) * config_.block_size >= s.computed);
       CHECK((plan.sched_sample[i] != 0) == (s.computed == static_cast<int32_t>(s.tokens.size())));
       const int32_t lookahead = plan.sched_lookahead.empty() ? 0 : plan.sched_lookahead[i];
-      CHECK(lookahead >= 0 && lookahead <= kMaxSpeculativeTokens);
+      CHECK(lookahead >= 0 && lookahead <= kMaxLookaheadSlots);
       if (lookahead > 0) {
         CHECK(plan.sched_sample[i] != 0 && plan.sched_len[i] == 1);
         CHECK(static_cast<int32_t>(s.blocks.size()) * config_.block_size >= s.computed + lookahead);  // reserved

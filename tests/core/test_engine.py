@@ -470,6 +470,30 @@ def test_serve_passes_worker_threads_down_to_the_workers(tmp_path: Path) -> None
     assert "--worker-threads" in launcher.check_serve_arguments(parser.parse_args(["--worker-threads", "-2"]))
 
 
+def test_serve_passes_a_draft_tree_to_the_engine_and_workers(tmp_path: Path) -> None:
+    from ringserve.workers.worker_main import parse_args as worker_args
+
+    parser = argparse.ArgumentParser()
+    launcher.add_serve_arguments(parser)
+    source = ModelSource("m", tmp_path / "m.gguf")
+    flags = ["--num-speculative-tokens", "4", "--draft", "layers:2", "--spec-tree", "2x2"]
+    cmd = launcher.engine_command(parser.parse_args(flags), source, "float32", 128, [EOS], "/req", "/evt")
+    engine_args = engine_main.parse_args(cmd[3:])
+    assert engine_main.engine_config(engine_args).num_speculative_tokens == 14  # lookahead slots: every tree node
+    worker = worker_args(engine_main.worker_command(engine_args, 0, "/s", "/r")[3:])
+    assert (worker.spec_tree, worker.spec_depth, worker.draft) == ("2x2", 4, "layers:2")
+    chain = engine_main.parse_args(launcher.engine_command(parser.parse_args(flags[:4]), source, "float32", 128,
+                                                           [EOS], "/req", "/evt")[3:])  # fmt: skip
+    assert engine_main.engine_config(chain).num_speculative_tokens == 4
+    for bad, message in (
+        (["--spec-tree", "2x2"], "--spec-tree needs"),
+        (["--num-speculative-tokens", "4", "--spec-tree", "2x2"], "--spec-tree needs"),  # ngram
+        (["--num-speculative-tokens", "2", "--draft", "layers:2", "--spec-tree", "2by2"], "expected WxD"),
+        (["--num-speculative-tokens", "8", "--draft", "layers:2", "--spec-tree", "3x3"], "at most 64"),
+    ):
+        assert message in (launcher.check_serve_arguments(parser.parse_args(bad)) or ""), bad
+
+
 def test_an_abort_drops_kv_options_whose_request_never_came(frontend_factory: FrontendFactory) -> None:
     f = frontend_factory()
     f.start()

@@ -49,3 +49,28 @@ def test_greedy_streams_with_ngram_speculation_equal_the_plain_server(
     assert sum(got[2][-1].usage.spec_accepted_tokens for got in together) > 0
     stats = wait_all_blocks_free(spec)
     assert stats.free_kv_blocks == stats.total_kv_blocks, stats
+
+
+def test_greedy_streams_with_a_draft_tree_equal_the_plain_server(
+    server: RunningServer, model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # A self-draft from the first 20 of 30 layers proposing a 2x2 tree of depth 3 (10 nodes, 10 lookahead slots);
+    # 12 blocks of 16 for three concurrent requests, so they are preempted and recomputed while they speculate.
+    srv = start_server(model_path, tmp_path_factory.mktemp("tree_server"), "--num-speculative-tokens", "3",
+                       "--draft", "layers:20", "--spec-tree", "2x2", "--num-kv-blocks", "12",
+                       "--max-num-seqs", "8")  # fmt: skip
+    with srv:
+        plain = server.stub()
+        expected = [collect(plain, greedy_request(prompt, MAX_TOKENS)) for prompt in COPYING]
+        spec = srv.stub()
+        with concurrent.futures.ThreadPoolExecutor(len(COPYING)) as pool:
+            together = list(pool.map(lambda p: collect(spec, greedy_request(p, MAX_TOKENS)), COPYING))
+        for got, want, prompt in zip(together, expected, COPYING, strict=True):
+            assert got[:2] == want[:2], prompt
+            usage = got[2][-1].usage
+            assert usage.spec_accepted_tokens <= usage.spec_proposed_tokens
+        assert sum(got[2][-1].usage.spec_accepted_tokens for got in together) > 0
+        stats = wait_all_blocks_free(spec)
+        assert stats.free_kv_blocks == stats.total_kv_blocks, stats
+        code = srv.stop()
+    assert code == 0, f"server exited with {code} on SIGTERM\n{srv.log()}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from ringserve.workers.loader import load_hf_model
 from ringserve.workers.model_runner import ModelRunner
-from ringserve.workers.speculative import LayerDraftProposer, NgramProposer, make_proposer
+from ringserve.workers.speculative import DraftTree, LayerDraftProposer, NgramProposer, make_proposer
 from workers_testkit import save_tiny_hf_model, serve_in_process
 
 BLOCK = 4
@@ -27,13 +27,13 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def runner_for(folder, draft: str | None, num_blocks: int = 128) -> ModelRunner:
+def runner_for(folder, draft: str | None, num_blocks: int = 128, tree: DraftTree | None = None) -> ModelRunner:
     model = load_hf_model(folder, torch.float32)
     runner = ModelRunner(model, block_size=BLOCK, num_kv_blocks=num_blocks)
     if draft is not None:
         runner.proposer = make_proposer(
             draft, runner.model, num_blocks, BLOCK, torch.Generator().manual_seed(1),
-            load_draft=lambda path: load_hf_model(path, torch.float32),
+            load_draft=lambda path: load_hf_model(path, torch.float32), tree=tree,
         )  # fmt: skip
     return runner
 
@@ -84,6 +84,72 @@ def test_greedy_output_equals_plain_decoding_in_mixed_batches_with_preemption(ti
     )  # fmt: skip
     assert tight_stats.num_preemptions > 0
     assert tight == plain
+
+
+def test_draft_tree_shape_is_breadth_first_and_every_prefix_is_a_tree() -> None:
+    tree = DraftTree.build(2, 2, 4)  # 2 + 4 branching nodes, then 4 chains of 2
+    assert tree.num_nodes == 14
+    assert tree.parent.tolist() == [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert tree.node_depth.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4]
+    assert (tree.parent[1:] < np.arange(1, 15)).all()  # a parent precedes its children: any prefix is a tree
+    assert tree.ancestor[11].nonzero()[0].tolist() == [0, 1, 3, 7, 11]
+    assert DraftTree.parse("1x0", 5).num_nodes == 5  # a plain chain
+    for bad in ("2", "ax2", "2x5"):
+        with pytest.raises(ValueError):
+            DraftTree.parse(bad, 4)
+    with pytest.raises(ValueError, match="at most 64"):
+        DraftTree.build(4, 3, 8)
+    with pytest.raises(ValueError, match="spec-tree needs a model drafter"):
+        make_proposer("ngram", None, 8, 4, torch.Generator(), tree=tree)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("draft", ["layers:1", "model", "other_model"])
+def test_tree_verification_keeps_greedy_output_in_mixed_batches_with_preemption(tiny_folder, draft: str) -> None:
+    if draft == "model":
+        draft = str(tiny_folder / "draft_same")
+    elif draft == "other_model":
+        draft = str(tiny_folder / "draft")
+    tree = DraftTree.build(2, 2, 4)
+    rng = np.random.default_rng(3)
+    requests = [
+        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": 10 + 3 * i, "temperature": 0.0, "ignore_eos": True}
+        for i, p in enumerate(copying_prompts(6, rng))
+    ]
+    requests[2]["repetition_penalty"] = 1.3  # decodes without drafts, in the same batches
+    plain, _ = serve_in_process(runner_for(tiny_folder, None), requests, num_blocks=128, block_size=BLOCK)
+    spec, stats = serve_in_process(
+        runner_for(tiny_folder, draft, tree=tree), requests, num_blocks=128, block_size=BLOCK,
+        num_speculative_tokens=tree.num_nodes, max_num_batched_tokens=64,
+    )  # fmt: skip
+    assert spec == plain
+    assert stats.spec_proposed_tokens > 0
+    if not draft.endswith("/draft"):  # another random model rarely agrees with the target at all
+        assert stats.spec_accepted_tokens > 0
+    if draft.endswith("draft_same"):  # the target's own weights: the best path is nearly always the first
+        assert stats.spec_accepted_tokens >= 0.9 * stats.spec_proposed_tokens
+    tight, tight_stats = serve_in_process(
+        runner_for(tiny_folder, draft, num_blocks=30, tree=tree), requests, num_blocks=30, block_size=BLOCK,
+        num_speculative_tokens=tree.num_nodes, max_num_batched_tokens=64,
+    )  # fmt: skip
+    assert tight_stats.num_preemptions > 0
+    assert tight == plain
+
+
+def test_seeded_sampling_with_a_tree_gives_the_plain_tokens(tiny_folder) -> None:
+    rng = np.random.default_rng(4)
+    requests = [
+        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": 16, "temperature": 0.8, "top_k": 30,
+         "seed": 50 + i, "has_seed": True, "ignore_eos": True}
+        for i, p in enumerate(copying_prompts(4, rng))
+    ]  # fmt: skip
+    tree = DraftTree.build(2, 2, 3)
+    plain, _ = serve_in_process(runner_for(tiny_folder, None), requests, num_blocks=128, block_size=BLOCK)
+    spec, stats = serve_in_process(
+        runner_for(tiny_folder, str(tiny_folder / "draft_same"), tree=tree), requests, num_blocks=128,
+        block_size=BLOCK, num_speculative_tokens=tree.num_nodes,
+    )  # fmt: skip
+    assert stats.spec_accepted_tokens > 0
+    assert spec == plain
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_ngram_speculation(tiny_folder) -> None:
@@ -164,6 +230,45 @@ def test_rejection_sampling_keeps_the_target_distribution(
             assert stat < _CHI2_999[dof - 1], (position, stat, dof)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 5, 1.0)])
+def test_tree_acceptance_keeps_the_target_distribution(temperature: float, top_k: int, top_p: float) -> None:
+    """The first token is distributed as p at the root; given it is a child c, the next one as p at c."""
+    from ringserve.workers.sampler import Sampler, SamplingBatch, sampling_distribution
+    from ringserve.workers.speculative.tree import verify_tree
+
+    vocab, trials = 8, 6000
+    tree = DraftTree.build(2, 2, 3)  # 10 nodes
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(tree.num_nodes + 1, vocab, generator=gen) * 1.5  # per node, the same in every trial
+    params = SamplingBatch.build([temperature] * (tree.num_nodes + 1), [top_k] * (tree.num_nodes + 1),
+                                 [top_p] * (tree.num_nodes + 1))  # fmt: skip
+    p = sampling_distribution(target, params).numpy()
+    # Candidates unlike the target's choice: the root's 2nd and 3rd most likely tokens, elsewhere the most likely.
+    nodes = np.zeros(tree.num_nodes + 1, np.int64)
+    for i in range(1, tree.num_nodes + 1):
+        parent = tree.parent[i]
+        nodes[i] = np.argsort(-p[parent])[tree.rank[i] + (1 if tree.node_depth[i] == 1 else 0)]
+    batch = SamplingBatch.build([temperature] * trials, [top_k] * trials, [top_p] * trials)
+    batch.output_index = torch.zeros(trials, dtype=torch.int64)
+    verdict = verify_tree(
+        tree, target.repeat(trials, 1), np.full(trials, tree.num_nodes), [nodes[1:]] * trials, batch,
+        Sampler(torch.Generator().manual_seed(11)),
+    )  # fmt: skip
+    first = np.array([t[0] for t in verdict.token_ids])
+    stat, dof = _chi_square(np.bincount(first, minlength=vocab), p[0])
+    assert stat < _CHI2_999[dof - 1], ("root", stat, dof)
+    assert max(len(t) for t in verdict.token_ids) > 2  # some walks went below the second level
+    for child in (1, 2):
+        after = np.array([t[1] for t in verdict.token_ids if t[0] == nodes[child] and len(t) > 1])
+        if len(after) >= 300:
+            stat, dof = _chi_square(np.bincount(after, minlength=vocab), p[child])
+            assert stat < _CHI2_999[dof - 1], (child, stat, dof)
+        else:  # the root's least likely tokens: rare, but when picked the walk continues under that child
+            assert len(after) == int((first == nodes[child]).sum())
+    for t, path in zip(verdict.token_ids, verdict.path, strict=True):
+        assert t[: len(path)].tolist() == nodes[path].tolist()  # the accepted tokens are the path's
+
+
 def test_sampled_drafts_from_a_draft_model_are_reproducible_for_seeded_requests(tiny_folder) -> None:
     rng = np.random.default_rng(2)
     requests = [
@@ -195,12 +300,17 @@ def test_embedded_model_greedy_output_is_unchanged_by_speculation() -> None:
         {"request_id": 3, "prompt_token_ids": [504, 3575, 282, 4649, 314], "max_tokens": 28, "temperature": 0.0},
     ]
     outputs = {}
-    for draft in (None, "ngram", "layers:8"):
+    tree = DraftTree.build(2, 2, 3)
+    for draft in (None, "ngram", "layers:8", "tree"):
         runner = ModelRunner(model, block_size=16, num_kv_blocks=6)  # a fresh KV cache and batch on the same weights
         if draft is not None:
-            runner.proposer = make_proposer(draft, runner.model, 6, 16, torch.Generator())
+            runner.proposer = make_proposer(
+                "layers:8" if draft == "tree" else draft, runner.model, 6, 16, torch.Generator(),
+                tree=tree if draft == "tree" else None,
+            )  # fmt: skip
+        slots = {None: 0, "tree": tree.num_nodes}.get(draft, 4)
         outputs[draft], stats = serve_in_process(
-            runner, requests, num_blocks=6, block_size=16, num_speculative_tokens=4 if draft else 0
+            runner, requests, num_blocks=6, block_size=16, num_speculative_tokens=slots
         )
         assert stats.num_preemptions > 0
         if draft is not None:

@@ -25,6 +25,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Speculative trees: sequence index -> bool [query_len, seq_len], which context positions each query row sees
+    # (replacing the causal rule for that sequence). None = every sequence is causal.
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -31,8 +31,11 @@ class TorchSdpaBackend:
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = torch.empty_like(q)
         query_lens = np.asarray(metadata.query_lens_cpu)
-        decode_seqs = np.flatnonzero(query_lens == 1).tolist()
-        prefill_seqs = np.flatnonzero(query_lens > 1).tolist()
+        masked = np.zeros(len(query_lens), np.bool_)
+        if metadata.tree_masks:
+            masked[list(metadata.tree_masks)] = True
+        decode_seqs = np.flatnonzero((query_lens == 1) & ~masked).tolist()
+        prefill_seqs = np.flatnonzero((query_lens > 1) | masked).tolist()
         if decode_seqs:
             self._decode(q, k_cache, v_cache, metadata, decode_seqs, scale, out)
         if prefill_seqs:
@@ -98,7 +101,8 @@ class TorchSdpaBackend:
         rows = md.cu_seqlens_q[seqs].long()[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)
         query = q[rows].transpose(1, 2).to(keys.dtype)  # [P, heads, max_q, head_dim]
         query_pos = (seq_lens - q_lens)[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)
-        if all(md.seq_lens_cpu[i] == md.query_lens_cpu[i] for i in seqs):
+        trees = md.tree_masks or {}
+        if not any(i in trees for i in seqs) and all(md.seq_lens_cpu[i] == md.query_lens_cpu[i] for i in seqs):
             # Fresh prompts only: the plain causal mask is exact for every real row (keys past a prompt's end sit
             # after all its real queries), and SDPA's causal path is the fast one.
             keys, values = keys[:, :, :max_q], values[:, :, :max_q]
@@ -108,6 +112,14 @@ class TorchSdpaBackend:
             mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
                 key_pos[None, None, :] < seq_lens[:, None, None]
             )
+            for p, i in enumerate(seqs):
+                tree = trees.get(i)
+                if tree is None:
+                    continue
+                q_len, s_len = tree.shape
+                mask[p] = False
+                mask[p, :q_len, :s_len] = tree
+                mask[p, q_len:] = mask[p, q_len - 1]  # padded rows repeat the last real row
             attn = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
             )  # [P, heads, max_q, head_dim]

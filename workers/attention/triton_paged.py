@@ -388,6 +388,11 @@ class TritonPagedBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if metadata.tree_masks:
+            # Speculative trees need an arbitrary mask per query row; the gather path has it (correct, not fused).
+            from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
+
+            return TorchSdpaBackend().forward(q, k, v, k_cache, v_cache, metadata, scale)
         self._check(q, k_cache, v_cache, metadata)
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         if q.stride(-1) != 1:

@@ -13,10 +13,12 @@ from ringserve.workers.speculative.proposers import (
     Proposer,
     make_proposer,
 )
+from ringserve.workers.speculative.tree import DraftTree
 
 __all__ = [
     "DraftModelProposer",
     "DraftProposal",
+    "DraftTree",
     "LayerDraftProposer",
     "NgramProposer",
     "Proposer",

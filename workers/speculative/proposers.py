@@ -19,6 +19,7 @@ from ringserve.workers.attention import AttentionMetadata, attention_metadata_sc
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaForCausalLM
 from ringserve.workers.sampler import _GREEDY_TEMPERATURE, SamplingBatch, _select, sampling_distribution
+from ringserve.workers.speculative.tree import DraftTree, draft_tree
 
 
 @dataclass
@@ -43,6 +44,7 @@ class NgramProposer:
     what followed the most recent match. No model; a few vectorized numpy comparisons per request."""
 
     name = "ngram"
+    tree: DraftTree | None = None  # always a chain
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -81,6 +83,7 @@ class _ModelDrafter:
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
+        self.tree: DraftTree | None = None  # set for multi-candidate drafting (--spec-tree)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -88,6 +91,9 @@ class _ModelDrafter:
     def propose(
         self, batch: InputBatch, slots: np.ndarray, max_tokens: np.ndarray, sampling: SamplingBatch
     ) -> list[DraftProposal]:
+        if self.tree is not None:  # breadth-first node tokens; a prefix of the tree when lookahead is short
+            nodes = np.minimum(max_tokens, self.tree.num_nodes)
+            return [DraftProposal(t) for t in draft_tree(self.tree, self._forward, batch, slots, nodes)]
         n = len(slots)
         steps = int(max_tokens.max()) if n else 0
         dev = batch.device
@@ -193,12 +199,20 @@ def make_proposer(
     ngram_min: int = 2,
     ngram_max: int = 4,
     load_draft: object = None,
+    tree: DraftTree | None = None,
 ) -> Proposer:
-    """`ngram`, `layers:N` or a draft checkpoint path (`load_draft(path) -> LlamaForCausalLM`)."""
+    """`ngram`, `layers:N` or a draft checkpoint path (`load_draft(path) -> LlamaForCausalLM`); `tree` makes a
+    model drafter propose a multi-candidate tree instead of a chain."""
+    drafter: _ModelDrafter
     if spec == "ngram":
+        if tree is not None:
+            raise ValueError("--spec-tree needs a model drafter (--draft layers:N or a draft model), not ngram")
         return NgramProposer(ngram_min, ngram_max)
     if spec.startswith("layers:"):
-        return LayerDraftProposer(target, int(spec.split(":", 1)[1]), generator)
-    if load_draft is None or not callable(load_draft):
+        drafter = LayerDraftProposer(target, int(spec.split(":", 1)[1]), generator)
+    elif load_draft is None or not callable(load_draft):
         raise ValueError(f"--draft {spec!r}: expected ngram, layers:N or a model path")
-    return DraftModelProposer(load_draft(spec), target.config.vocab_size, num_blocks, block_size, generator)
+    else:
+        drafter = DraftModelProposer(load_draft(spec), target.config.vocab_size, num_blocks, block_size, generator)
+    drafter.tree = tree
+    return drafter
