@@ -20,8 +20,10 @@ def greedy(stub, request: pb.GenerateRequest) -> list[int]:
     return [t for r in stub.Generate(request, timeout=300) for t in r.token_ids]
 
 
-def serve_and_generate(model: Path, log_dir: Path, tp: int, requests: list[pb.GenerateRequest]) -> list[list[int]]:
-    flags = ("--tensor-parallel-size", str(tp), "--num-kv-blocks", "128", "--max-num-batched-tokens", "256")
+def serve_and_generate(
+    model: Path, log_dir: Path, tp: int, requests: list[pb.GenerateRequest], *extra: str
+) -> list[list[int]]:
+    flags = ("--tensor-parallel-size", str(tp), "--num-kv-blocks", "128", "--max-num-batched-tokens", "256", *extra)
     with start_server(model, log_dir, *flags) as server:
         stub = server.stub()
         tokens = [greedy(stub, r) for r in requests]
@@ -47,6 +49,10 @@ def test_tiny_llama_over_two_ranks_decodes_exactly_like_one(tmp_path: Path) -> N
     single = serve_and_generate(folder, tmp_path, 1, requests)
     assert all(len(t) == 12 for t in single)
     assert serve_and_generate(folder, tmp_path, 2, requests) == single
+    # A draft model sharded like the target (its own paged KV per rank), proposing a 2x1 tree of depth 3.
+    save_tiny_hf_model("llama", tmp_path / "draft", seed=0)
+    spec = ("--num-speculative-tokens", "3", "--draft", str(tmp_path / "draft"), "--spec-tree", "2x1")
+    assert serve_and_generate(folder, tmp_path, 2, requests, *spec) == single
 
 
 def test_smollm2_over_three_ranks_decodes_exactly_like_one(tmp_path: Path) -> None:
