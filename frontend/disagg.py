@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from ringserve.frontend.engine_client import EngineClient, EngineError, KvTransfer
 from ringserve.frontend.server import GenerationServicer, _num_samples, _Rejection
+from ringserve.frontend.timeline import RequestTimeline
 from ringserve.internal import disagg_pb2 as dpb
 from ringserve.internal import disagg_pb2_grpc as dpb_grpc
 from ringserve.v1 import generation_pb2 as pb
@@ -77,6 +78,10 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
     async def Prefill(self, request: dpb.PrefillRequest, context: grpc.aio.ServicerContext) -> dpb.PrefillResponse:
         kv = await self._require(context, "prefill")
         gen, req = self._gen, request.request
+        # Traced and measured like a Generate: SERVER span "ringserve.prefill" with tokenize, queue and prefill.
+        timeline = gen._start_timeline(req, context) if gen._observed else None
+        if timeline is not None:
+            timeline.rpc_method = "Prefill"
         try:
             gen._check_model(req.model)
             prompt_ids = await gen._prompt_ids(req)
@@ -84,10 +89,29 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
             if _num_samples(req.sampling) != 1:
                 raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "sampling.n must be 1 for a disaggregated prefill")
         except _Rejection as rejection:
+            if timeline is not None:
+                timeline.fail(rejection.code, rejection)
+                gen._close_timeline(timeline)
             await context.abort(rejection.code, rejection.message)
+        try:
+            return await self._prefill(kv, req, prompt_ids, params, context, timeline)
+        finally:
+            if timeline is not None:
+                gen._close_timeline(timeline)
+
+    async def _prefill(
+        self, kv: LocalKv, req: pb.GenerateRequest, prompt_ids: list[int], params: Any,
+        context: grpc.aio.ServicerContext, timeline: RequestTimeline | None,
+    ) -> dpb.PrefillResponse:  # fmt: skip
+        if timeline is not None:
+            timeline.tokenize_end_ns = time.time_ns()
+            timeline.prompt_tokens = len(prompt_ids)
+            timeline.params = params
         pin_ms = max(1, int(kv.pin_timeout_s * 1000))
         params = dataclasses.replace(params, kv=KvTransfer("prefill", pin_timeout_ms=pin_ms))
         request_id = self._engine.allocate_request_id()
+        if timeline is not None:
+            timeline.request_id = req.request_id or str(request_id)
         pinned: Any = None
         final: Any = None
         try:
@@ -95,13 +119,22 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
                 async for item in outputs:
                     if isinstance(item, self._core.KvPinned):
                         pinned = item
-                    elif item.finish_reason.name != "NONE":
+                        continue
+                    if timeline is not None:
+                        timeline.on_output(item)
+                    if item.finish_reason.name != "NONE":
                         final = item
+                        if timeline is not None and (item.finish_reason.name == "STOP" or params.max_tokens == 1):
+                            timeline.finish_reason = "stop" if item.finish_reason.name == "STOP" else "length"
         except EngineError as error:
+            if timeline is not None:
+                timeline.fail(error.code, error)
             await context.abort(error.code, error.message)
         if final is None or final.finish_reason.name == "ABORT" or pinned is None or not final.new_token_ids:
             if pinned is not None:
                 self._engine.release_kv(request_id)
+            if timeline is not None:
+                timeline.fail(grpc.StatusCode.UNAVAILABLE, RuntimeError("the prefill was aborted by the engine"))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill was aborted by the engine")
         # The engine ends a prefill-only request after one token (LENGTH); the client's request ends there only if
         # that token is a stop token or max_tokens is 1.

@@ -159,6 +159,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if n != 1:
                     raise _invalid("sampling.n must be 1 for a request continuing from transferred KV")
                 params = dataclasses.replace(params, kv=kv)
+                if timeline is not None:
+                    timeline.rpc_method = "GenerateFromKv"
+                    timeline.kv_pull_blocks = len(kv.remote_block_ids)
             self._admit(n)  # last: nothing awaits between the queue check and the submission
         except _Rejection as rejection:
             if timeline is not None:

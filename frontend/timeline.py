@@ -31,9 +31,10 @@ class RequestTimeline:
 
     __slots__ = (
         "chat", "completion_tokens", "emit_ns", "end_ns", "engine_arrival_ns", "error", "error_code",
-        "finish_reason", "first_scheduled_ns", "first_token_ns", "model", "num_cached_tokens", "num_preemptions",
-        "params", "parent_headers", "prefill_chunks", "prompt_tokens", "receive_ns", "request_id", "rpc_start_ns",
-        "send_ns", "spec_steps", "token_ids", "tokenize_end_ns",
+        "finish_reason", "first_scheduled_ns", "first_token_ns", "kv_pull_blocks", "kv_pulled_ns", "model",
+        "num_cached_tokens", "num_preemptions", "params", "parent_headers", "prefill_chunks", "prompt_tokens",
+        "receive_ns", "request_id", "rpc_method", "rpc_start_ns", "send_ns", "spec_steps", "token_ids",
+        "tokenize_end_ns",
     )  # fmt: skip
 
     def __init__(self, model: str, parent_headers: dict[str, str] | None = None) -> None:
@@ -41,6 +42,9 @@ class RequestTimeline:
         self.model = model
         self.parent_headers = parent_headers  # W3C traceparent/tracestate from the call's metadata
         self.request_id = ""
+        self.rpc_method = "Generate"  # or the disaggregation RPCs: Prefill, GenerateFromKv
+        self.kv_pull_blocks = 0  # GenerateFromKv: prompt blocks pulled from the prefill server before the first step
+        self.kv_pulled_ns = 0  # engine emit time of the first output after the pull (end of the step that pulled)
         self.chat = False
         self.params: Any = None  # SamplingOptions once validated
         self.tokenize_end_ns = 0
@@ -79,6 +83,12 @@ class RequestTimeline:
             self.first_scheduled_ns = output.first_scheduled_time_ns
             if ids:  # a fake or older engine may leave the time 0: fall back to the emit time
                 self.first_token_ns = output.first_token_time_ns or emit or time.time_ns()
+        elif self.kv_pull_blocks and not self.kv_pulled_ns and output.first_scheduled_time_ns:
+            # Pulled KV: the first token was the prefill server's (made up front); the engine's first output marks
+            # the end of the step that pulled the prompt's blocks.
+            self.engine_arrival_ns = output.arrival_time_ns
+            self.first_scheduled_ns = output.first_scheduled_time_ns
+            self.kv_pulled_ns = emit
         if ids:
             self.token_ids.append(ids)
             self.emit_ns.append(emit)

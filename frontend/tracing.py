@@ -80,6 +80,9 @@ def span_limits(settings: TracingSettings, context_length: int) -> SpanLimits:
     return SpanLimits(max_events=max_events)
 
 
+_RPC_SERVICES = {"Generate": "ringserve.v1.Generation"}
+
+
 class RequestTracer:
     """Turns finished RequestTimelines into spans on a TracerProvider (which owns export and sampling)."""
 
@@ -104,7 +107,8 @@ class RequestTracer:
     def record(self, t: RequestTimeline) -> None:
         """Emit the spans of one finished RPC."""
         parent = _W3C.extract(t.parent_headers) if t.parent_headers else None
-        server = self._tracer.start_span("ringserve.generate", context=parent, kind=SpanKind.SERVER,
+        name = "ringserve.prefill" if t.rpc_method == "Prefill" else "ringserve.generate"
+        server = self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
                                          start_time=t.rpc_start_ns, attributes=self._request_attributes(t))
         if not server.is_recording():  # sampled out (e.g. the caller's trace is not sampled)
             return
@@ -114,7 +118,14 @@ class RequestTracer:
                                     attributes={"gen_ai.usage.input_tokens": t.prompt_tokens}).end(t.tokenize_end_ns)
         if t.engine_arrival_ns and t.first_scheduled_ns:
             self._tracer.start_span("queue", context, start_time=t.engine_arrival_ns).end(t.first_scheduled_ns)
-        if t.first_scheduled_ns and t.first_token_ns:
+        if t.kv_pull_blocks:
+            if t.first_scheduled_ns and t.kv_pulled_ns:
+                # The prompt's KV came from the prefill server: the workers pulled it at the start of the step that
+                # admitted the request (engine times: that step planned -> its output, which includes one decode).
+                self._tracer.start_span("kv_transfer", context, start_time=t.first_scheduled_ns, attributes={
+                    "ringserve.kv.direction": "pull", "ringserve.kv.blocks": t.kv_pull_blocks,
+                    "ringserve.kv.tokens": t.prompt_tokens}).end(t.kv_pulled_ns)  # fmt: skip
+        elif t.first_scheduled_ns and t.first_token_ns:
             self._prefill_span(t, context)
         if t.first_token_ns:
             self._decode_span(t, context)
@@ -127,8 +138,8 @@ class RequestTracer:
             "gen_ai.system": PROVIDER_NAME,  # the older conventions' name for the provider
             "gen_ai.request.model": t.model,
             "rpc.system": "grpc",
-            "rpc.service": "ringserve.v1.Generation",
-            "rpc.method": "Generate",
+            "rpc.service": _RPC_SERVICES.get(t.rpc_method, "ringserve.internal.Disaggregation"),
+            "rpc.method": t.rpc_method,
             "ringserve.request_id": t.request_id,
             "ringserve.replica": self.settings.replica,
             "ringserve.tensor_parallel_size": self.settings.tensor_parallel_size,

@@ -26,6 +26,7 @@ from ringserve.internal import disagg_pb2_grpc as dpb_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc
 from server_harness import RunningServer, free_port, real_model_path, start_server
+from test_tracing import OtlpReceiver, trace_service_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -81,11 +82,11 @@ def kill_tree(server: RunningServer) -> None:
 
 
 class Router:
-    def __init__(self, prefill: RunningServer, decode: RunningServer, log_dir: Path) -> None:
+    def __init__(self, prefill: RunningServer, decode: RunningServer, log_dir: Path, *extra: str) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"router-{self.port}.log"
         cmd = [sys.executable, "-m", "ringserve.frontend.cli", "router", "--port", str(self.port),
-               "--prefill", prefill.address, "--decode", decode.address]  # fmt: skip
+               "--prefill", prefill.address, "--decode", decode.address, *extra]  # fmt: skip
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -121,13 +122,21 @@ def deployment(request, tmp_path: Path) -> Iterator[tuple[RunningServer, Running
     if ctypes.util.find_library("ibverbs"):
         os.environ["UCX_MODULES"] = "^ib"  # NIXL crashes at exit with the ib module and no RDMA device
     model = real_model_path()
+    # Every process exports its spans to a collector in this process: one trace spans router, prefill and decode.
+    collector = OtlpReceiver()
+    receiver = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, receiver)
+    tracing = ("--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.add_insecure_port('127.0.0.1:0')}")
+    receiver.start()
     prefill = start_server(model, tmp_path, "--role", "prefill", "--kv-transfer", backend, "--kv-pin-timeout", "20",
-                           *POOL)  # fmt: skip
-    decode = start_server(model, tmp_path, "--role", "decode", "--kv-transfer", backend, *POOL)
-    router = Router(prefill, decode, tmp_path)
+                           *POOL, *tracing)  # fmt: skip
+    decode = start_server(model, tmp_path, "--role", "decode", "--kv-transfer", backend, *POOL, *tracing)
+    router = Router(prefill, decode, tmp_path, *tracing)
+    request.node.collector = collector
     try:
         yield prefill, decode, router
     finally:
+        receiver.stop(0)
         router.stop()
         for server in (prefill, decode):
             server.__exit__(None, None, None)
@@ -149,10 +158,49 @@ def check_equal_to_colocated(prefill: RunningServer, decode: RunningServer, rout
     wait_all_free(prefill, decode)
 
 
+def check_one_trace_across_the_three_processes(router: Router, collector: OtlpReceiver) -> None:
+    trace_id, caller_span = "5bf92f3577b34da6a3ce929d0e0e4736", "10f067aa0ba902b7"
+    metadata = (("traceparent", f"00-{trace_id}-{caller_span}-01"),)
+    generated, _ = tokens(router.address, greedy(PROMPTS[3], max_tokens=6), metadata)
+    names = {"ringserve.router.generate", "ringserve.prefill", "ringserve.generate", "kv_transfer", "decode"}
+    deadline = time.monotonic() + 60  # each process's batch processor exports every few seconds
+    while not names <= {s["name"] for s in collector.spans if s["trace_id"] == trace_id}:
+        assert time.monotonic() < deadline, [(s["name"], s["trace_id"]) for s in collector.spans]
+        collector.wait_for(names, timeout_s=60)
+        time.sleep(0.5)
+    time.sleep(1.0)  # the rest of the trace's batch
+    spans = [s for s in collector.spans if s["trace_id"] == trace_id]
+    by_name: dict[str, list[dict]] = {}
+    for span in spans:
+        by_name.setdefault(span["name"], []).append(span)
+    by_id = {s["span_id"]: s for s in spans}
+    router_span = by_name["ringserve.router.generate"][0]
+    assert router_span["parent"] == caller_span
+    # The prefill server's SERVER span sits under the router's prefill CLIENT span, with engine-timed children.
+    prefill_rpc = by_name["ringserve.prefill"][0]
+    assert by_id[prefill_rpc["parent"]]["name"] == "prefill" and by_id[prefill_rpc["parent"]]["kind"] == 3
+    assert prefill_rpc["attributes"]["rpc.method"] == "Prefill"
+    children = {s["name"] for s in spans if s["parent"] == prefill_rpc["span_id"]}
+    assert {"tokenize", "queue", "prefill"} <= children
+    # The decode server's span sits under the router's decode CLIENT span; its first step pulled the KV.
+    decode_rpc = by_name["ringserve.generate"][0]
+    assert by_id[decode_rpc["parent"]]["name"] == "decode"
+    assert decode_rpc["attributes"]["rpc.method"] == "GenerateFromKv"
+    pulled = [s for s in by_name["kv_transfer"] if s["parent"] == decode_rpc["span_id"]]
+    assert len(pulled) == 1, [(s["name"], s["attributes"]) for s in spans if s["parent"] == decode_rpc["span_id"]]
+    assert pulled[0]["attributes"]["ringserve.kv.blocks"] >= 1
+    assert decode_rpc["start"] <= pulled[0]["start"] <= pulled[0]["end"] <= decode_rpc["end"]
+    # Every token the client got is an event on the decode server's decode span (the first is the prefill's).
+    server_decode = [s for s in by_name["decode"] if s["parent"] == decode_rpc["span_id"]]
+    token_events = [e[2]["ringserve.token.id"] for e in server_decode[0]["events"] if e[0] == "token"]
+    assert token_events == generated
+
+
 @pytest.mark.parametrize("deployment", ["shm"], indirect=True)
-def test_shm_disaggregated_serving_prefix_cache_handshake_and_prefill_death(deployment) -> None:
+def test_shm_disaggregated_serving_prefix_cache_handshake_and_prefill_death(deployment, request) -> None:
     prefill, decode, router = deployment
     check_equal_to_colocated(prefill, decode, router)
+    check_one_trace_across_the_three_processes(router, request.node.collector)
 
     with grpc.insecure_channel(prefill.address) as channel:
         stub = dpb_grpc.DisaggregationStub(channel)
