@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes.util
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from ringserve.internal import disagg_pb2 as dpb
 from ringserve.internal import disagg_pb2_grpc as dpb_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc
-from server_harness import RunningServer, free_port, real_model_path, start_server
+from server_harness import RunningServer, compile_torchserve_stubs, free_port, real_model_path, start_server
 from test_tracing import OtlpReceiver, trace_service_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)
@@ -196,11 +197,30 @@ def check_one_trace_across_the_three_processes(router: Router, collector: OtlpRe
     assert token_events == generated
 
 
+def check_torchserve_inference_through_the_router(router: Router, tmp_path: Path) -> None:
+    """A client built only from TorchServe's protos (in its own process) gets the router's greedy text."""
+    client_dir = Path(__file__).parent / "torchserve_client"
+    (tmp_path / "ts_stubs").mkdir()
+    stubs = compile_torchserve_stubs(client_dir, tmp_path / "ts_stubs")
+    with grpc.insecure_channel(router.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        model = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30).model
+        plain = pb.GenerateRequest(text=PROMPTS[1], sampling=pb.SamplingParams(max_tokens=8, temperature=0.0))
+        text = "".join(r.text for r in stub.Generate(plain, timeout=120))
+    run = subprocess.run([sys.executable, str(client_dir / "ts_predict.py"), str(stubs), router.address, model,
+                          PROMPTS[1], "8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    observed = json.loads(run.stdout)
+    assert observed["ping"] == {"status": "Healthy"}
+    assert observed["prediction"] == text and "".join(observed["stream_chunks"]) == text
+
+
 @pytest.mark.parametrize("deployment", ["shm"], indirect=True)
-def test_shm_disaggregated_serving_prefix_cache_handshake_and_prefill_death(deployment, request) -> None:
+def test_shm_disaggregated_serving_prefix_cache_handshake_and_prefill_death(deployment, request, tmp_path) -> None:
     prefill, decode, router = deployment
     check_equal_to_colocated(prefill, decode, router)
     check_one_trace_across_the_three_processes(router, request.node.collector)
+    check_torchserve_inference_through_the_router(router, tmp_path)
 
     with grpc.insecure_channel(prefill.address) as channel:
         stub = dpb_grpc.DisaggregationStub(channel)
