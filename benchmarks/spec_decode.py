@@ -9,9 +9,10 @@ StepResult encoded and decoded as on the rings; no gRPC, ring transport or proce
 engine's and the worker's own (as in benchmarks/throughput.py).
 - single_tok_s_*: one greedy request on an input-copying chat prompt (rewrite the code given in the prompt);
   decode tokens / decode time (after its first token). base = no speculation; ngram = prompt lookup;
-  selfdraft = the model's first --self-draft-layers layers + LM head, a chain of --self-draft-tokens; tree = the same
-  self-draft proposing a --tree WxD tree of depth --self-draft-tokens (top-W candidates at the first D positions,
-  then greedy chains), verified in one pass with a tree attention mask.
+  selfdraft = the model's first --self-draft-layers layers + LM head, a chain of --self-draft-tokens; tree = n-gram
+  lookup proposing a --tree WxD tree of depth --num-speculative-tokens (the continuations of several earlier matches
+  laid onto the tree), verified in one pass with a tree attention mask; tree_selfdraft = the self-draft proposing
+  a WxD tree (top-W candidates at the first D positions, then greedy chains) of depth --self-draft-tokens.
 - mean_accepted: tokens per verification step (1 + accepted drafts per step that verified drafts), per proposer.
 - throughput_ratio_64: 64 concurrent requests (8 random tokens + the prompt's first --concurrent-prompt-len), generated
   tokens / wall time (prefill included) with n-gram speculation on (the default policy: no lookahead while more than
@@ -137,8 +138,10 @@ def main() -> None:
     base = single(None, 0)
     ngram = single("ngram", args.num_speculative_tokens)
     selfdraft = single(f"layers:{args.self_draft_layers}", args.self_draft_tokens)
+    ngram_shape = DraftTree.parse(args.tree, args.num_speculative_tokens)
+    tree = single("ngram", args.num_speculative_tokens, ngram_shape)
     shape = DraftTree.parse(args.tree, args.self_draft_tokens)
-    tree = single(f"layers:{args.self_draft_layers}", args.self_draft_tokens, shape)
+    tree_self = single(f"layers:{args.self_draft_layers}", args.self_draft_tokens, shape)
     rng = np.random.default_rng(0)
     # 64 different requests: the copying prompt with a different short random prefix each (no shared prefix blocks).
     head = prompt[: args.concurrent_prompt_len]
@@ -153,6 +156,7 @@ def main() -> None:
         "ngram": ngram["tokens"] == base["tokens"],
         "selfdraft": selfdraft["tokens"] == base["tokens"],
         "tree": tree["tokens"] == base["tokens"],
+        "tree_selfdraft": tree_self["tokens"] == base["tokens"],
         "concurrent_ngram": spec64["tokens"] == plain64["tokens"] == plain64_after["tokens"],
     }
     result = {
@@ -167,18 +171,24 @@ def main() -> None:
         "single_tok_s_base": round(base["decode_tok_s"], 2),
         "single_tok_s_ngram": round(ngram["decode_tok_s"], 2),
         "single_tok_s_selfdraft": round(selfdraft["decode_tok_s"], 2),
-        "tree": f"layers:{args.self_draft_layers} {args.tree} depth {args.self_draft_tokens} ({shape.num_nodes} nodes)",
+        "tree": f"ngram {args.tree} depth {args.num_speculative_tokens} ({ngram_shape.num_nodes} nodes)",
+        "tree_selfdraft": f"layers:{args.self_draft_layers} {args.tree} depth {args.self_draft_tokens} "
+                          f"({shape.num_nodes} nodes)",
         "single_tok_s_tree": round(tree["decode_tok_s"], 2),
+        "single_tok_s_tree_selfdraft": round(tree_self["decode_tok_s"], 2),
         "speedup_tree": round(tree["decode_tok_s"] / base["decode_tok_s"], 3),
+        "speedup_tree_selfdraft": round(tree_self["decode_tok_s"] / base["decode_tok_s"], 3),
         "speedup_ngram": round(ngram["decode_tok_s"] / base["decode_tok_s"], 3),
         "speedup_selfdraft": round(selfdraft["decode_tok_s"] / base["decode_tok_s"], 3),
         "mean_accepted": {
             "ngram": ngram["mean_accepted"] and round(ngram["mean_accepted"], 3),
             "selfdraft": selfdraft["mean_accepted"] and round(selfdraft["mean_accepted"], 3),
             "tree": tree["mean_accepted"] and round(tree["mean_accepted"], 3),
+            "tree_selfdraft": tree_self["mean_accepted"] and round(tree_self["mean_accepted"], 3),
         },
         "acceptance_rate": {
-            "ngram": ngram["acceptance"], "selfdraft": selfdraft["acceptance"], "tree": tree["acceptance"]
+            "ngram": ngram["acceptance"], "selfdraft": selfdraft["acceptance"], "tree": tree["acceptance"],
+            "tree_selfdraft": tree_self["acceptance"],
         },
         "concurrent": args.concurrent,
         "throughput_tok_s_64_base": round(base64_tok_s, 2),
@@ -186,7 +196,8 @@ def main() -> None:
         "throughput_ratio_64": round(spec64["tok_s"] / base64_tok_s, 3),
         "steps_64": {"base": plain64["steps"], "ngram": spec64["steps"]},
         "single_steps": {
-            "base": base["steps"], "ngram": ngram["steps"], "selfdraft": selfdraft["steps"], "tree": tree["steps"]
+            "base": base["steps"], "ngram": ngram["steps"], "selfdraft": selfdraft["steps"], "tree": tree["steps"],
+            "tree_selfdraft": tree_self["steps"],
         },
         "lossless": lossless,
     }

@@ -84,7 +84,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--spec-tree", "", str,
          "multi-candidate speculation: WxD proposes the drafter's top W tokens at each of the first D positions, "
          "then greedy chains down to --num-speculative-tokens, and verifies the whole tree in one pass (e.g. 2x2; "
-         "needs a model drafter; default: one chain)")
+         "with --draft ngram the branches are what followed different earlier matches; default: one chain)")
     flag("--spec-max-batch", 16, int,
          "no speculation in a step where more requests run: big batches are compute bound (default %(default)s; "
          "0 = no limit)")
@@ -240,8 +240,8 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
     if getattr(args, "spec_tree", ""):
         from ringserve.workers.spec_tree import DraftTree
 
-        if args.num_speculative_tokens == 0 or args.draft == "ngram":
-            return "--spec-tree needs --num-speculative-tokens > 0 and a model drafter (--draft layers:N or a path)"
+        if args.num_speculative_tokens == 0:
+            return "--spec-tree needs --num-speculative-tokens > 0 (the tree's depth)"
         try:
             DraftTree.parse(args.spec_tree, args.num_speculative_tokens)
         except ValueError as error:

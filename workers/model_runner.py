@@ -253,7 +253,8 @@ class ModelRunner:
             for entry, proposal in zip(spec.tolist(), proposals, strict=True):
                 drafts = np.asarray(proposal.token_ids, np.int64)[: lookahead[entry]]
                 num_drafts[entry] = len(drafts)
-                self.batch.stage_drafts(int(slots[entry]), drafts)
+                # A tree's absent nodes (-1) are computed as token 0 and never accepted (verify_tree sees the -1).
+                self.batch.stage_drafts(int(slots[entry]), np.maximum(drafts, 0))
         step = self.batch.prepare(slots, starts, lens, sample, num_drafts)
         tree = getattr(self.proposer, "tree", None)
         if tree is not None and len(spec):
@@ -297,7 +298,9 @@ class ModelRunner:
             index = np.concatenate([np.arange(first_row[i], first_row[i] + per[i]) for i in verified_rows.tolist()])
             by_entry = {e: p for e, p in zip(spec.tolist(), proposals, strict=True)}
             if tree is not None:
-                self._verify_tree(tree, logits, index, slots, entries, num_drafts, verified_rows, tokens, logprobs)
+                nodes = [np.asarray(by_entry[e].token_ids, np.int64)[: num_drafts[e]] for e in entries.tolist()]
+                self._verify_tree(tree, logits, index, slots, entries, nodes, num_drafts, verified_rows, tokens,
+                                  logprobs)  # fmt: skip
             else:
                 self._verify_chain(logits, index, slots, entries, num_drafts, verified_rows, by_entry, tokens, logprobs)
         counts = np.array([len(t) for t in tokens], np.int32)
@@ -356,6 +359,7 @@ class ModelRunner:
         index: np.ndarray,
         slots: np.ndarray,
         entries: np.ndarray,
+        node_tokens: list[np.ndarray],
         num_drafts: np.ndarray,
         verified_rows: np.ndarray,
         tokens: list[np.ndarray],
@@ -367,8 +371,7 @@ class ModelRunner:
             tree,
             logits[torch.from_numpy(index).to(logits.device)],
             num_drafts[entries],
-            [self.batch.token_ids[s, self.batch.num_tokens[s] : self.batch.num_tokens[s] + num_drafts[e]]
-             for s, e in zip(entry_slots, entries, strict=True)],
+            node_tokens,
             self.batch.sampling_batch(entry_slots),
             self.sampler,
         )

@@ -487,7 +487,6 @@ def test_serve_passes_a_draft_tree_to_the_engine_and_workers(tmp_path: Path) -> 
     assert engine_main.engine_config(chain).num_speculative_tokens == 4
     for bad, message in (
         (["--spec-tree", "2x2"], "--spec-tree needs"),
-        (["--num-speculative-tokens", "4", "--spec-tree", "2x2"], "--spec-tree needs"),  # ngram
         (["--num-speculative-tokens", "2", "--draft", "layers:2", "--spec-tree", "2by2"], "expected WxD"),
         (["--num-speculative-tokens", "8", "--draft", "layers:2", "--spec-tree", "3x3"], "at most 64"),
     ):

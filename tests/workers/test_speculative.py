@@ -99,11 +99,23 @@ def test_draft_tree_shape_is_breadth_first_and_every_prefix_is_a_tree() -> None:
             DraftTree.parse(bad, 4)
     with pytest.raises(ValueError, match="at most 64"):
         DraftTree.build(4, 3, 8)
-    with pytest.raises(ValueError, match="spec-tree needs a model drafter"):
-        make_proposer("ngram", None, 8, 4, torch.Generator(), tree=tree)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("draft", ["layers:1", "model", "other_model"])
+def test_ngram_tree_lays_the_continuations_of_several_matches_onto_the_tree() -> None:
+    ngram = NgramProposer(min_n=1, max_n=2, tree=DraftTree.build(2, 1, 3))  # 2 branches, then chains: 6 nodes
+    # "7 8" occurs twice before the end: followed by 1 2 3 (latest) and 4 5 6; "8" alone also by 9 (earliest).
+    tokens = np.array([8, 9, 0, 7, 8, 4, 5, 6, 7, 8, 1, 2, 3, 7, 8])
+    nodes = ngram.lookup_tree(tokens, ngram.tree, 6)
+    # BFS: depth 1 = [1, 4], depth 2 = [2, 5], depth 3 = [3, 6]
+    assert nodes.tolist() == [1, 4, 2, 5, 3, 6]
+    # One continuation only: the second branch is absent (-1), and the proposal ends after the last present node.
+    single = ngram.lookup_tree(np.array([5, 6, 1, 2, 5, 6]), ngram.tree, 6)
+    assert single.tolist() == [1, -1, 2, -1, 5]
+    # A lookahead of 3 slots takes the tree's first 3 nodes.
+    assert ngram.lookup_tree(tokens, ngram.tree, 3).tolist() == [1, 4, 2]
+
+
+@pytest.mark.parametrize("draft", ["layers:1", "model", "other_model", "ngram"])
 def test_tree_verification_keeps_greedy_output_in_mixed_batches_with_preemption(tiny_folder, draft: str) -> None:
     if draft == "model":
         draft = str(tiny_folder / "draft_same")

@@ -41,31 +41,82 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup: the last n tokens (n from max_n down to min_n) matched earlier in prompt + output; proposes
-    what followed the most recent match. No model; a few vectorized numpy comparisons per request."""
+    what followed the most recent match. No model; a few vectorized numpy comparisons per request.
+
+    With a draft tree (`--spec-tree`) it proposes what followed several earlier matches as a trie laid onto the
+    tree: at a branching position the distinct next tokens (longest n-gram first, then the most recent), each
+    followed by its own continuation. Tree positions no continuation reaches are absent (-1) and never accepted."""
 
     name = "ngram"
-    tree: DraftTree | None = None  # always a chain
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 2, max_n: int = 4, tree: DraftTree | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min ({min_n}) <= max ({max_n})")
         self.min_n, self.max_n = min_n, max_n
+        self.tree = tree
 
-    def lookup(self, tokens: np.ndarray, k: int) -> np.ndarray:
+    def _hits(self, tokens: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(n, match starts, latest first) for each n from max_n down to min_n that matches."""
         length = len(tokens)
+        found = []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             pattern = tokens[length - n :]
             # Windows that end before the last token, so each has at least one token after it.
             windows = sliding_window_view(tokens[: length - 1], n)
             hits = np.flatnonzero((windows == pattern).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].copy()
-        return np.zeros(0, np.int64)
+                found.append((n, hits[::-1]))
+        return found
+
+    def lookup(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        found = self._hits(tokens)
+        if not found:
+            return np.zeros(0, np.int64)
+        n, hits = found[0]
+        start = int(hits[0]) + n
+        return tokens[start : start + k].copy()
+
+    def lookup_tree(self, tokens: np.ndarray, tree: DraftTree, num_nodes: int) -> np.ndarray:
+        """Node tokens 1..num_nodes (-1 = absent), trimmed after the last present node."""
+        continuations: list[np.ndarray] = []
+        seen: set[int] = set()
+        limit = 4 * max(tree.width, 1) * (tree.branch_depth + 1)
+        for n, hits in self._hits(tokens):
+            for h in hits.tolist():
+                start = h + n
+                if start not in seen:
+                    seen.add(start)
+                    continuations.append(tokens[start : start + tree.depth])
+            if len(continuations) >= limit:
+                break
+        nodes = np.full(tree.num_nodes + 1, -1, np.int64)
+
+        def place(node: int, conts: list[np.ndarray]) -> None:
+            groups: dict[int, list[np.ndarray]] = {}
+            for c in conts:
+                if len(c):
+                    groups.setdefault(int(c[0]), []).append(c[1:])
+            first = int(tree.first_child[node])
+            for rank, (token, rest) in enumerate(list(groups.items())[: int(tree.num_children[node])]):
+                if first + rank <= num_nodes:
+                    nodes[first + rank] = token
+                    place(first + rank, rest)
+
+        place(0, continuations)
+        present = np.flatnonzero(nodes[1 : num_nodes + 1] >= 0)
+        return nodes[1 : int(present[-1]) + 2] if len(present) else np.zeros(0, np.int64)
 
     def propose(
         self, batch: InputBatch, slots: np.ndarray, max_tokens: np.ndarray, sampling: SamplingBatch
     ) -> list[DraftProposal]:
+        if self.tree is not None:
+            tree = self.tree
+            return [
+                DraftProposal(
+                    self.lookup_tree(batch.token_ids[slot, : batch.num_tokens[slot]], tree, min(k, tree.num_nodes))
+                )
+                for slot, k in zip(slots.tolist(), max_tokens.tolist(), strict=True)
+            ]
         return [
             DraftProposal(self.lookup(batch.token_ids[slot, : batch.num_tokens[slot]], int(k)))
             for slot, k in zip(slots.tolist(), max_tokens.tolist(), strict=True)
@@ -205,9 +256,7 @@ def make_proposer(
     model drafter propose a multi-candidate tree instead of a chain."""
     drafter: _ModelDrafter
     if spec == "ngram":
-        if tree is not None:
-            raise ValueError("--spec-tree needs a model drafter (--draft layers:N or a draft model), not ngram")
-        return NgramProposer(ngram_min, ngram_max)
+        return NgramProposer(ngram_min, ngram_max, tree)
     if spec.startswith("layers:"):
         drafter = LayerDraftProposer(target, int(spec.split(":", 1)[1]), generator)
     elif load_draft is None or not callable(load_draft):
