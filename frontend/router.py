@@ -21,8 +21,10 @@ and a message naming it.
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import contextlib
+import hashlib
 import logging
 import signal
 import sys
@@ -75,6 +77,30 @@ class Upstream:
 def least_loaded(upstreams: Sequence[Upstream]) -> Upstream:
     """Fewest outstanding tokens; ties go to the first listed."""
     return min(upstreams, key=lambda u: u.outstanding_tokens)
+
+
+def prompt_prefix(request: pb.GenerateRequest, chars: int) -> bytes:
+    """The leading prompt content that prefix caching could share (empty when there is none to go by)."""
+    if request.HasField("token_ids"):
+        return array.array("i", request.token_ids.ids[: max(chars // 4, 1)]).tobytes()
+    if request.HasField("messages"):
+        text = "\x1e".join(f"{m.role}\x1f{m.content}" for m in request.messages.messages)
+    else:
+        text = request.text
+    return text[:chars].encode()
+
+
+def choose_prefill(upstreams: Sequence[Upstream], prefix: bytes, slack_tokens: int) -> tuple[Upstream, str]:
+    """Prefix-cache-aware choice: requests that start alike go to the same prefill server (rendezvous hashing of
+    the prompt's leading content over the servers), so its prefix cache serves them, unless that server has more
+    than `slack_tokens` outstanding beyond the least loaded one; then the least loaded. Returns (server, reason)."""
+    least = least_loaded(upstreams)
+    if len(upstreams) == 1 or not prefix or slack_tokens < 0:
+        return least, "least_loaded"
+    preferred = max(upstreams, key=lambda u: hashlib.blake2b(prefix + u.address.encode(), digest_size=8).digest())
+    if preferred.outstanding_tokens - least.outstanding_tokens > slack_tokens:
+        return least, "least_loaded"
+    return preferred, "prefix_affinity"
 
 
 def estimate_prompt_tokens(request: pb.GenerateRequest) -> int:
@@ -192,6 +218,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
     prefill: list[Upstream]
     decode: list[Upstream]
     tracer: Tracer | None = None
+    prefix_chars: int = 512  # leading prompt characters that pick the prefill server (0 = least loaded only)
+    prefix_slack_tokens: int = 8192  # how much busier than the least loaded the prefix's server may be
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     async def Generate(self, request: pb.GenerateRequest,
@@ -207,7 +235,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
         try:
             pre = None
             if request.sampling.n <= 1:
-                prefill = least_loaded(self.prefill)
+                prefix = prompt_prefix(request, self.prefix_chars) if self.prefix_chars > 0 else b""
+                prefill, reason = choose_prefill(self.prefill, prefix, self.prefix_slack_tokens)
+                trace.attribute("ringserve.router.prefill_choice", reason)
                 prefill.outstanding_tokens += prompt_cost
                 span = trace.child("prefill", prefill.address)
                 try:
@@ -312,6 +342,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT", help="decode servers")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=50050, help="gRPC port (default %(default)s)")
+    p.add_argument("--prefix-affinity-chars", type=int, default=512,
+                   help="requests whose first N prompt characters agree go to the same prefill server, so its "
+                        "prefix cache serves them (default %(default)s; 0 = least outstanding tokens only)")
+    p.add_argument("--prefix-affinity-slack", type=int, default=8192,
+                   help="tokens a prefix's prefill server may have outstanding beyond the least loaded one before "
+                        "the request goes to the least loaded instead (default %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
     p.add_argument("--otlp-traces-endpoint", default=otel_traces_endpoint(),
                    help="OTLP collector for the router's spans; empty = off (default: "
@@ -333,7 +369,8 @@ async def serve_router(args: argparse.Namespace, ready: asyncio.Event | None = N
         settings = TracingSettings(endpoint=args.otlp_traces_endpoint, protocol=args.otlp_protocol)
         provider.add_span_processor(BatchSpanProcessor(make_exporter(settings)))
         log.info("tracing to %s over OTLP/%s", settings.endpoint, settings.protocol)
-    servicer = RouterServicer(prefill, decode, provider.get_tracer("ringserve.router") if provider else None)
+    servicer = RouterServicer(prefill, decode, provider.get_tracer("ringserve.router") if provider else None,
+                              prefix_chars=args.prefix_affinity_chars, prefix_slack_tokens=args.prefix_affinity_slack)
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(

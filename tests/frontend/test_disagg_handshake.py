@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ringserve.backend.kv_peer import KvPeerInfo
 from ringserve.frontend.disagg import LocalKv, check_handle
-from ringserve.frontend.router import Upstream, estimate_prompt_tokens, least_loaded
+from ringserve.frontend.router import Upstream, choose_prefill, estimate_prompt_tokens, least_loaded, prompt_prefix
 from ringserve.internal import disagg_pb2 as dpb
 from ringserve.v1 import generation_pb2 as pb
 
@@ -58,3 +58,30 @@ def test_router_picks_the_least_outstanding_tokens() -> None:
     assert least_loaded(ups).address == "h1:1"  # ties: the first listed
     assert estimate_prompt_tokens(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))) == 3
     assert estimate_prompt_tokens(pb.GenerateRequest(text="x" * 400)) == 101
+
+
+def test_router_sends_requests_that_start_alike_to_the_same_prefill_server() -> None:
+    ups = [Upstream(f"h{i}:1", None, None, None, 0) for i in range(4)]  # type: ignore[arg-type]
+    system = "You are a careful assistant for the harbour authority. " * 12  # > 512 characters shared
+    prefixes = [prompt_prefix(pb.GenerateRequest(text=system + question), 512) for question in ("tides?", "ships?")]
+    assert prefixes[0] == prefixes[1]
+    chosen = {choose_prefill(ups, p, 8192)[0].address for p in prefixes}
+    assert len(chosen) == 1
+    # Different prefixes spread over the servers (rendezvous hashing), each one always to the same server.
+    picks = [choose_prefill(ups, f"document {i} ".encode() * 40, 8192)[0].address for i in range(40)]
+    assert len(set(picks)) == 4
+    assert picks == [choose_prefill(ups, f"document {i} ".encode() * 40, 8192)[0].address for i in range(40)]
+    # A prefix's server far busier than the least loaded one loses the request to it.
+    preferred, reason = choose_prefill(ups, prefixes[0], 8192)
+    assert reason == "prefix_affinity"
+    preferred.outstanding_tokens = 10_000
+    other, reason = choose_prefill(ups, prefixes[0], 8192)
+    assert reason == "least_loaded" and other is not preferred and other.outstanding_tokens == 0
+    # Token-id prompts and chat messages have prefixes too; an empty prompt has none.
+    long_ids, short_ids = (pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(n)))) for n in (300, 200))
+    assert prompt_prefix(long_ids, 512) == prompt_prefix(short_ids, 512)  # the first 128 ids
+    chats = [pb.GenerateRequest(messages=pb.ChatMessages(messages=[
+        pb.ChatMessage(role="system", content=system), pb.ChatMessage(role="user", content=q)]))
+        for q in ("tides?", "ships?")]  # fmt: skip
+    assert prompt_prefix(chats[0], 512) == prompt_prefix(chats[1], 512) != prompt_prefix(chats[0], 2048)
+    assert choose_prefill(ups, b"", 8192)[1] == "least_loaded"
