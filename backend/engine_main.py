@@ -19,7 +19,7 @@ from types import FrameType
 from ringserve import _core
 from ringserve.backend.process import die_with_parent, stop_child
 from ringserve.backend.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
-from ringserve.workers.spec_tree import DraftTree
+from ringserve.backend.spec_tree import DraftTree
 
 log = logging.getLogger("ringserve.engine")
 

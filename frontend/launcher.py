@@ -238,7 +238,7 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
     if args.draft != "ngram" and not args.draft.startswith("layers:") and not Path(args.draft).exists():
         return f"--draft {args.draft!r}: expected ngram, layers:N or an existing draft model path"
     if getattr(args, "spec_tree", ""):
-        from ringserve.workers.spec_tree import DraftTree
+        from ringserve.backend.spec_tree import DraftTree
 
         if args.num_speculative_tokens == 0:
             return "--spec-tree needs --num-speculative-tokens > 0 (the tree's depth)"

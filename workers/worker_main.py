@@ -18,11 +18,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from ringserve.backend.spec_tree import DraftTree
 from ringserve.workers.attention import ATTENTION_BACKENDS
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.parallel import init_distributed
-from ringserve.workers.spec_tree import DraftTree
 from ringserve.workers.speculative import make_proposer
 
 _READ_TIMEOUT_S = 0.5  # how often an idle worker checks that its parent is alive

@@ -20,14 +20,15 @@ emitted token is distributed as the target's own, and a seeded request gives exa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from ringserve.backend.spec_tree import DraftTree
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.sampler import _GREEDY_TEMPERATURE, Sampler, SamplingBatch, _select, sampling_distribution
-from ringserve.workers.spec_tree import DraftTree
 
 __all__ = ["DraftTree", "chunk_tree_mask", "compact_accepted_kv", "draft_tree", "tree_mask", "verify_tree"]
 
@@ -55,7 +56,7 @@ def chunk_tree_mask(tree: DraftTree, start: int, chunk: int, num_nodes: int) -> 
 
 def draft_tree(
     tree: DraftTree,
-    forward: object,
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     batch: InputBatch,
     slots: np.ndarray,
     num_nodes: np.ndarray,
@@ -63,7 +64,6 @@ def draft_tree(
     """Drafts nodes 1..num_nodes[i] for each slot, level by level: one drafting forward per tree depth over every
     request's nodes of that depth that have children to fill (top-W candidates on branching levels, else argmax).
     `forward(input_ids, positions) -> logits` runs under the attention metadata this sets."""
-    assert callable(forward)
     dev = batch.device
     bs = batch.block_size
     n = len(slots)

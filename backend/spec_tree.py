@@ -1,4 +1,5 @@
-"""The shape of a speculative draft tree (no torch: the launcher validates `--spec-tree` with it).
+"""The shape of a speculative draft tree, shared by the launcher (validation), the engine (one lookahead slot per
+node) and the workers (drafting and verification); numpy only.
 
 `--spec-tree WxD` with `--num-speculative-tokens K`: the drafter's top-W candidates at each of the first D positions,
 then one greedy chain per branch down to depth K. Node 0 is the root (the request's newest token); nodes 1..N are
