@@ -3,7 +3,7 @@
 // Decoding a few sequences is a matrix-vector product that must stream every weight once per step, so its speed is
 // the memory bandwidth the kernel reaches. oneDNN's bf16 path reaches about a quarter of what one core can read
 // (benchmarks/throughput.py); this kernel reads each weight row once for up to four input rows with AVX512-BF16
-// dot products, accumulating in float32.
+// dot products, accumulating in float32, prefetching the rows ahead in address order, on up to two cores.
 #pragma once
 
 #include <cstddef>
@@ -25,9 +25,11 @@ struct LinearShape {
 bool has_avx512_bf16();
 
 // x: m*k, w: n*k, y: m*n, bias: n or empty; all row-major and contiguous. Throws std::invalid_argument on a size
-// mismatch. `force_portable` selects the portable path even where AVX512-BF16 exists (for tests).
+// mismatch. `force_portable` selects the portable path even where AVX512-BF16 exists (for tests). With `threads`
+// of 2 or more, a large product is split with the process's helper thread (kernels/helper_thread.h).
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
-                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable = false);
+                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable = false,
+                 int threads = 1);
 
 float bf16_to_float(bf16_bits v);
 bf16_bits float_to_bf16(float v);  // round to nearest even, NaN kept NaN

@@ -19,13 +19,14 @@ std::vector<bf16_bits> random_bf16(std::size_t count, std::mt19937& gen) {
 }
 
 // Relative error of y against a float64 product of the same bf16 inputs, within bf16 rounding of the output.
-void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool with_bias, bool portable) {
+void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool with_bias, bool portable,
+                             int threads = 1) {
   std::mt19937 gen(static_cast<unsigned>(m * 1000003 + n * 1009 + k));
   const auto x = random_bf16(m * k, gen);
   const auto w = random_bf16(n * k, gen);
   const auto bias = with_bias ? random_bf16(n, gen) : std::vector<bf16_bits>{};
   std::vector<bf16_bits> y(m * n, 0xffff);
-  linear_bf16({m, n, k}, x, w, bias, y, portable);
+  linear_bf16({m, n, k}, x, w, bias, y, portable, threads);
   for (std::size_t i = 0; i < m; ++i) {
     for (std::size_t j = 0; j < n; ++j) {
       double ref = with_bias ? bf16_to_float(bias[j]) : 0.0;
@@ -71,6 +72,13 @@ TEST(every_tile_shape_and_k_tail_matches_the_reference) {
 TEST(model_shapes_match_the_reference) {
   check_against_reference(1, 960, 576, false, false);
   check_against_reference(4, 576, 1536, true, false);
+}
+
+// Products this large are split over two threads (where built with OpenMP): both halves, and the row tile that
+// straddles an odd split point, must be computed.
+TEST(products_split_over_two_threads_match_the_reference) {
+  for (std::size_t n : {1536, 1538, 1541}) check_against_reference(1, n, 576, n % 2 == 0, false, 2);
+  check_against_reference(5, 600, 1000, true, false, 2);
 }
 
 TEST(portable_and_vector_paths_agree) {

@@ -45,9 +45,10 @@ def test_only_few_row_bf16_products_on_contiguous_weights_take_the_native_kernel
     real = cpu_ops._KERNELS
 
     class Recording:
-        def linear_bf16(self, x: int, w: int, b: int, y: int, m: int, n: int, k: int) -> None:
+        def linear_bf16(self, x: int, w: int, b: int, y: int, m: int, n: int, k: int, threads: int) -> None:
+            assert threads == torch.get_num_threads()  # torch's intra-op thread count is the kernel's too
             calls.append((m, n, k))
-            real.linear_bf16(x, w, b, y, m, n, k)
+            real.linear_bf16(x, w, b, y, m, n, k, threads=threads)
 
     monkeypatch.setattr(cpu_ops, "_KERNELS", Recording())
     weight = torch.randn(8, 64).to(torch.bfloat16)
@@ -57,6 +58,21 @@ def test_only_few_row_bf16_products_on_contiguous_weights_take_the_native_kernel
         cpu_ops.linear(torch.randn(1, 64), weight.float())  # float32: PyTorch
         cpu_ops.linear(torch.randn(1, 64).to(torch.bfloat16), torch.randn(64, 8).to(torch.bfloat16).T)  # strided
     assert calls == [(1, 8, 64)]
+
+
+@pytest.mark.skipif(not cpu_ops.native_linear_available(), reason="needs AVX512-BF16 and the built kernels")
+def test_a_product_split_over_two_threads_equals_the_single_threaded_one() -> None:
+    kernels = cpu_ops._KERNELS
+    torch.manual_seed(0)
+    x = torch.randn(2, 576).to(torch.bfloat16)
+    weight = torch.randn(1538, 576).to(torch.bfloat16)  # large enough to split; the halves meet mid-tile
+    outs = []
+    for threads in (1, 2):
+        y = torch.full((2, 1538), float("nan"), dtype=torch.bfloat16)
+        kernels.linear_bf16(x.data_ptr(), weight.data_ptr(), 0, y.data_ptr(), 2, 1538, 576, threads=threads)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])  # each row is summed in the same order whichever thread does it
+    torch.testing.assert_close(outs[1].float(), x.float() @ weight.float().T, rtol=2e-2, atol=5e-2)
 
 
 def test_shape_errors_are_pytorchs() -> None:

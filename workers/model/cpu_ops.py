@@ -2,8 +2,9 @@
 
 Decoding a few sequences multiplies a handful of rows by every weight matrix, so its speed is how fast the weights
 stream from memory. On CPUs with AVX512-BF16, `ringserve._kernels.linear_bf16` reads them at several times the rate
-of PyTorch's bf16 path for such shapes (benchmarks/throughput.py measures both); larger batches are compute-bound
-and stay with PyTorch (oneDNN). Everything else (other dtypes, devices, missing CPU features) is plain F.linear.
+of PyTorch's bf16 path for such shapes (benchmarks/throughput.py measures both), splitting large products over
+torch's own OpenMP threads (the kernel module shares torch's libgomp); larger batches are compute-bound and stay with
+PyTorch (oneDNN). Everything else (other dtypes, devices, missing CPU features) is plain F.linear.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Up to this many rows the native kernel wins on this class of CPU (benchmarks/throughput.py, single-stream decode);
-# single-stream and small-batch decode); RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
+# Up to this many rows the native kernel wins on this class of CPU (benchmarks/throughput.py, single-stream and
+# small-batch decode); RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
 MAX_NATIVE_ROWS = 2
 
 
@@ -59,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(rows, k).contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16)
     kernels.linear_bf16(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                        rows, n, k)  # fmt: skip
+                        rows, n, k, threads=torch.get_num_threads())  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 
