@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 
+#include "kernels/cpu_attention.h"
 #include "kernels/cpu_linear.h"
 
 namespace py = pybind11;
@@ -31,6 +32,36 @@ void linear_bf16(std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::u
   ringserve::kernels::linear_bf16({m, n, k}, xs, ws, bs, ys, force_portable, threads);
 }
 
+// The tensors' layouts are described in kernels/cpu_attention.h; sizes are in values, not bytes.
+void paged_decode_attention(bool bf16, std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache,
+                            std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t cu_seqlens_q,
+                            std::uintptr_t seq_ids, std::uintptr_t out, std::size_t num_q_rows,
+                            std::size_t q_row_stride, std::size_t num_heads, std::size_t num_kv_heads,
+                            std::size_t head_dim, std::size_t num_blocks, std::size_t block_size,
+                            std::size_t num_seqs, std::size_t table_stride, std::size_t num_decode, float scale,
+                            int threads) {
+  namespace k = ringserve::kernels;
+  const k::PagedDecodeShape shape{num_q_rows, q_row_stride, num_heads,  num_kv_heads,
+                                  head_dim,   num_blocks,   block_size, num_seqs,     table_stride};
+  const std::size_t q_size = num_q_rows == 0 ? 0 : (num_q_rows - 1) * q_row_stride + num_heads * head_dim;
+  const std::size_t out_size = num_q_rows * num_heads * head_dim;
+  const std::size_t cache_size = num_blocks * block_size * num_kv_heads * head_dim;
+  const k::PagedDecodeIndex index{view<const int32_t>(block_tables, num_seqs * table_stride),
+                                  view<const int32_t>(seq_lens, num_seqs),
+                                  view<const int32_t>(cu_seqlens_q, num_seqs + 1),
+                                  view<const int32_t>(seq_ids, num_decode)};
+  py::gil_scoped_release release;
+  if (bf16) {
+    k::paged_decode_attention_bf16(shape, index, view<const bf16_bits>(q, q_size),
+                                   view<const bf16_bits>(k_cache, cache_size),
+                                   view<const bf16_bits>(v_cache, cache_size), view<bf16_bits>(out, out_size), scale,
+                                   threads);
+  } else {
+    k::paged_decode_attention_f32(shape, index, view<const float>(q, q_size), view<const float>(k_cache, cache_size),
+                                  view<const float>(v_cache, cache_size), view<float>(out, out_size), scale, threads);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -41,4 +72,11 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("n"), py::arg("k"), py::arg("force_portable") = false, py::arg("threads") = 1,
         "y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) on contiguous bfloat16 memory given by address (bias 0 = none); "
         "threads >= 2 lets a large product use a second core.");
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("bf16"), py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("seq_ids"),
+        py::arg("out"), py::arg("num_q_rows"), py::arg("q_row_stride"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("head_dim"), py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"),
+        py::arg("table_stride"), py::arg("num_decode"), py::arg("scale"), py::arg("threads") = 1,
+        "Decode attention (one query per sequence) over the paged KV cache, read through the block tables; float32 "
+        "or bfloat16 (bf16=True) memory given by address. Raises ValueError on an out-of-range index or size.");
 }

@@ -1,8 +1,9 @@
 """Reference backend for any device: gather each context's blocks into contiguous K/V, then run SDPA.
 
-Decode rows (one query token) are batched with a padded gather and a length mask. Prefill chunks are batched too:
-queries padded to the longest chunk, with a causal mask shifted by the tokens already in the cache (chunked
-prefill) and cut at each context's length; when no chunk has cached tokens SDPA's own causal path is used.
+On CPU, decode rows (one query token) go to the native paged kernel (workers/model/cpu_ops.py), which reads K/V in
+place through the block tables. Elsewhere they are batched with a padded gather and a length mask. Prefill chunks
+are batched too: queries padded to the longest chunk, with a causal mask shifted by the tokens already in the cache
+(chunked prefill) and cut at each context's length; when no chunk has cached tokens SDPA's own causal path is used.
 So a mixed step is at most two SDPA calls per layer, whatever the number of sequences.
 """
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from ringserve.workers.attention.backend import write_kv
 from ringserve.workers.attention.metadata import AttentionMetadata
+from ringserve.workers.model.cpu_ops import paged_decode_attention
 
 
 class TorchSdpaBackend:
@@ -29,14 +31,14 @@ class TorchSdpaBackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         query_lens = np.asarray(metadata.query_lens_cpu)
         masked = np.zeros(len(query_lens), np.bool_)
         if metadata.tree_masks:
             masked[list(metadata.tree_masks)] = True
         decode_seqs = np.flatnonzero((query_lens == 1) & ~masked).tolist()
         prefill_seqs = np.flatnonzero((query_lens > 1) | masked).tolist()
-        if decode_seqs:
+        if decode_seqs and not paged_decode_attention(q, k_cache, v_cache, metadata, decode_seqs, scale, out):
             self._decode(q, k_cache, v_cache, metadata, decode_seqs, scale, out)
         if prefill_seqs:
             self._prefill(q, k_cache, v_cache, metadata, prefill_seqs, scale, out)

@@ -10,27 +10,35 @@ PyTorch (oneDNN). Everything else (other dtypes, devices, missing CPU features) 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ringserve.workers.attention.metadata import AttentionMetadata
 
 # Up to this many rows the native kernel wins on this class of CPU (benchmarks/throughput.py, single-stream and
 # small-batch decode); RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
 MAX_NATIVE_ROWS = 2
 
 
-def _load_kernels() -> object | None:
-    if os.environ.get("RINGSERVE_NATIVE_LINEAR", "1") == "0":
-        return None
+def _load_module() -> Any | None:
     try:
         from ringserve import _kernels
     except ImportError:  # a source checkout without the built extension
         return None
-    return _kernels if _kernels.has_avx512_bf16() else None
+    return _kernels
 
 
-_KERNELS = _load_kernels()
+_MODULE = _load_module()
+_KERNELS = _MODULE if _MODULE is not None and _MODULE.has_avx512_bf16() and (
+    os.environ.get("RINGSERVE_NATIVE_LINEAR", "1") != "0") else None  # fmt: skip
+# The paged decode attention kernel runs on any x86-64 CPU (AVX-512 when present); RINGSERVE_NATIVE_ATTENTION=0 turns
+# it off (gather + matmul in PyTorch instead).
+_ATTENTION = _MODULE if os.environ.get("RINGSERVE_NATIVE_ATTENTION", "1") != "0" else None
+_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def native_linear_available() -> bool:
@@ -62,6 +70,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernels.linear_bf16(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
                         rows, n, k, threads=torch.get_num_threads())  # fmt: skip
     return out.view(*x.shape[:-1], n)
+
+
+def native_attention_available() -> bool:
+    return _ATTENTION is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    seqs: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Writes the attention of decode sequences `seqs` (one query row each) into `out` through the native kernel,
+    reading K/V in place through the block tables. Returns False, writing nothing, when the kernel cannot take these
+    tensors (not on CPU, another dtype, a KV cache dtype unlike the queries', unusual strides); the caller then
+    uses its PyTorch path."""
+    kernels = _ATTENTION
+    if kernels is None or q.device.type != "cpu" or q.dtype not in _ATTENTION_DTYPES:
+        return False
+    if k_cache.dtype is not q.dtype or v_cache.dtype is not q.dtype or out.dtype is not q.dtype:
+        return False
+    md = metadata
+    tables, seq_lens, cu = md.block_tables, md.seq_lens, md.cu_seqlens_q
+    for index in (tables, seq_lens, cu):
+        if index.dtype is not torch.int32 or index.device.type != "cpu" or not index.is_contiguous():
+            return False
+    tokens, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not (out.is_contiguous() and k_cache.is_contiguous()
+                                                            and v_cache.is_contiguous()):  # fmt: skip
+        return False
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    ids = torch.tensor(seqs, dtype=torch.int32)
+    kernels.paged_decode_attention(
+        q.dtype is torch.bfloat16, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        seq_lens.data_ptr(), cu.data_ptr(), ids.data_ptr(), out.data_ptr(), tokens, q.stride(0), heads, kv_heads,
+        head_dim, num_blocks, block_size, tables.shape[0], tables.shape[1], len(seqs), scale,
+        threads=torch.get_num_threads())  # fmt: skip
+    return True
 
 
 class Linear(nn.Linear):

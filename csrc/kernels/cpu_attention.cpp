@@ -1,0 +1,285 @@
+#include "kernels/cpu_attention.h"
+
+#include <immintrin.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ringserve::kernels {
+
+namespace {
+
+// Below this much work (query heads x context positions) a call stays on the calling thread: waking a second one
+// costs more than it saves.
+constexpr std::size_t kParallelWork = 8192;
+constexpr std::size_t kLanes = 16;  // float32 lanes of a 512-bit register
+
+template <class T>
+struct Job {
+  const PagedDecodeShape& shape;
+  const PagedDecodeIndex& index;
+  const T* q;
+  const T* k_cache;
+  const T* v_cache;
+  T* out;
+  float scale;
+};
+
+float load_scalar(float v) { return v; }
+float load_scalar(bf16_bits v) { return bf16_to_float(v); }
+void store_scalar(float* p, float v) { *p = v; }
+void store_scalar(bf16_bits* p, float v) { *p = float_to_bf16(v); }
+
+// Per-thread working memory, grown on demand and kept: steady-state calls allocate nothing.
+struct Scratch {
+  std::vector<float> query;   // [group, head_dim]
+  std::vector<float> scores;  // [group, context]
+  std::vector<float> acc;     // [group, head_dim]
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// Calls fn(pos, offset) for positions [0, len) of sequence `seq`'s context, where offset is where the position keeps
+// KV head `kv_head` in either cache: block by block, so no position costs a division.
+template <class T, class Fn>
+[[gnu::always_inline]] inline void for_each_position(const Job<T>& job, std::size_t seq, std::size_t len, std::size_t kv_head, Fn&& fn) {
+  const auto& s = job.shape;
+  const int32_t* table = job.index.block_tables.data() + seq * s.table_stride;
+  const std::size_t token_stride = s.num_kv_heads * s.head_dim;
+  for (std::size_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
+    const std::size_t end = std::min(len, start + s.block_size);
+    std::size_t offset = static_cast<std::size_t>(table[b]) * s.block_size * token_stride + kv_head * s.head_dim;
+    for (std::size_t pos = start; pos < end; ++pos, offset += token_stride) fn(pos, offset);
+  }
+}
+
+// Portable path: any head_dim, any x86-64 CPU.
+template <class T>
+void attend_scalar(const Job<T>& job, std::size_t seq, std::size_t kv_head) {
+  const auto& s = job.shape;
+  const std::size_t group = s.num_heads / s.num_kv_heads, hd = s.head_dim;
+  const auto len = static_cast<std::size_t>(job.index.seq_lens[seq]);
+  const auto row = static_cast<std::size_t>(job.index.cu_seqlens_q[seq]);
+  Scratch& w = scratch();
+  w.scores.resize(group * len);
+  w.acc.assign(group * hd, 0.0F);
+  for (std::size_t h = 0; h < group; ++h) {
+    const T* q = job.q + row * s.q_row_stride + (kv_head * group + h) * hd;
+    float* scores = w.scores.data() + h * len;
+    float max = -std::numeric_limits<float>::infinity();
+    for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) {
+      const T* k = job.k_cache + offset;
+      float dot = 0.0F;
+      for (std::size_t d = 0; d < hd; ++d) dot += load_scalar(q[d]) * load_scalar(k[d]);
+      scores[pos] = dot * job.scale;
+      max = std::max(max, scores[pos]);
+    });
+    float sum = 0.0F;
+    for (std::size_t pos = 0; pos < len; ++pos) sum += (scores[pos] = std::exp(scores[pos] - max));
+    float* acc = w.acc.data() + h * hd;
+    for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) {
+      const T* v = job.v_cache + offset;
+      for (std::size_t d = 0; d < hd; ++d) acc[d] += scores[pos] * load_scalar(v[d]);
+    });
+    T* out = job.out + (row * s.num_heads + kv_head * group + h) * hd;
+    for (std::size_t d = 0; d < hd; ++d) store_scalar(out + d, acc[d] / sum);
+  }
+}
+
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const bf16_bits* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // bf16 is float's top half. The zero-masked forms: GCC 12 flags the plain ones' undefined-vector source operand
+  // as maybe-uninitialized once inlined (a false positive, like _mm512_reduce_add_ps's in cpu_linear.cpp).
+  const __mmask16 all = 0xffff;
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16));
+}
+
+// Sum of the 16 lanes by halving (no _mm512_reduce_add_ps: see horizontal_sum in cpu_linear.cpp).
+__attribute__((target("avx512f"))) inline float sum16(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  return _mm_cvtss_f32(s4);
+}
+
+// e^x for x <= 0 (softmax arguments): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error ~1e-7, below float32's), times 2^n by scalef. Arguments below -87 give 0.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0F));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341F)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125F), x);  // ln2 in two parts: exact n * hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06F), r);
+  __m512 p = _mm512_set1_ps(1.0F / 720.0F);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 120.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 24.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 6.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F));
+  return _mm512_scalef_ps(p, n);
+}
+
+// AVX-512 path (head_dim a multiple of 16): the KV head's K row is read once for all its query heads.
+template <class T>
+__attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::size_t seq, std::size_t kv_head) {
+  const auto& s = job.shape;
+  const std::size_t group = s.num_heads / s.num_kv_heads, hd = s.head_dim;
+  const auto len = static_cast<std::size_t>(job.index.seq_lens[seq]);
+  const auto row = static_cast<std::size_t>(job.index.cu_seqlens_q[seq]);
+  Scratch& w = scratch();
+  w.query.resize(group * hd);
+  w.scores.resize(group * len);
+  w.acc.assign(group * hd, 0.0F);
+  for (std::size_t h = 0; h < group; ++h) {
+    const T* q = job.q + row * s.q_row_stride + (kv_head * group + h) * hd;
+    for (std::size_t d = 0; d < hd; d += kLanes) {
+      _mm512_storeu_ps(w.query.data() + h * hd + d, _mm512_mul_ps(load16(q + d), _mm512_set1_ps(job.scale)));
+    }
+  }
+  for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+    const T* k = job.k_cache + offset;
+    for (std::size_t h = 0; h < group; ++h) {
+      const float* q = w.query.data() + h * hd;
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+      for (std::size_t d = kLanes; d < hd; d += kLanes) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), dot);
+      w.scores[h * len + pos] = sum16(dot);
+    }
+  });
+  std::vector<float>& sums = w.query;  // the scaled queries are no longer needed: reuse for the softmax sums
+  for (std::size_t h = 0; h < group; ++h) {
+    float* scores = w.scores.data() + h * len;
+    float max = -std::numeric_limits<float>::infinity();
+    for (std::size_t pos = 0; pos < len; ++pos) max = std::max(max, scores[pos]);
+    __m512 total = _mm512_setzero_ps();
+    for (std::size_t pos = 0; pos < len; pos += kLanes) {
+      const std::size_t left = len - pos;
+      const __mmask16 mask = left >= kLanes ? __mmask16{0xffff} : static_cast<__mmask16>((1U << left) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + pos), _mm512_set1_ps(max)));
+      _mm512_mask_storeu_ps(scores + pos, mask, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+    }
+    sums[h] = sum16(total);
+  }
+  for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+    const T* v = job.v_cache + offset;
+    for (std::size_t h = 0; h < group; ++h) {
+      const __m512 p = _mm512_set1_ps(w.scores[h * len + pos]);
+      float* acc = w.acc.data() + h * hd;
+      for (std::size_t d = 0; d < hd; d += kLanes) {
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(p, load16(v + d), _mm512_loadu_ps(acc + d)));
+      }
+    }
+  });
+  for (std::size_t h = 0; h < group; ++h) {
+    T* out = job.out + (row * s.num_heads + kv_head * group + h) * hd;
+    const float inv = 1.0F / sums[h];
+    for (std::size_t d = 0; d < hd; ++d) store_scalar(out + d, w.acc[h * hd + d] * inv);
+  }
+}
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("paged_decode_attention: " + what);
+}
+
+void check_size(const char* what, std::size_t got, std::size_t want) {
+  check(got == want, std::string(what) + " holds " + std::to_string(got) + " values, expected " +
+                         std::to_string(want));
+}
+
+// Everything a call will read is checked before anything is computed, so a bad table never reads out of bounds.
+void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::size_t q_size, std::size_t k_size,
+              std::size_t v_size, std::size_t out_size) {
+  check(s.num_heads > 0 && s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0,
+        "num_heads must be a positive multiple of num_kv_heads");
+  check(s.head_dim > 0 && s.block_size > 0, "head_dim and block_size must be positive");
+  check(s.q_row_stride >= s.num_heads * s.head_dim, "q_row_stride is shorter than a row");
+  check_size("q", q_size, s.num_q_rows == 0 ? 0 : (s.num_q_rows - 1) * s.q_row_stride + s.num_heads * s.head_dim);
+  check_size("out", out_size, s.num_q_rows * s.num_heads * s.head_dim);
+  check_size("k_cache", k_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
+  check_size("v_cache", v_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
+  check_size("block_tables", index.block_tables.size(), s.num_seqs * s.table_stride);
+  check_size("seq_lens", index.seq_lens.size(), s.num_seqs);
+  check_size("cu_seqlens_q", index.cu_seqlens_q.size(), s.num_seqs + 1);
+  for (const int32_t seq : index.seq_ids) {
+    check(seq >= 0 && static_cast<std::size_t>(seq) < s.num_seqs, "sequence id " + std::to_string(seq) +
+                                                                      " out of range");
+    const auto i = static_cast<std::size_t>(seq);
+    const int32_t row = index.cu_seqlens_q[i], len = index.seq_lens[i];
+    check(row >= 0 && static_cast<std::size_t>(row) < s.num_q_rows, "query row out of range");
+    check(len >= 1 && static_cast<std::size_t>(len) <= s.table_stride * s.block_size,
+          "sequence length " + std::to_string(len) + " does not fit its block table");
+    const std::size_t blocks = (static_cast<std::size_t>(len) + s.block_size - 1) / s.block_size;
+    for (std::size_t b = 0; b < blocks; ++b) {
+      const int32_t block = index.block_tables[i * s.table_stride + b];
+      check(block >= 0 && static_cast<std::size_t>(block) < s.num_blocks,
+            "block id " + std::to_string(block) + " out of range");
+    }
+  }
+}
+
+bool has_avx512f() {
+  static const bool supported = __builtin_cpu_supports("avx512f");
+  return supported;
+}
+
+template <class T>
+void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const T> q,
+         std::span<const T> k_cache, std::span<const T> v_cache, std::span<T> out, float scale,
+         [[maybe_unused]] int threads) {
+  validate(shape, index, q.size(), k_cache.size(), v_cache.size(), out.size());
+  const Job<T> job{shape, index, q.data(), k_cache.data(), v_cache.data(), out.data(), scale};
+  const bool vector = has_avx512f() && shape.head_dim % kLanes == 0;
+  const std::size_t items = index.seq_ids.size() * shape.num_kv_heads;
+  auto attend = [&](std::size_t item) {
+    const auto seq = static_cast<std::size_t>(index.seq_ids[item / shape.num_kv_heads]);
+    if (vector) {
+      attend_avx512(job, seq, item % shape.num_kv_heads);
+    } else {
+      attend_scalar(job, seq, item % shape.num_kv_heads);
+    }
+  };
+#ifdef _OPENMP
+  std::size_t work = 0;
+  for (const int32_t seq : index.seq_ids) work += static_cast<std::size_t>(index.seq_lens[seq]);
+  if (threads >= 2 && items >= 2 && work * shape.num_heads >= kParallelWork) {
+    const auto count = static_cast<std::ptrdiff_t>(items);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (std::ptrdiff_t item = 0; item < count; ++item) attend(static_cast<std::size_t>(item));
+    return;
+  }
+#endif
+  for (std::size_t item = 0; item < items; ++item) attend(item);
+}
+
+}  // namespace
+
+void paged_decode_attention_f32(const PagedDecodeShape& shape, const PagedDecodeIndex& index,
+                                std::span<const float> q, std::span<const float> k_cache,
+                                std::span<const float> v_cache, std::span<float> out, float scale, int threads) {
+  run(shape, index, q, k_cache, v_cache, out, scale, threads);
+}
+
+void paged_decode_attention_bf16(const PagedDecodeShape& shape, const PagedDecodeIndex& index,
+                                 std::span<const bf16_bits> q, std::span<const bf16_bits> k_cache,
+                                 std::span<const bf16_bits> v_cache, std::span<bf16_bits> out, float scale,
+                                 int threads) {
+  run(shape, index, q, k_cache, v_cache, out, scale, threads);
+}
+
+}  // namespace ringserve::kernels

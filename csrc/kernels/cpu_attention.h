@@ -1,0 +1,50 @@
+// Paged attention for decode rows on CPU: one query token per sequence against its context in the block-paged KV
+// cache, read in place through the block table (no gathered copy of the context, no padded mask).
+//
+// Layouts (row-major): q [num_q_rows, num_heads, head_dim] with rows q_row_stride values apart (q is often a view of
+// a fused QKV output), out [num_q_rows, num_heads, head_dim] contiguous; k_cache and v_cache
+// [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, table_stride] int32; seq_lens and
+// cu_seqlens_q int32 as in the workers' AttentionMetadata. Each sequence in `seq_ids` has its one query at row
+// cu_seqlens_q[seq] and attends to positions [0, seq_lens[seq]) of its context. Scores, softmax and the weighted
+// sum are float32 whatever the storage type.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kernels/cpu_linear.h"
+
+namespace ringserve::kernels {
+
+struct PagedDecodeShape {
+  std::size_t num_q_rows;
+  std::size_t q_row_stride;  // values between consecutive rows of q (num_heads * head_dim when contiguous)
+  std::size_t num_heads;
+  std::size_t num_kv_heads;
+  std::size_t head_dim;
+  std::size_t num_blocks;
+  std::size_t block_size;
+  std::size_t num_seqs;      // rows of block_tables, seq_lens; cu_seqlens_q has num_seqs + 1
+  std::size_t table_stride;  // columns of block_tables
+};
+
+struct PagedDecodeIndex {
+  std::span<const int32_t> block_tables;
+  std::span<const int32_t> seq_lens;
+  std::span<const int32_t> cu_seqlens_q;
+  std::span<const int32_t> seq_ids;  // the decode sequences to compute
+};
+
+// Throws std::invalid_argument when a size, sequence id, query row, length or block id is out of range (checked
+// before anything is written). With `threads` >= 2 and enough work, (sequence, KV head) pairs are spread over the
+// OpenMP threads (torch's, when loaded after torch; see cpu_linear.cpp).
+void paged_decode_attention_f32(const PagedDecodeShape& shape, const PagedDecodeIndex& index,
+                                std::span<const float> q, std::span<const float> k_cache,
+                                std::span<const float> v_cache, std::span<float> out, float scale, int threads = 1);
+void paged_decode_attention_bf16(const PagedDecodeShape& shape, const PagedDecodeIndex& index,
+                                 std::span<const bf16_bits> q, std::span<const bf16_bits> k_cache,
+                                 std::span<const bf16_bits> v_cache, std::span<bf16_bits> out, float scale,
+                                 int threads = 1);
+
+}  // namespace ringserve::kernels
