@@ -51,16 +51,30 @@ Scratch& scratch() {
 }
 
 // Calls fn(pos, offset) for positions [0, len) of sequence `seq`'s context, where offset is where the position keeps
-// KV head `kv_head` in either cache: block by block, so no position costs a division.
-template <class T, class Fn>
-[[gnu::always_inline]] inline void for_each_position(const Job<T>& job, std::size_t seq, std::size_t len, std::size_t kv_head, Fn&& fn) {
+// KV head `kv_head` in either cache: block by block, so no position costs a division. With kPrefetch, each position
+// also prefetches its whole token row (every KV head) in the sequence's next block of `prefetch_cache`: blocks are
+// scattered, so the hardware prefetcher cannot see the jump coming.
+template <bool kPrefetch, class T, class Fn>
+[[gnu::always_inline]] inline void for_each_position(const Job<T>& job, std::size_t seq, std::size_t len,
+                                                     std::size_t kv_head, const T* prefetch_cache, Fn&& fn) {
   const auto& s = job.shape;
   const int32_t* table = job.index.block_tables.data() + seq * s.table_stride;
   const std::size_t token_stride = s.num_kv_heads * s.head_dim;
+  const std::size_t block_stride = s.block_size * token_stride;
   for (std::size_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
     const std::size_t end = std::min(len, start + s.block_size);
-    std::size_t offset = static_cast<std::size_t>(table[b]) * s.block_size * token_stride + kv_head * s.head_dim;
-    for (std::size_t pos = start; pos < end; ++pos, offset += token_stride) fn(pos, offset);
+    const bool next = end < len;
+    const std::size_t next_base = next ? static_cast<std::size_t>(table[b + 1]) * block_stride : 0;
+    std::size_t offset = static_cast<std::size_t>(table[b]) * block_stride + kv_head * s.head_dim;
+    for (std::size_t pos = start; pos < end; ++pos, offset += token_stride) {
+      if constexpr (kPrefetch) {
+        if (next) {
+          const char* row = reinterpret_cast<const char*>(prefetch_cache + next_base + (pos - start) * token_stride);
+          for (std::size_t byte = 0; byte < token_stride * sizeof(T); byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+        }
+      }
+      fn(pos, offset);
+    }
   }
 }
 
@@ -78,7 +92,7 @@ void attend_scalar(const Job<T>& job, std::size_t seq, std::size_t kv_head) {
     const T* q = job.q + row * s.q_row_stride + (kv_head * group + h) * hd;
     float* scores = w.scores.data() + h * len;
     float max = -std::numeric_limits<float>::infinity();
-    for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) {
+    for_each_position<false>(job, seq, len, kv_head, job.k_cache, [&](std::size_t pos, std::size_t offset) {
       const T* k = job.k_cache + offset;
       float dot = 0.0F;
       for (std::size_t d = 0; d < hd; ++d) dot += load_scalar(q[d]) * load_scalar(k[d]);
@@ -88,7 +102,7 @@ void attend_scalar(const Job<T>& job, std::size_t seq, std::size_t kv_head) {
     float sum = 0.0F;
     for (std::size_t pos = 0; pos < len; ++pos) sum += (scores[pos] = std::exp(scores[pos] - max));
     float* acc = w.acc.data() + h * hd;
-    for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) {
+    for_each_position<false>(job, seq, len, kv_head, job.k_cache, [&](std::size_t pos, std::size_t offset) {
       const T* v = job.v_cache + offset;
       for (std::size_t d = 0; d < hd; ++d) acc[d] += scores[pos] * load_scalar(v[d]);
     });
@@ -135,34 +149,34 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// AVX-512 path (head_dim a multiple of 16): the KV head's K row is read once for all its query heads.
+// AVX-512 path (head_dim a multiple of 16), one whole sequence: each token row of K and V (every KV head, contiguous
+// in the cache) is read once, in order, for all query heads.
 template <class T>
-__attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::size_t seq, std::size_t kv_head) {
+__attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::size_t seq) {
   const auto& s = job.shape;
-  const std::size_t group = s.num_heads / s.num_kv_heads, hd = s.head_dim;
+  const std::size_t heads = s.num_heads, group = s.num_heads / s.num_kv_heads, hd = s.head_dim;
   const auto len = static_cast<std::size_t>(job.index.seq_lens[seq]);
   const auto row = static_cast<std::size_t>(job.index.cu_seqlens_q[seq]);
   Scratch& w = scratch();
-  w.query.resize(group * hd);
-  w.scores.resize(group * len);
-  w.acc.assign(group * hd, 0.0F);
-  for (std::size_t h = 0; h < group; ++h) {
-    const T* q = job.q + row * s.q_row_stride + (kv_head * group + h) * hd;
-    for (std::size_t d = 0; d < hd; d += kLanes) {
-      _mm512_storeu_ps(w.query.data() + h * hd + d, _mm512_mul_ps(load16(q + d), _mm512_set1_ps(job.scale)));
-    }
+  w.query.resize(heads * hd);
+  w.scores.resize(heads * len);
+  w.acc.assign(heads * hd, 0.0F);
+  const T* q = job.q + row * s.q_row_stride;
+  for (std::size_t i = 0; i < heads * hd; i += kLanes) {
+    _mm512_storeu_ps(w.query.data() + i, _mm512_mul_ps(load16(q + i), _mm512_set1_ps(job.scale)));
   }
-  for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
-    const T* k = job.k_cache + offset;
-    for (std::size_t h = 0; h < group; ++h) {
-      const float* q = w.query.data() + h * hd;
-      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
-      for (std::size_t d = kLanes; d < hd; d += kLanes) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), dot);
+  for_each_position<true>(job, seq, len, 0, job.k_cache,
+                          [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+    for (std::size_t h = 0; h < heads; ++h) {
+      const T* k = job.k_cache + offset + (h / group) * hd;
+      const float* qh = w.query.data() + h * hd;
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), load16(k));
+      for (std::size_t d = kLanes; d < hd; d += kLanes) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), load16(k + d), dot);
       w.scores[h * len + pos] = sum16(dot);
     }
   });
   std::vector<float>& sums = w.query;  // the scaled queries are no longer needed: reuse for the softmax sums
-  for (std::size_t h = 0; h < group; ++h) {
+  for (std::size_t h = 0; h < heads; ++h) {
     float* scores = w.scores.data() + h * len;
     float max = -std::numeric_limits<float>::infinity();
     for (std::size_t pos = 0; pos < len; ++pos) max = std::max(max, scores[pos]);
@@ -176,9 +190,10 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
     }
     sums[h] = sum16(total);
   }
-  for_each_position(job, seq, len, kv_head, [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
-    const T* v = job.v_cache + offset;
-    for (std::size_t h = 0; h < group; ++h) {
+  for_each_position<true>(job, seq, len, 0, job.v_cache,
+                          [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+    for (std::size_t h = 0; h < heads; ++h) {
+      const T* v = job.v_cache + offset + (h / group) * hd;
       const __m512 p = _mm512_set1_ps(w.scores[h * len + pos]);
       float* acc = w.acc.data() + h * hd;
       for (std::size_t d = 0; d < hd; d += kLanes) {
@@ -186,10 +201,10 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
       }
     }
   });
-  for (std::size_t h = 0; h < group; ++h) {
-    T* out = job.out + (row * s.num_heads + kv_head * group + h) * hd;
+  T* out = job.out + row * heads * hd;
+  for (std::size_t h = 0; h < heads; ++h) {
     const float inv = 1.0F / sums[h];
-    for (std::size_t d = 0; d < hd; ++d) store_scalar(out + d, w.acc[h * hd + d] * inv);
+    for (std::size_t d = 0; d < hd; ++d) store_scalar(out + h * hd + d, w.acc[h * hd + d] * inv);
   }
 }
 
@@ -245,13 +260,13 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   validate(shape, index, q.size(), k_cache.size(), v_cache.size(), out.size());
   const Job<T> job{shape, index, q.data(), k_cache.data(), v_cache.data(), out.data(), scale};
   const bool vector = has_avx512f() && shape.head_dim % kLanes == 0;
-  const std::size_t items = index.seq_ids.size() * shape.num_kv_heads;
+  const std::size_t items = index.seq_ids.size();
   auto attend = [&](std::size_t item) {
-    const auto seq = static_cast<std::size_t>(index.seq_ids[item / shape.num_kv_heads]);
+    const auto seq = static_cast<std::size_t>(index.seq_ids[item]);
     if (vector) {
-      attend_avx512(job, seq, item % shape.num_kv_heads);
+      attend_avx512(job, seq);
     } else {
-      attend_scalar(job, seq, item % shape.num_kv_heads);
+      for (std::size_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) attend_scalar(job, seq, kv_head);
     }
   };
 #ifdef _OPENMP

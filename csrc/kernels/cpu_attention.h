@@ -37,8 +37,9 @@ struct PagedDecodeIndex {
 };
 
 // Throws std::invalid_argument when a size, sequence id, query row, length or block id is out of range (checked
-// before anything is written). With `threads` >= 2 and enough work, (sequence, KV head) pairs are spread over the
-// OpenMP threads (torch's, when loaded after torch; see cpu_linear.cpp).
+// before anything is written). With `threads` >= 2 and enough work, the sequences are spread over the OpenMP threads
+// (torch's, when loaded after torch; see cpu_linear.cpp). Each sequence's K and V token rows are read in order, once,
+// for all heads, prefetching the next block's row (blocks are scattered in the cache).
 void paged_decode_attention_f32(const PagedDecodeShape& shape, const PagedDecodeIndex& index,
                                 std::span<const float> q, std::span<const float> k_cache,
                                 std::span<const float> v_cache, std::span<float> out, float scale, int threads = 1);
