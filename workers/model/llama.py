@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionBackend, get_attention_backend, get_attention_metadata
 from ringserve.workers.model.cpu_ops import Linear, linear
+from ringserve.workers.model.hugepages import move_to_huge_pages
 from torch import nn
 
 
@@ -331,10 +332,31 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse_projections(self) -> None:
-        """Concatenates q/k/v and gate/up weights for inference (call once, after the weights are loaded)."""
+        """Concatenates q/k/v and gate/up weights for inference (call once, after the weights are loaded), then
+        places every weight on huge pages when they are on the CPU (workers/model/hugepages.py)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+        self._place_weights_on_huge_pages()
+
+    @torch.no_grad()
+    def _place_weights_on_huge_pages(self) -> None:
+        params = list(self.parameters())
+        fused = [(module, name) for layer in self.model.layers
+                 for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "qkv_bias"),
+                                      (layer.mlp, "gate_up_weight"))
+                 if getattr(module, name) is not None]  # fmt: skip
+
+        def rebind(i: int, tensor: torch.Tensor) -> None:
+            if i < len(params):
+                params[i].data = tensor
+            else:
+                setattr(*fused[i - len(params)], tensor)
+
+        tensors = [p.data for p in params] + [getattr(module, name) for module, name in fused]
+        arena = move_to_huge_pages(tensors, rebind)
+        if arena is not None:
+            self._weight_arena = arena  # the mapping lives as long as the model
 
     def bind_kv_cache(self, kv_cache: KVCache, backend: AttentionBackend | None = None) -> None:
         backend = backend or get_attention_backend("auto", kv_cache.k[0].device)
