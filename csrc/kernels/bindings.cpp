@@ -9,6 +9,7 @@
 
 #include "kernels/cpu_attention.h"
 #include "kernels/cpu_linear.h"
+#include "kernels/cpu_norm.h"
 
 namespace py = pybind11;
 using ringserve::kernels::bf16_bits;
@@ -62,6 +63,19 @@ void paged_decode_attention(bool bf16, std::uintptr_t q, std::uintptr_t k_cache,
   }
 }
 
+void rms_norm(bool bf16, std::uintptr_t x, std::uintptr_t weight, std::uintptr_t out, std::size_t rows,
+              std::size_t dim, float eps) {
+  namespace k = ringserve::kernels;
+  py::gil_scoped_release release;
+  if (bf16) {
+    k::rms_norm_bf16(rows, dim, view<const bf16_bits>(x, rows * dim), view<const bf16_bits>(weight, dim),
+                     view<bf16_bits>(out, rows * dim), eps);
+  } else {
+    k::rms_norm_f32(rows, dim, view<const float>(x, rows * dim), view<const float>(weight, dim),
+                    view<float>(out, rows * dim), eps);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -79,4 +93,8 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("table_stride"), py::arg("num_decode"), py::arg("scale"), py::arg("threads") = 1,
         "Decode attention (one query per sequence) over the paged KV cache, read through the block tables; float32 "
         "or bfloat16 (bf16=True) memory given by address. Raises ValueError on an out-of-range index or size.");
+  m.def("rms_norm", &rms_norm, py::arg("bf16"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
+        py::arg("dim"), py::arg("eps"),
+        "out[rows, dim] = weight * (x * rsqrt(mean(x^2) + eps)) as Hugging Face's LlamaRMSNorm computes it, on "
+        "contiguous float32 or bfloat16 memory given by address.");
 }

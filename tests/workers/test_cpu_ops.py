@@ -136,3 +136,24 @@ def test_bf16_decode_with_the_native_kernel_tracks_pytorchs_logits(monkeypatch: 
     for a, b in zip(with_kernel, without, strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.skipif(not cpu_ops.native_attention_available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rms_norm_equals_the_pytorch_formulation(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    from ringserve.workers.model.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(2, 576, 7) * 3).to(dtype).transpose(1, 2)  # [2, 7, 576], not contiguous
+    with torch.inference_mode():
+        native = norm(x)
+        monkeypatch.setattr(cpu_ops, "_ATTENTION", None)
+        reference = norm(x)
+    assert native.shape == reference.shape and native.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(native, reference)  # the same two roundings
+    else:
+        torch.testing.assert_close(native, reference, atol=2e-6, rtol=1e-6)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -28,10 +29,25 @@ class AttentionMetadata:
     # Speculative trees: sequence index -> bool [query_len, seq_len], which context positions each query row sees
     # (replacing the causal rule for that sequence). None = every sequence is causal.
     tree_masks: dict[int, torch.Tensor] | None = None
+    _split: tuple[list[int], list[int], torch.Tensor] | None = field(default=None, init=False, repr=False,
+                                                                    compare=False)  # fmt: skip
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def decode_prefill_split(self) -> tuple[list[int], list[int], torch.Tensor]:
+        """(decode sequences: one query row and no tree mask; the others; the decode ones as an int32 CPU tensor),
+        worked out by the first layer that asks and reused by the rest (the step's layout does not change)."""
+        if self._split is None:
+            query_lens = np.asarray(self.query_lens_cpu)
+            masked = np.zeros(len(query_lens), np.bool_)
+            if self.tree_masks:
+                masked[list(self.tree_masks)] = True
+            decode = np.flatnonzero((query_lens == 1) & ~masked)
+            prefill = np.flatnonzero((query_lens > 1) | masked)
+            self._split = (decode.tolist(), prefill.tolist(), torch.from_numpy(decode.astype(np.int32)))
+        return self._split
 
     @classmethod
     def build(

@@ -9,7 +9,6 @@ So a mixed step is at most two SDPA calls per layer, whatever the number of sequ
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from ringserve.workers.attention.backend import write_kv
@@ -32,13 +31,8 @@ class TorchSdpaBackend:
     ) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        query_lens = np.asarray(metadata.query_lens_cpu)
-        masked = np.zeros(len(query_lens), np.bool_)
-        if metadata.tree_masks:
-            masked[list(metadata.tree_masks)] = True
-        decode_seqs = np.flatnonzero((query_lens == 1) & ~masked).tolist()
-        prefill_seqs = np.flatnonzero((query_lens > 1) | masked).tolist()
-        if decode_seqs and not paged_decode_attention(q, k_cache, v_cache, metadata, decode_seqs, scale, out):
+        decode_seqs, prefill_seqs, decode_ids = metadata.decode_prefill_split()
+        if decode_seqs and not paged_decode_attention(q, k_cache, v_cache, metadata, decode_ids, scale, out):
             self._decode(q, k_cache, v_cache, metadata, decode_seqs, scale, out)
         if prefill_seqs:
             self._prefill(q, k_cache, v_cache, metadata, prefill_seqs, scale, out)

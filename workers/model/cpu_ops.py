@@ -35,8 +35,8 @@ def _load_module() -> Any | None:
 _MODULE = _load_module()
 _KERNELS = _MODULE if _MODULE is not None and _MODULE.has_avx512_bf16() and (
     os.environ.get("RINGSERVE_NATIVE_LINEAR", "1") != "0") else None  # fmt: skip
-# The paged decode attention kernel runs on any x86-64 CPU (AVX-512 when present); RINGSERVE_NATIVE_ATTENTION=0 turns
-# it off (gather + matmul in PyTorch instead).
+# The paged decode attention and RMSNorm kernels run on any x86-64 CPU (AVX-512 when present);
+# RINGSERVE_NATIVE_ATTENTION=0 turns them off (PyTorch operations instead).
 _ATTENTION = _MODULE if os.environ.get("RINGSERVE_NATIVE_ATTENTION", "1") != "0" else None
 _ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -81,14 +81,14 @@ def paged_decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
-    seqs: list[int],
+    seq_ids: torch.Tensor,
     scale: float,
     out: torch.Tensor,
 ) -> bool:
-    """Writes the attention of decode sequences `seqs` (one query row each) into `out` through the native kernel,
-    reading K/V in place through the block tables. Returns False, writing nothing, when the kernel cannot take these
-    tensors (not on CPU, another dtype, a KV cache dtype unlike the queries', unusual strides); the caller then
-    uses its PyTorch path."""
+    """Writes the attention of decode sequences `seq_ids` (int32, on the CPU; one query row each) into `out` through
+    the native kernel, reading K/V in place through the block tables. Returns False, writing nothing, when the
+    kernel cannot take these tensors (not on CPU, another dtype, a KV cache dtype unlike the queries', unusual
+    strides); the caller then uses its PyTorch path."""
     kernels = _ATTENTION
     if kernels is None or q.device.type != "cpu" or q.dtype not in _ATTENTION_DTYPES:
         return False
@@ -104,13 +104,36 @@ def paged_decode_attention(
                                                             and v_cache.is_contiguous()):  # fmt: skip
         return False
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    ids = torch.tensor(seqs, dtype=torch.int32)
+    ids = seq_ids if seq_ids.dtype is torch.int32 and seq_ids.is_contiguous() else seq_ids.to(torch.int32).contiguous()
     kernels.paged_decode_attention(
         q.dtype is torch.bfloat16, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         seq_lens.data_ptr(), cu.data_ptr(), ids.data_ptr(), out.data_ptr(), tokens, q.stride(0), heads, kv_heads,
-        head_dim, num_blocks, block_size, tables.shape[0], tables.shape[1], len(seqs), scale,
+        head_dim, num_blocks, block_size, tables.shape[0], tables.shape[1], ids.numel(), scale,
         threads=torch.get_num_threads())  # fmt: skip
     return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of the rows of `x` through the native kernel (one pass per row instead of eight tensor operations),
+    or None when it cannot take these tensors (not on CPU, another dtype, weight dtype unlike x's, autograd)."""
+    kernels = _ATTENTION
+    if (
+        kernels is None
+        or x.device.type != "cpu"
+        or x.dtype not in _ATTENTION_DTYPES
+        or weight.dtype is not x.dtype
+        or not weight.is_contiguous()
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return None
+    dim = x.shape[-1]
+    if weight.numel() != dim:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    kernels.rms_norm(x.dtype is torch.bfloat16, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim,
+                     eps)  # fmt: skip
+    return out
 
 
 class Linear(nn.Linear):

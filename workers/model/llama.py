@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionBackend, get_attention_backend, get_attention_metadata
 from ringserve.workers.model.cpu_ops import Linear, linear
+from ringserve.workers.model.cpu_ops import rms_norm as cpu_rms_norm
 from ringserve.workers.model.hugepages import move_to_huge_pages
 from torch import nn
 
@@ -167,6 +168,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() and (native := cpu_rms_norm(x, self.weight, self.eps)) is not None:
+            return native
         # Normalise in float32 (as HF does) so bf16 activations do not lose the variance.
         dtype = x.dtype
         x32 = x.float()
