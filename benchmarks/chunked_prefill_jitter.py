@@ -9,7 +9,7 @@ prompt arrived. Issue #3's target: with chunking, p99 during the prefill within 
     python benchmarks/chunked_prefill_jitter.py [--model PATH] [--quick] [--long-prompt-tokens N]
 
 Both servers start together (an idle server uses no CPU) and are measured one after the other, alternating over the
-trials. A third server runs chunked with each request's share of a step capped at 32 tokens
+trials. A third server runs chunked with each request's share of a step capped at 16 tokens
 (--long-prefill-token-threshold), which is what keeps the streams within the target on a small CPU, where a
 256-token chunk costs several decode steps. --quick is a smoke run that fits a minute on a small CPU: one trial and a
 512-token prompt (the JSON says which length was used); the issue's figures come from the full run. The last line of
@@ -45,7 +45,7 @@ CHUNKED_BUDGET = 256
 UNCHUNKED_BUDGET = 4096
 # The third mode also caps one request's share of a step (--long-prefill-token-threshold): smaller chunks, so each
 # step costs little more than the decodes alone, at the price of more steps (a longer time to the prompt's first token).
-CAPPED_CHUNK = 32
+CAPPED_CHUNK = 16
 VOCAB_RANGE = (1000, 40000)  # ordinary word pieces, no special tokens
 
 
@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: one trial per mode, a 512-token prompt, a short baseline window")
     parser.add_argument("--trials", type=int, default=0, help="long prompts per mode (default 1 quick, 3 full)")
+    parser.add_argument("--capped-chunk", type=int, default=CAPPED_CHUNK,
+                        help=f"the third server's --long-prefill-token-threshold (default {CAPPED_CHUNK})")
     parser.add_argument("--long-prompt-tokens", type=int, default=0,
                         help=f"length of the arriving prompt (default {LONG_PROMPT_TOKENS}; 512 with --quick)")
     args = parser.parse_args()
@@ -150,7 +152,7 @@ def main() -> None:
     long_prompt_tokens = args.long_prompt_tokens or (LONG_PROMPT_TOKENS // 4 if args.quick else LONG_PROMPT_TOKENS)
     before_s = 1.0 if args.quick else 4.0
     modes = {"chunked": CHUNKED_BUDGET, "chunked_capped": CHUNKED_BUDGET, "unchunked": UNCHUNKED_BUDGET}
-    extra = {"chunked_capped": ["--long-prefill-token-threshold", str(CAPPED_CHUNK)]}
+    extra = {"chunked_capped": ["--long-prefill-token-threshold", str(args.capped_chunk)]}
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ringserve-jitter-") as tmp, ExitStack() as stack:
@@ -191,7 +193,7 @@ def main() -> None:
         "itl_p99_chunked_ms": med("chunked", "p99_during"),
         "itl_p50_unchunked_ms": med("unchunked", "p50_during"),
         "itl_p99_unchunked_ms": med("unchunked", "p99_during"),
-        "long_prefill_token_threshold_capped": CAPPED_CHUNK,
+        "long_prefill_token_threshold_capped": args.capped_chunk,
         "itl_p50_chunked_capped_ms": med("chunked_capped", "p50_during"),
         "itl_p99_chunked_capped_ms": med("chunked_capped", "p99_during"),
         "itl_max_unchunked_ms": med("unchunked", "max_during"),
