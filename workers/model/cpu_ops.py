@@ -99,6 +99,8 @@ def paged_decode_attention(
     for index in (tables, seq_lens, cu):
         if index.dtype is not torch.int32 or index.device.type != "cpu" or not index.is_contiguous():
             return False
+    if tables.dim() != 2 or seq_lens.numel() != tables.shape[0] or cu.numel() != tables.shape[0] + 1:
+        return False  # a layout the kernel does not describe: PyTorch's path copes with it
     tokens, heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (out.is_contiguous() and k_cache.is_contiguous()
                                                             and v_cache.is_contiguous()):  # fmt: skip
