@@ -2,10 +2,6 @@
 
 #include <immintrin.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -33,16 +29,11 @@ struct Job {
   float scale;
 };
 
-float load_scalar(float v) { return v; }
-float load_scalar(bf16_bits v) { return bf16_to_float(v); }
-void store_scalar(float* p, float v) { *p = v; }
-void store_scalar(bf16_bits* p, float v) { *p = float_to_bf16(v); }
-
 // Per-thread working memory, grown on demand and kept: steady-state calls allocate nothing.
 struct Scratch {
-  std::vector<float> query;   // [group, head_dim]
-  std::vector<float> scores;  // [group, context]
-  std::vector<float> acc;     // [group, head_dim]
+  std::vector<float> query;   // [heads, head_dim] (AVX-512 path)
+  std::vector<float> scores;  // [heads or group, context]
+  std::vector<float> acc;     // [heads or group, head_dim]
 };
 
 Scratch& scratch() {

@@ -1,9 +1,5 @@
 #include "kernels/cpu_linear.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include <immintrin.h>
 
 #include <bit>
@@ -119,8 +115,7 @@ struct RowRange {
   std::size_t j_end;
 };
 
-void rows_avx512(const void* arg) {
-  const auto& job = *static_cast<const RowRange*>(arg);
+void rows_avx512(const RowRange& job) {
   std::size_t j0 = job.j_begin;
   for (; j0 + kRowTile <= job.j_end; j0 += kRowTile) {
     column_avx512<kRowTile>(job.s, job.x, job.w, job.bias, job.y, j0, job.j_end);
@@ -137,12 +132,12 @@ void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
     const std::size_t middle = s.n / 2 / kRowTile * kRowTile;
     const RowRange halves[2] = {{s, x, w, bias, y, 0, middle}, {s, x, w, bias, y, middle, s.n}};
 #pragma omp parallel for num_threads(2) schedule(static)
-    for (int half = 0; half < 2; ++half) rows_avx512(&halves[half]);
+    for (int half = 0; half < 2; ++half) rows_avx512(halves[half]);
     return;
   }
 #endif
   const RowRange all{s, x, w, bias, y, 0, s.n};
-  rows_avx512(&all);
+  rows_avx512(all);
 }
 
 void check_size(const char* what, std::size_t got, std::size_t want) {

@@ -34,4 +34,10 @@ void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<cons
 float bf16_to_float(bf16_bits v);
 bf16_bits float_to_bf16(float v);  // round to nearest even, NaN kept NaN
 
+// Element access for kernels templated on the storage type (float or bf16), computing in float32.
+inline float load_scalar(float v) { return v; }
+inline float load_scalar(bf16_bits v) { return bf16_to_float(v); }
+inline void store_scalar(float* p, float v) { *p = v; }
+inline void store_scalar(bf16_bits* p, float v) { *p = float_to_bf16(v); }
+
 }  // namespace ringserve::kernels

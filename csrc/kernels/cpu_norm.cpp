@@ -8,11 +8,6 @@ namespace ringserve::kernels {
 
 namespace {
 
-float load_scalar(float v) { return v; }
-float load_scalar(bf16_bits v) { return bf16_to_float(v); }
-void store_scalar(float* p, float v) { *p = v; }
-void store_scalar(bf16_bits* p, float v) { *p = float_to_bf16(v); }
-
 void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("rms_norm: " + what);
 }
