@@ -45,5 +45,10 @@ if __name__ == "__main__":
     RANK, WORLD, OUT = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
     init_distributed(RANK, WORLD, torch.device("cpu"), timeout_s=120)
-    for i, name in enumerate(sys.argv[4:]):
-        np.save(OUT / f"logits-{i}-rank{RANK}.npy", run(Path(name)))
+    try:
+        for i, name in enumerate(sys.argv[4:]):
+            np.save(OUT / f"logits-{i}-rank{RANK}.npy", run(Path(name)))
+    finally:
+        # As worker_main does: a gloo group left to interpreter shutdown can abort the process from its threads
+        # ("terminate called without an active exception").
+        torch.distributed.destroy_process_group()
