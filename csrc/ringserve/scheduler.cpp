@@ -8,6 +8,9 @@
 namespace ringserve {
 namespace {
 
+// How many requests ahead the per-request loops prefetch a request's state.
+constexpr size_t kPrefetchAhead = 8;
+
 // Output tokens whose storage add_request() touches up front (32 KiB).
 constexpr int64_t kPrefaultedOutputTokens = 8192;
 
@@ -542,6 +545,8 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   size_t num_running = running_.size();        // re-read after a preemption shrinks running_
   for (size_t i = 0; i < num_running && budget > 0; ++i) {
     const int32_t* const run = running_.data();
+    // The entries are cold after a whole step's traffic: fetch a few requests ahead so their misses overlap.
+    if (i + kPrefetchAhead < num_running) __builtin_prefetch(&table[run[i + kPrefetchAhead]]);
     const int32_t index = run[i];
     RequestState& r = table[index];
     const int32_t computed = r.num_computed_tokens;
@@ -738,15 +743,46 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   const int32_t* tokens = result.token_ids.data();
   const float* logprobs = result.logprobs.empty() ? nullptr : result.logprobs.data();
   const bool multi = !result.token_counts.empty();
+  const bool plain = !multi && result.num_proposed.empty() && result.num_top == 0;
   trimming_.clear();
-  uint64_t generated = 0;
+  // Without drafts every sampled row appends exactly one token.
+  uint64_t generated = plain ? result.slots.size() : 0;
+  RequestState* const table = table_.data();
+  const Scheduled* const entries = in_flight_.data();
   for (size_t k = 0; k < count; ++k) {
-    const Scheduled& s = in_flight_[k];
-    RequestState& r = table_[static_cast<size_t>(s.index)];
+    // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to.
+    if (k + 2 * kPrefetchAhead < count) {
+      RequestState* ahead = &table[entries[k + 2 * kPrefetchAhead].index];
+      __builtin_prefetch(ahead);
+      __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64);
+    }
+    if (k + kPrefetchAhead < count) {
+      const RequestState& near = table[entries[k + kPrefetchAhead].index];
+      __builtin_prefetch(near.token_ids.data() + near.token_ids.size(), 1);
+    }
+    const Scheduled& s = entries[k];
+    RequestState& r = table[s.index];
     if (!s.sample) {
       r.num_computed_tokens += s.num_tokens;
       if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
       new_output(r, FinishReason::kNone, s.num_tokens);  // a prefill chunk: progress only, for tracing
+      continue;
+    }
+    if (plain) {  // one token per row, no drafts, no top logprobs: the common step, kept short
+      const auto row = static_cast<size_t>(s.result);
+      const int32_t token = tokens[row];
+      if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
+      r.num_computed_tokens += s.num_tokens;
+      r.token_ids.push_back(token);  // within the capacity reserved at add_request
+      const FinishReason reason = stop_reason(r, token);
+      const float logprob = logprobs != nullptr ? logprobs[row] : 0.0f;
+      outputs_.emplace_back(make_output(r, reason, s.num_tokens, true, token, logprob));
+      if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
+      if (reason != FinishReason::kNone) {
+        finished_.push_back(s.index);
+      } else if (s.lookahead > 0) {
+        trimming_.push_back(s.index);  // its lookahead slots went unused
+      }
       continue;
     }
     const auto row_index = static_cast<size_t>(s.result);
