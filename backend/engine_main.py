@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="reuse the KV blocks of equal prompt prefixes across requests")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request may prefill in a step (0 = no cap)")
+    p.add_argument("--max-step-slowdown", type=float, default=0.0,
+                   help="while requests decode, cut prefill chunks so a step's estimated time stays within this many "
+                        "times a decode-only step (0 = off; otherwise >= 1)")
     p.add_argument("--priority-aging-ms", type=int, default=0,
                    help="a waiting request's priority value improves by one per this many ms waited (0 = strict)")
     p.add_argument("--num-speculative-tokens", type=int, default=0,
@@ -121,6 +124,7 @@ def engine_config(args: argparse.Namespace) -> _core.EngineConfig:
     config.eos_token_ids = list(args.eos_token_ids)
     config.enable_prefix_caching = args.enable_prefix_caching
     config.long_prefill_token_threshold = args.long_prefill_token_threshold
+    config.max_step_slowdown = args.max_step_slowdown
     config.priority_aging_ms = args.priority_aging_ms
     # The engine reserves lookahead slots: a chain's length, or every node of a draft tree.
     config.num_speculative_tokens = args.num_speculative_tokens

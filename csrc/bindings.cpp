@@ -834,7 +834,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("num_speculative_tokens", &EngineConfig::num_speculative_tokens)
       .def_readwrite("spec_max_batch", &EngineConfig::spec_max_batch)
       .def_readwrite("spec_min_acceptance", &EngineConfig::spec_min_acceptance)
-      .def_readwrite("spec_backoff_steps", &EngineConfig::spec_backoff_steps);
+      .def_readwrite("spec_backoff_steps", &EngineConfig::spec_backoff_steps)
+      .def_readwrite("max_step_slowdown", &EngineConfig::max_step_slowdown);
 
   // The scheduler on its own, for property tests with a fake worker in Python (not part of the serving path).
   py::class_<Scheduler>(m, "Scheduler")
@@ -873,6 +874,14 @@ PYBIND11_MODULE(_core, m) {
              return out;
            })
       .def("stats", &Scheduler::stats, py::arg("query_id") = 0)
+      .def("observe_step_time", &Scheduler::observe_step_time, py::arg("ns"))
+      .def_property_readonly("prefill_allowance", &Scheduler::prefill_allowance)
+      .def_property_readonly("step_cost",
+                             [](const Scheduler& s) -> py::object {
+                               const StepCostModel& m = s.step_cost();
+                               if (!m.fitted()) return py::none();
+                               return py::make_tuple(m.fixed_ns(), m.per_token_ns());
+                             })
       .def("check_invariants", &Scheduler::check_invariants)
       .def("block_ref_count", [](const Scheduler& s, int32_t id) { return s.block_pool().ref_count(id); },
            py::arg("block_id"))

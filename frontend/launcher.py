@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ringserve.serve")
 
+# The decode-latency guard's default: a step that prefills while requests decode may take at most 2.5x a decode-only
+# step. On a GPU that rarely cuts the token budget (a prefill token costs little next to a step's fixed cost); on a CPU
+# it keeps streams within the 3x inter-token latency of issue #3 while a long prompt is prefilled.
+DEFAULT_MAX_STEP_SLOWDOWN = 2.5
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Flags follow vLLM's names where vLLM has the same knob; each also reads RINGSERVE_<FLAG>."""
@@ -72,6 +77,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--block-size", 16, int, "tokens per KV cache block (default %(default)s)")
     flag("--long-prefill-token-threshold", 0, int,
          "most prompt tokens one request may prefill per step (default %(default)s = no cap)")
+    flag("--max-step-slowdown", DEFAULT_MAX_STEP_SLOWDOWN, float,
+         "decode-latency guard: while requests decode, a step's prefill chunks are cut so that its time (fitted "
+         "online from measured steps) stays within this many times a decode-only step; running streams keep their "
+         "pace while long prompts arrive, at the cost of a later first token for those prompts (default "
+         "%(default)s; 0 = off: only the token budget bounds a step)")
     flag("--priority-aging-ms", 1000, int,
          "a waiting request's priority value improves by one per this many ms waited, so better-priority traffic "
          "cannot starve it (default %(default)s; 0 = strict priority)")
@@ -190,6 +200,7 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(max_model_len), "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
         "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
+        "--max-step-slowdown", str(args.max_step_slowdown),
         "--priority-aging-ms", str(args.priority_aging_ms),
         "--num-speculative-tokens", str(args.num_speculative_tokens), "--draft", args.draft,
         "--spec-tree", args.spec_tree,
@@ -246,6 +257,8 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
             DraftTree.parse(args.spec_tree, args.num_speculative_tokens)
         except ValueError as error:
             return str(error)
+    if not (args.max_step_slowdown == 0 or args.max_step_slowdown >= 1):
+        return f"--max-step-slowdown must be 0 (off) or >= 1 (got {args.max_step_slowdown})"
     if args.priority_aging_ms < 0:
         return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {args.priority_aging_ms})"
     if getattr(args, "worker_threads", 0) < 0:

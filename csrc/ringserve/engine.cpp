@@ -312,6 +312,7 @@ void Engine::run() {
         outputs_step_id_ = scheduler_->num_steps();
         last_step_time_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                  std::chrono::steady_clock::now() - step_start).count();
+        scheduler_->observe_step_time(last_step_time_ns_);  // the decode-latency guard's cost model
         if (config_.stats_interval_ms > 0) maybe_emit_stats(false);
       }
       if (!stopping()) flush_outputs();  // Shutdown: the last step's outputs still reach the frontend

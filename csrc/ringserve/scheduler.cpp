@@ -126,6 +126,9 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   }
   if (config_.spec_max_batch < 0) throw std::invalid_argument("spec_max_batch must be >= 0");
   if (config_.spec_backoff_steps < 0) throw std::invalid_argument("spec_backoff_steps must be >= 0");
+  if (!(config_.max_step_slowdown == 0.0f || config_.max_step_slowdown >= 1.0f)) {
+    throw std::invalid_argument("max_step_slowdown must be 0 (off) or >= 1");
+  }
   if (config_.max_model_len <= 0) config_.max_model_len = config_.num_blocks * config_.block_size;
   const auto seqs = static_cast<size_t>(config_.max_num_seqs);
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
@@ -447,7 +450,9 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   }
   const auto cached_blocks = static_cast<int32_t>(hits_.size());
   const int32_t cached_tokens = pull ? r.num_prompt_tokens : cached_blocks * bs;
-  const int32_t n = std::min(r.num_tokens() - cached_tokens, chunk_cap(budget));
+  // A pulled prompt computes nothing of itself here; others count against the decode-latency guard.
+  const int32_t n = std::min(r.num_tokens() - cached_tokens, pull ? chunk_cap(budget) : prefill_cap(budget));
+  if (n <= 0) return false;
   const int32_t needed = blocks_for(cached_tokens + n) - cached_blocks;
   if (needed + revived > pool_.num_free()) return false;  // the head waits for blocks, nobody overtakes it
   const size_t bytes = kPlanBytesPerScheduled + kPlanBytesPerNewRequest +
@@ -508,6 +513,7 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   schedule_chunk(index, r.slot, r.num_computed_tokens, n, r.num_tokens());
   plan_bytes += bytes;
   budget -= n;
+  if (!pull) prefill_left_ -= n;
   return true;
 }
 
@@ -539,6 +545,9 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   spec_step_ = config_.num_speculative_tokens > 0 &&
                (config_.spec_max_batch == 0 || static_cast<int32_t>(running_.size()) <= config_.spec_max_batch);
 
+  prefill_left_ = prefill_allowance();
+  int32_t decode_rows = 0;
+
   // 1. Running requests first, highest priority / earliest arrival first.
   const int32_t bs = config_.block_size;
   RequestState* const table = table_.data();  // add_request() alone grows the table
@@ -551,7 +560,8 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     RequestState& r = table[index];
     const int32_t computed = r.num_computed_tokens;
     const int32_t total = r.num_tokens();
-    const int32_t n = std::min(total - computed, chunk_cap(budget));
+    const int32_t left = total - computed;
+    const int32_t n = left > 1 ? std::min(left, prefill_cap(budget)) : left;  // a prefill chunk, or one token
     if (n <= 0) continue;
     // Lookahead only for a one-token decode that samples: its drafts are verified right after that token.
     int32_t k = spec_step_ && n == 1 && computed + 1 == total ? lookahead_for(r, budget - n) : 0;
@@ -587,6 +597,11 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     schedule_chunk(index, r.slot, computed, n, total, k);
     plan_bytes += kPlanBytesPerScheduled;
     budget -= n + k;
+    if (left > 1) {
+      prefill_left_ -= n;
+    } else {
+      ++decode_rows;
+    }
   }
 
   // 2. Admit waiting requests in priority order. Not in a step that had to preempt: blocks are short right now.
@@ -607,11 +622,24 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     return false;
   }
   last_step_tokens_ = config_.max_num_batched_tokens - budget;
+  last_step_rows_ = static_cast<int32_t>(in_flight_.size());
+  last_decode_rows_ = decode_rows;
   plan.step_id = next_step_id_++;
   in_flight_step_ = plan.step_id;
   step_in_flight_ = true;
   ++num_steps_;
   return true;
+}
+
+int32_t Scheduler::prefill_allowance() const {
+  constexpr int32_t kUnlimited = std::numeric_limits<int32_t>::max();
+  // The last step's decodes that still run stand for this one's: the guard is decided before the running list is
+  // walked.
+  const int32_t decodes = std::min(last_decode_rows_, static_cast<int32_t>(running_.size()));
+  if (config_.max_step_slowdown <= 0.0f || decodes == 0) return kUnlimited;
+  const int32_t limit = step_cost_.token_limit(decodes, config_.max_step_slowdown);
+  if (limit < 0) return kUnlimited;  // no estimate yet
+  return std::max(limit - decodes, config_.block_size);  // prompts always make progress
 }
 
 void Scheduler::write_entries(StepPlan& plan) const {

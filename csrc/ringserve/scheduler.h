@@ -21,6 +21,7 @@
 // Steady-state decode steps do not touch the heap: the table, lists, outputs and plan entries reuse their storage.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -30,6 +31,7 @@
 
 #include "ringserve/block_pool.h"
 #include "ringserve/records.h"
+#include "ringserve/step_cost.h"
 
 namespace ringserve {
 
@@ -55,6 +57,11 @@ struct EngineConfig {
   int32_t spec_max_batch = 16;
   float spec_min_acceptance = 0.25f;
   int32_t spec_backoff_steps = 16;
+  // Decode-latency guard: while requests decode, the prefill chunks of a step are cut so that its estimated time
+  // stays within max_step_slowdown x that of a step with only those decodes (0 = off; otherwise >= 1). Step times
+  // are fitted online (StepCostModel) from what the engine reports through observe_step_time(); until the fit has
+  // both kinds of steps, only the token budget applies. A step always gets at least block_size prefill tokens.
+  float max_step_slowdown = 0.0f;
 };
 
 enum class RequestStatus : uint8_t { kFree, kWaiting, kRunning };
@@ -172,6 +179,11 @@ class Scheduler {
   uint64_t num_steps() const { return num_steps_; }
   uint64_t num_preemptions() const { return num_preemptions_; }
   int32_t last_step_tokens() const { return last_step_tokens_; }
+  // The measured wall time of the step last scheduled (plan to result), for the decode-latency guard's cost model.
+  void observe_step_time(int64_t ns) { step_cost_.observe(last_step_tokens_, last_step_rows_, ns); }
+  const StepCostModel& step_cost() const { return step_cost_; }
+  // Prompt tokens the guard lets the next step prefill (INT32_MAX when it does not apply).
+  int32_t prefill_allowance() const;
   // Throws std::logic_error when a table / slot / block / order invariant is broken (tests; O(table size)).
   void check_invariants() const;
 
@@ -204,6 +216,8 @@ class Scheduler {
     const int32_t cap = config_.long_prefill_token_threshold;
     return cap > 0 && cap < budget ? cap : budget;
   }
+  // A prefill chunk's cap: the budget, the per-request threshold and what the decode-latency guard leaves.
+  int32_t prefill_cap(int32_t budget) const { return std::min(chunk_cap(budget), prefill_left_); }
   void extend_block_hashes(RequestState& r, int32_t num_blocks);
   void register_computed_blocks(RequestState& r);
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
@@ -272,6 +286,10 @@ class Scheduler {
   uint64_t num_steps_ = 0;
   uint64_t num_preemptions_ = 0;
   int32_t last_step_tokens_ = 0;
+  int32_t last_step_rows_ = 0;     // requests in the last step sent
+  int32_t last_decode_rows_ = 0;   // ... of them one-token decodes: the batch the guard protects next step
+  int32_t prefill_left_ = 0;       // schedule(): prompt tokens the guard still allows in this step
+  StepCostModel step_cost_;
   uint64_t prefix_cache_queries_ = 0;
   uint64_t prefix_cache_hits_ = 0;
   uint64_t total_prompt_tokens_ = 0;

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -487,6 +488,86 @@ TEST(long_prefill_token_threshold_caps_a_requests_chunk) {
     chunks.push_back(h.plan.sched_len[0]);  // request 1 runs first: it arrived first
   }
   CHECK((chunks == std::vector<int32_t>{8, 8, 8, 6}));
+}
+
+TEST(step_cost_model_fits_fixed_and_per_token_costs) {
+  StepCostModel m;
+  auto cost = [](int32_t tokens) { return int64_t{80'000} + int64_t{1'000} * tokens; };
+  for (int i = 0; i < 10; ++i) m.observe(8, 8, cost(8));  // decode-only steps alone: no spread, no estimate
+  CHECK(!m.fitted() && m.token_limit(8, 2.0) == -1);
+  m.observe(108, 9, cost(108));
+  m.observe(60, 9, cost(60));
+  CHECK(m.fitted());
+  CHECK(std::abs(m.fixed_ns() - 80'000) < 1 && std::abs(m.per_token_ns() - 1'000) < 1e-3);
+  // 2 x (80 us + 8 us) = 80 us + 96 tokens.
+  CHECK(m.token_limit(8, 2.0) == 96);
+  CHECK(m.token_limit(8, 1.0) == 8);
+  CHECK(m.token_limit(8, 0.5) == -1);  // below 1 is no bound at all
+  // The slope's window survives a long stretch of decoding.
+  for (int i = 0; i < 1000; ++i) m.observe(8, 8, cost(8));
+  CHECK(m.fitted() && m.token_limit(8, 2.0) == 96);
+  // Ignored: empty steps and clock glitches.
+  m.observe(0, 0, 5);
+  m.observe(8, 8, -1);
+  CHECK(m.token_limit(8, 2.0) == 96);
+  // Steps that cost less with more tokens give no estimate.
+  StepCostModel inverted;
+  for (int i = 0; i < 8; ++i) inverted.observe(8 + 8 * i, 9, 1'000'000 - 1'000 * i);
+  CHECK(!inverted.fitted());
+}
+
+TEST(decode_latency_guard_cuts_prefill_chunks_while_requests_decode) {
+  auto run = [](float slowdown) {
+    EngineConfig c = make_config(256, 8, 256);
+    c.max_step_slowdown = slowdown;
+    Harness h(c);
+    auto step = [&h] {
+      if (!h.step()) return std::vector<int32_t>{};
+      const int32_t tokens = std::accumulate(h.plan.sched_len.begin(), h.plan.sched_len.end(), 0);
+      h.scheduler.observe_step_time(int64_t{80'000} + int64_t{1'000} * tokens);  // fixed 80 us + 1 us per token
+      return h.plan.sched_len;
+    };
+    CHECK(h.add(prompt_of(1, iota_tokens(20), 200)));
+    CHECK(h.add(prompt_of(2, iota_tokens(30, 500), 200)));
+    CHECK((step() == std::vector<int32_t>{20, 30}));  // nothing decodes yet: no guard
+    for (int i = 0; i < 6; ++i) CHECK((step() == std::vector<int32_t>{1, 1}));
+    CHECK(h.add(prompt_of(3, iota_tokens(600, 1000), 4)));
+    std::vector<int32_t> chunks;
+    while (chunks.empty() || h.plan.sched_sample.back() == 0) {
+      const std::vector<int32_t> lens = step();
+      CHECK(lens.size() == 3 && lens[0] == 1 && lens[1] == 1);  // the decodes run in every step
+      chunks.push_back(lens[2]);
+    }
+    CHECK(std::accumulate(chunks.begin(), chunks.end(), 0) == 600);
+    h.run_to_completion();
+    CHECK(h.tokens[3].size() == 4 && h.scheduler.block_pool().num_free() == 256);
+    return chunks;
+  };
+  // Unguarded: the budget less the two decodes. Guarded at 2x: 2 x (80 + 2) us = 80 us + 84 tokens, 2 of them decodes.
+  CHECK((run(0.0f) == std::vector<int32_t>{254, 254, 92}));
+  const std::vector<int32_t> guarded = run(2.0f);
+  CHECK(guarded.size() == 8 && guarded.front() == 82 && guarded.back() == 600 - 7 * 82);
+}
+
+TEST(the_guard_always_leaves_a_block_of_prefill_and_stays_off_without_decodes) {
+  EngineConfig c = make_config(256, 8, 256);
+  c.max_step_slowdown = 1.0f;  // no slowdown allowed at all: still one block of prompt per step
+  Harness h(c);
+  CHECK(h.add(prompt_of(1, iota_tokens(20), 100)));
+  for (int i = 0; i < 5; ++i) {
+    CHECK(h.step());
+    const int32_t tokens = std::accumulate(h.plan.sched_len.begin(), h.plan.sched_len.end(), 0);
+    h.scheduler.observe_step_time(int64_t{50'000} + int64_t{2'000} * tokens);
+  }
+  CHECK(h.scheduler.step_cost().fitted() && h.scheduler.prefill_allowance() == c.block_size);
+  CHECK(h.add(prompt_of(2, iota_tokens(40, 300), 2)));
+  CHECK(h.step() && (h.plan.sched_len == std::vector<int32_t>{1, 4}));
+  h.run_to_completion();
+  CHECK(h.tokens[2].size() == 2);
+  // Once nothing decodes, a prompt gets the whole budget again.
+  CHECK(h.add(prompt_of(3, iota_tokens(200, 600), 2)));
+  CHECK(h.step() && (h.plan.sched_len == std::vector<int32_t>{200}));
+  h.run_to_completion();
 }
 
 TEST(prefill_chunks_report_progress_without_tokens) {

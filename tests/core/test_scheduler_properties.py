@@ -137,18 +137,23 @@ request_strategy = st.fixed_dictionaries({
     threshold=st.sampled_from([0, 0, 3, 8]),
     caching=st.booleans(),
     aging_ms=st.sampled_from([0, 0, 1, 4]),
+    slowdown=st.sampled_from([0.0, 0.0, 1.0, 1.5, 3.0]),
+    step_cost=st.tuples(st.integers(0, 2000), st.integers(1, 100)),
     requests=st.lists(request_strategy, min_size=1, max_size=14),
 )
 def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_blocks: int, max_num_seqs: int,
                                                          budget: int, threshold: int, caching: bool, aging_ms: int,
+                                                         slowdown: float, step_cost: tuple[int, int],
                                                          requests: list[dict]) -> None:
     config = _core.EngineConfig()
     config.block_size, config.num_blocks, config.max_num_seqs = block_size, num_blocks, max_num_seqs
     config.max_num_batched_tokens, config.long_prefill_token_threshold = budget, threshold
     config.enable_prefix_caching, config.priority_aging_ms = caching, aging_ms
+    config.max_step_slowdown = slowdown  # the decode-latency guard, fed a linear step cost below
     config.eos_token_ids = [EOS]
     scheduler = _core.Scheduler(config)
     worker = FakeWorker(block_size, num_blocks)
+    fixed_ns, per_token_ns = step_cost
 
     expected: dict[int, tuple[list[int], str]] = {}
     abort_at: dict[int, int] = {}
@@ -181,11 +186,15 @@ def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_b
         for rid, at in abort_at.items():
             if at == step and rid in accepted:
                 scheduler.abort_request(rid)
+        allowance = scheduler.prefill_allowance
         plan = scheduler.schedule(step * MS)
         if plan is not None:
-            assert sum(plan.sched_len.tolist()) <= budget
+            lens = plan.sched_len.tolist()
+            assert sum(lens) <= budget
+            assert sum(n for n in lens if n > 1) <= allowance, "prefill chunks beyond the guard's allowance"
             assert len(plan.sched_slots) <= max_num_seqs and scheduler.num_running <= max_num_seqs
             scheduler.update(worker.execute(plan, threshold), step * MS)
+            scheduler.observe_step_time(fixed_ns + per_token_ns * sum(lens))
         for o in scheduler.take_outputs():
             assert o.request_id not in finished, "an output after the final one"
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
