@@ -4,8 +4,8 @@ Real servers (frontend, engine, worker) on the real model on CPU, driven over gR
 2,048-token prompt arrives. Three servers:
 
 - chunked: --max-num-batched-tokens 256 with the server's defaults, so the decode-latency guard
-  (--max-step-slowdown 2.5) also cuts each step's prefill chunk to what keeps the step within 2.5x a decode-only
-  step, by the step costs the engine fits online;
+  (--max-step-slowdown, default 2) also cuts each step's prefill chunk to what keeps the step within 2x a
+  decode-only step, by the step costs the engine learns online;
 - chunked_no_guard: the same budget with the guard off (--max-step-slowdown 0): every step carries a 248-token chunk,
   which on a small CPU costs several decode steps;
 - unchunked: a budget of 4,096 (larger than the prompt) and no guard: one step computes the whole prompt and every

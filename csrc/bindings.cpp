@@ -875,12 +875,12 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("stats", &Scheduler::stats, py::arg("query_id") = 0)
       .def("observe_step_time", &Scheduler::observe_step_time, py::arg("ns"))
-      .def_property_readonly("prefill_allowance", &Scheduler::prefill_allowance)
+      .def_property_readonly("prefill_time_budget", &Scheduler::prefill_time_budget)
       .def_property_readonly("step_cost",
                              [](const Scheduler& s) -> py::object {
                                const StepCostModel& m = s.step_cost();
                                if (!m.fitted()) return py::none();
-                               return py::make_tuple(m.fixed_ns(), m.per_token_ns());
+                               return py::make_tuple(m.base_ns(), m.per_token_ns(), m.per_pair_ns());
                              })
       .def("check_invariants", &Scheduler::check_invariants)
       .def("block_ref_count", [](const Scheduler& s, int32_t id) { return s.block_pool().ref_count(id); },

@@ -451,7 +451,8 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   const auto cached_blocks = static_cast<int32_t>(hits_.size());
   const int32_t cached_tokens = pull ? r.num_prompt_tokens : cached_blocks * bs;
   // A pulled prompt computes nothing of itself here; others count against the decode-latency guard.
-  const int32_t n = std::min(r.num_tokens() - cached_tokens, pull ? chunk_cap(budget) : prefill_cap(budget));
+  int32_t n = std::min(r.num_tokens() - cached_tokens, chunk_cap(budget));
+  if (!pull) n = guarded_chunk(cached_tokens, n);
   if (n <= 0) return false;
   const int32_t needed = blocks_for(cached_tokens + n) - cached_blocks;
   if (needed + revived > pool_.num_free()) return false;  // the head waits for blocks, nobody overtakes it
@@ -513,7 +514,7 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   schedule_chunk(index, r.slot, r.num_computed_tokens, n, r.num_tokens());
   plan_bytes += bytes;
   budget -= n;
-  if (!pull) prefill_left_ -= n;
+  if (!pull) charge_prefill(cached_tokens, n);
   return true;
 }
 
@@ -545,7 +546,10 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   spec_step_ = config_.num_speculative_tokens > 0 &&
                (config_.spec_max_batch == 0 || static_cast<int32_t>(running_.size()) <= config_.spec_max_batch);
 
-  prefill_left_ = prefill_allowance();
+  prefill_ns_left_ = prefill_time_budget();
+  guard_active_ = prefill_ns_left_ < std::numeric_limits<double>::infinity();
+  prefilled_this_step_ = false;
+  shape_ = StepShape{};
   int32_t decode_rows = 0;
 
   // 1. Running requests first, highest priority / earliest arrival first.
@@ -561,7 +565,7 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     const int32_t computed = r.num_computed_tokens;
     const int32_t total = r.num_tokens();
     const int32_t left = total - computed;
-    const int32_t n = left > 1 ? std::min(left, prefill_cap(budget)) : left;  // a prefill chunk, or one token
+    const int32_t n = left > 1 ? guarded_chunk(computed, std::min(left, chunk_cap(budget))) : left;  // chunk or token
     if (n <= 0) continue;
     // Lookahead only for a one-token decode that samples: its drafts are verified right after that token.
     int32_t k = spec_step_ && n == 1 && computed + 1 == total ? lookahead_for(r, budget - n) : 0;
@@ -598,7 +602,7 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     plan_bytes += kPlanBytesPerScheduled;
     budget -= n + k;
     if (left > 1) {
-      prefill_left_ -= n;
+      charge_prefill(computed, n);
     } else {
       ++decode_rows;
     }
@@ -622,8 +626,8 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     return false;
   }
   last_step_tokens_ = config_.max_num_batched_tokens - budget;
-  last_step_rows_ = static_cast<int32_t>(in_flight_.size());
-  last_decode_rows_ = decode_rows;
+  shape_.decode_rows = decode_rows;
+  last_shape_ = shape_;
   plan.step_id = next_step_id_++;
   in_flight_step_ = plan.step_id;
   step_in_flight_ = true;
@@ -631,15 +635,13 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   return true;
 }
 
-int32_t Scheduler::prefill_allowance() const {
-  constexpr int32_t kUnlimited = std::numeric_limits<int32_t>::max();
-  // The last step's decodes that still run stand for this one's: the guard is decided before the running list is
-  // walked.
-  const int32_t decodes = std::min(last_decode_rows_, static_cast<int32_t>(running_.size()));
-  if (config_.max_step_slowdown <= 0.0f || decodes == 0) return kUnlimited;
-  const int32_t limit = step_cost_.token_limit(decodes, config_.max_step_slowdown);
-  if (limit < 0) return kUnlimited;  // no estimate yet
-  return std::max(limit - decodes, config_.block_size);  // prompts always make progress
+double Scheduler::prefill_time_budget() const {
+  // The last step's decodes stand for this one's (the guard is decided before the running list is walked), unless
+  // nothing runs any more.
+  if (config_.max_step_slowdown <= 0.0f || last_shape_.decode_rows == 0 || running_.empty() || !step_cost_.fitted()) {
+    return std::numeric_limits<double>::infinity();
+  }
+  return (config_.max_step_slowdown - 1.0) * step_cost_.base_ns();
 }
 
 void Scheduler::write_entries(StepPlan& plan) const {

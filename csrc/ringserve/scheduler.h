@@ -59,8 +59,9 @@ struct EngineConfig {
   int32_t spec_backoff_steps = 16;
   // Decode-latency guard: while requests decode, the prefill chunks of a step are cut so that its estimated time
   // stays within max_step_slowdown x that of a step with only those decodes (0 = off; otherwise >= 1). Step times
-  // are fitted online (StepCostModel) from what the engine reports through observe_step_time(); until the fit has
-  // both kinds of steps, only the token budget applies. A step always gets at least block_size prefill tokens.
+  // are learnt online (StepCostModel: a decode-only step's time, and what prefill tokens and attention pairs add) from
+  // what the engine reports through observe_step_time(); until it has seen both kinds of steps, only the token budget
+  // applies. The first prefill row of a step always gets at least block_size tokens, so prompts make progress.
   float max_step_slowdown = 0.0f;
 };
 
@@ -180,10 +181,10 @@ class Scheduler {
   uint64_t num_preemptions() const { return num_preemptions_; }
   int32_t last_step_tokens() const { return last_step_tokens_; }
   // The measured wall time of the step last scheduled (plan to result), for the decode-latency guard's cost model.
-  void observe_step_time(int64_t ns) { step_cost_.observe(last_step_tokens_, last_step_rows_, ns); }
+  void observe_step_time(int64_t ns) { step_cost_.observe(last_shape_, ns); }
   const StepCostModel& step_cost() const { return step_cost_; }
-  // Prompt tokens the guard lets the next step prefill (INT32_MAX when it does not apply).
-  int32_t prefill_allowance() const;
+  // The estimated time the guard lets the next step's prefill rows add (+infinity when it does not apply).
+  double prefill_time_budget() const;
   // Throws std::logic_error when a table / slot / block / order invariant is broken (tests; O(table size)).
   void check_invariants() const;
 
@@ -216,8 +217,19 @@ class Scheduler {
     const int32_t cap = config_.long_prefill_token_threshold;
     return cap > 0 && cap < budget ? cap : budget;
   }
-  // A prefill chunk's cap: the budget, the per-request threshold and what the decode-latency guard leaves.
-  int32_t prefill_cap(int32_t budget) const { return std::min(chunk_cap(budget), prefill_left_); }
+  // The decode-latency guard's cut of a prefill row of (up to) n tokens after `start` computed ones, and its charge.
+  int32_t guarded_chunk(int32_t start, int32_t n) const {
+    if (!guard_active_) return n;
+    int32_t allowed = step_cost_.max_tokens_within(start, prefill_ns_left_);
+    if (!prefilled_this_step_) allowed = std::max(allowed, config_.block_size);
+    return std::min(n, allowed);
+  }
+  void charge_prefill(int32_t start, int32_t n) {
+    if (guard_active_) prefill_ns_left_ -= step_cost_.row_ns(start, n);
+    prefilled_this_step_ = true;
+    shape_.prefill_tokens += n;
+    shape_.prefill_pairs += attention_pairs(start, n);
+  }
   void extend_block_hashes(RequestState& r, int32_t num_blocks);
   void register_computed_blocks(RequestState& r);
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
@@ -286,9 +298,11 @@ class Scheduler {
   uint64_t num_steps_ = 0;
   uint64_t num_preemptions_ = 0;
   int32_t last_step_tokens_ = 0;
-  int32_t last_step_rows_ = 0;     // requests in the last step sent
-  int32_t last_decode_rows_ = 0;   // ... of them one-token decodes: the batch the guard protects next step
-  int32_t prefill_left_ = 0;       // schedule(): prompt tokens the guard still allows in this step
+  StepShape shape_;                  // schedule(): the step being built, for the guard's cost model
+  StepShape last_shape_;             // the last step sent; its decodes are the batch the guard protects next step
+  bool guard_active_ = false;        // schedule(): the decode-latency guard applies to this step
+  bool prefilled_this_step_ = false;
+  double prefill_ns_left_ = 0;       // schedule(): estimated time the guard still lets prefill rows add
   StepCostModel step_cost_;
   uint64_t prefix_cache_queries_ = 0;
   uint64_t prefix_cache_hits_ = 0;

@@ -6,56 +6,79 @@
 
 namespace ringserve {
 
-void StepCostModel::Ring::push(Observation o) {
-  items[next] = o;
-  next = (next + 1) % kWindow;
-  size = std::min(size + 1, kWindow);
-}
+namespace {
+constexpr size_t kMinDecodeSteps = 3;  // before the base counts
+}  // namespace
 
-void StepCostModel::observe(int32_t tokens, int32_t rows, int64_t ns) {
-  if (tokens <= 0 || rows <= 0 || ns <= 0) return;  // nothing ran, or a clock step: no information
-  (tokens > rows ? mixed_ : decode_).push({static_cast<double>(tokens), static_cast<double>(ns)});
-  refit();
-}
-
-void StepCostModel::refit() {
-  // Ordinary least squares over both windows (64 points at most: cheaper than the step it follows).
-  double n = 0;
-  double sum_x = 0;
-  double sum_y = 0;
-  for (const Ring* ring : {&decode_, &mixed_}) {
-    for (size_t i = 0; i < ring->size; ++i) {
-      n += 1;
-      sum_x += ring->items[i].tokens;
-      sum_y += ring->items[i].ns;
-    }
+void StepCostModel::observe(const StepShape& step, int64_t ns) {
+  if (ns <= 0 || step.decode_rows < 0 || step.prefill_tokens < 0 || !(step.prefill_pairs >= 0)) return;
+  if (step.prefill_tokens == 0) {
+    if (step.decode_rows == 0) return;  // nothing ran
+    decode_ns_.push(static_cast<double>(ns));
+    refit_base();
+    return;
   }
+  // A step with prefill, with or without decodes (the weights are read once either way): what it adds to the base.
+  prefill_.push({static_cast<double>(step.prefill_tokens), step.prefill_pairs, static_cast<double>(ns)});
+  refit_prefill();
+}
+
+void StepCostModel::refit_base() {
+  if (decode_ns_.size < kMinDecodeSteps) return;
+  std::array<double, kWindow> sorted{};
+  std::copy_n(decode_ns_.items.begin(), decode_ns_.size, sorted.begin());
+  const auto mid = sorted.begin() + static_cast<std::ptrdiff_t>(decode_ns_.size / 2);
+  std::nth_element(sorted.begin(), mid, sorted.begin() + static_cast<std::ptrdiff_t>(decode_ns_.size));
+  base_ns_ = *mid;
+  has_base_ = true;
+  refit_prefill();
+}
+
+void StepCostModel::refit_prefill() {
+  // Least squares through the origin: no prefill adds nothing.
+  double stt = 0;
+  double spp = 0;
+  double stp = 0;
+  double ste = 0;
+  double spe = 0;
   fitted_ = false;
-  if (n < 4) return;
-  const double mean_x = sum_x / n;
-  const double mean_y = sum_y / n;
-  double sxx = 0;
-  double sxy = 0;
-  for (const Ring* ring : {&decode_, &mixed_}) {
-    for (size_t i = 0; i < ring->size; ++i) {
-      const double dx = ring->items[i].tokens - mean_x;
-      sxx += dx * dx;
-      sxy += dx * (ring->items[i].ns - mean_y);
+  if (!has_base_ || prefill_.size == 0) return;
+  for (size_t i = 0; i < prefill_.size; ++i) {
+    const Prefill& p = prefill_.items[i];
+    const double extra = p.ns - base_ns_;
+    stt += p.tokens * p.tokens;
+    spp += p.pairs * p.pairs;
+    stp += p.tokens * p.pairs;
+    ste += p.tokens * extra;
+    spe += p.pairs * extra;
+  }
+  // Both slopes when the two features are not (nearly) proportional and both come out non-negative; else tokens
+  // alone.
+  const double det = stt * spp - stp * stp;
+  if (det > 1e-9 * stt * spp) {
+    const double per_token = (ste * spp - spe * stp) / det;
+    const double per_pair = (spe * stt - ste * stp) / det;
+    if (per_token > 0 && per_pair >= 0) {
+      per_token_ns_ = per_token;
+      per_pair_ns_ = per_pair;
+      fitted_ = true;
+      return;
     }
   }
-  // Sizes must spread by at least a token on average, and a step must cost more with more tokens.
-  if (sxx < n || sxy <= 0) return;
-  per_token_ns_ = sxy / sxx;
-  fixed_ns_ = std::max(0.0, mean_y - per_token_ns_ * mean_x);  // a negative intercept is noise: clamp
+  if (ste <= 0) return;  // prefill must cost something
+  per_token_ns_ = ste / stt;
+  per_pair_ns_ = 0;
   fitted_ = true;
 }
 
-int32_t StepCostModel::token_limit(int32_t base_tokens, double slowdown) const {
-  if (!fitted_ || !(slowdown >= 1.0)) return -1;
-  const double base_ns = fixed_ns_ + per_token_ns_ * static_cast<double>(base_tokens);
-  const double limit = (slowdown * base_ns - fixed_ns_) / per_token_ns_;
+int32_t StepCostModel::max_tokens_within(int32_t start, double ns) const {
+  if (!fitted_ || !(ns > 0)) return 0;
+  // per_pair n^2 + (per_token + per_pair start) n <= ns: the positive root of the quadratic, rounded down.
+  const double a = per_pair_ns_;
+  const double b = per_token_ns_ + per_pair_ns_ * static_cast<double>(start);
+  const double root = a > 0 ? (2 * ns) / (b + std::sqrt(b * b + 4 * a * ns)) : ns / b;  // stable form of the root
   constexpr double kMax = std::numeric_limits<int32_t>::max();
-  return static_cast<int32_t>(std::clamp(std::floor(limit + 1e-6), 0.0, kMax));  // 1e-6: float noise of the fit
+  return static_cast<int32_t>(std::clamp(std::floor(root * (1 + 1e-9) + 1e-9), 0.0, kMax));  // float noise of the fit
 }
 
 }  // namespace ringserve

@@ -1,10 +1,15 @@
-// Online estimate of an engine step's wall time from the tokens it computes: time = fixed + per_token x tokens,
-// fitted by least squares to the engine's recent measured steps. The scheduler uses it to keep prefill chunks from
-// slowing running streams down by more than a configured factor (EngineConfig::max_step_slowdown).
+// Online estimate of what prefill work adds to an engine step's wall time, for the decode-latency guard
+// (EngineConfig::max_step_slowdown): while requests decode, the scheduler gives a step's prefill rows only as much
+// estimated time as (max_step_slowdown - 1) x a decode-only step.
 //
-// Steps come in two kinds: decode-only ones (one token per scheduled request) pin down the fixed cost at the usual
-// batch size, and steps with prefill chunks (or drafts) give the per-token slope. Each kind keeps its own ring of
-// recent observations, so a long stretch of decoding does not push the slope out of the fit.
+// - The base: the median wall time of the last 32 decode-only steps (a median, so one slow step on a shared machine
+//   does not move it).
+// - The prefill cost: extra = step time - base, fitted through the origin as per_token x prefill tokens +
+//   per_pair x prefill attention pairs over the last 32 steps that prefilled. A row computing n tokens after `start`
+//   computed ones attends over n x (start + n) query-key pairs (and gathers that context), so a chunk deep into a long
+//   prompt costs more than the first one.
+// Each kind keeps its own ring of recent observations, so a long stretch of decoding does not push the prefill costs
+// out of the fit, and the fit follows the machine when its speed changes.
 #pragma once
 
 #include <array>
@@ -13,39 +18,64 @@
 
 namespace ringserve {
 
+// Query-key pairs of a row computing `n` tokens after `start` already computed ones.
+inline double attention_pairs(int32_t start, int32_t n) {
+  return static_cast<double>(n) * (static_cast<double>(start) + static_cast<double>(n));
+}
+
+// What one step computed, as the guard's cost model sees it.
+struct StepShape {
+  int32_t decode_rows = 0;     // one-token rows
+  int32_t prefill_tokens = 0;  // tokens of the rows computing more than one prompt token (and of admissions)
+  double prefill_pairs = 0;    // their attention pairs
+};
+
 class StepCostModel {
  public:
   static constexpr size_t kWindow = 32;  // observations kept per kind
 
-  // A finished step: `tokens` computed in `rows` scheduled requests, in `ns` from plan to result.
-  void observe(int32_t tokens, int32_t rows, int64_t ns);
-
-  // The most tokens a step may carry so that its estimated time stays within `slowdown` x the estimate for a step
-  // of `base_tokens` tokens; -1 while there is no estimate (too few observations, or no spread in their sizes).
-  int32_t token_limit(int32_t base_tokens, double slowdown) const;
+  // A finished step and its wall time from plan to result.
+  void observe(const StepShape& step, int64_t ns);
 
   bool fitted() const { return fitted_; }
-  double fixed_ns() const { return fixed_ns_; }
+  double base_ns() const { return base_ns_; }  // a decode-only step
   double per_token_ns() const { return per_token_ns_; }
+  double per_pair_ns() const { return per_pair_ns_; }
+
+  // What a prefill row of `n` tokens after `start` computed ones adds to a step (fitted() must hold).
+  double row_ns(int32_t start, int32_t n) const {
+    return per_token_ns_ * static_cast<double>(n) + per_pair_ns_ * attention_pairs(start, n);
+  }
+  // The most tokens a prefill row starting at `start` may compute within `ns` (0 when none fit or not fitted).
+  int32_t max_tokens_within(int32_t start, double ns) const;
 
  private:
-  struct Observation {
+  struct Prefill {
     double tokens = 0;
-    double ns = 0;
+    double pairs = 0;
+    double ns = 0;  // the whole step: its extra is taken against the base at fit time
   };
+  template <class T>
   struct Ring {
-    std::array<Observation, kWindow> items{};
+    std::array<T, kWindow> items{};
     size_t size = 0;
     size_t next = 0;
-    void push(Observation o);
+    void push(T item) {
+      items[next] = item;
+      next = (next + 1) % kWindow;
+      if (size < kWindow) ++size;
+    }
   };
-  void refit();
+  void refit_base();
+  void refit_prefill();
 
-  Ring decode_;
-  Ring mixed_;
+  Ring<double> decode_ns_;
+  Ring<Prefill> prefill_;
+  bool has_base_ = false;
   bool fitted_ = false;
-  double fixed_ns_ = 0;
+  double base_ns_ = 0;
   double per_token_ns_ = 0;
+  double per_pair_ns_ = 0;
 };
 
 }  // namespace ringserve

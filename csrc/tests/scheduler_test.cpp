@@ -490,83 +490,151 @@ TEST(long_prefill_token_threshold_caps_a_requests_chunk) {
   CHECK((chunks == std::vector<int32_t>{8, 8, 8, 6}));
 }
 
-TEST(step_cost_model_fits_fixed_and_per_token_costs) {
+TEST(step_cost_model_learns_the_base_and_what_prefill_adds) {
   StepCostModel m;
-  auto cost = [](int32_t tokens) { return int64_t{80'000} + int64_t{1'000} * tokens; };
-  for (int i = 0; i < 10; ++i) m.observe(8, 8, cost(8));  // decode-only steps alone: no spread, no estimate
-  CHECK(!m.fitted() && m.token_limit(8, 2.0) == -1);
-  m.observe(108, 9, cost(108));
-  m.observe(60, 9, cost(60));
-  CHECK(m.fitted());
-  CHECK(std::abs(m.fixed_ns() - 80'000) < 1 && std::abs(m.per_token_ns() - 1'000) < 1e-3);
-  // 2 x (80 us + 8 us) = 80 us + 96 tokens.
-  CHECK(m.token_limit(8, 2.0) == 96);
-  CHECK(m.token_limit(8, 1.0) == 8);
-  CHECK(m.token_limit(8, 0.5) == -1);  // below 1 is no bound at all
-  // The slope's window survives a long stretch of decoding.
-  for (int i = 0; i < 1000; ++i) m.observe(8, 8, cost(8));
-  CHECK(m.fitted() && m.token_limit(8, 2.0) == 96);
+  auto cost = [](int32_t tokens, double pairs) { return int64_t{80'000} + int64_t{1'000} * tokens + int64_t(2 * pairs); };
+  m.observe({.decode_rows = 0, .prefill_tokens = 50, .prefill_pairs = 2'500}, cost(50, 2'500));  // kept for later
+  for (int i = 0; i < 10; ++i) m.observe({.decode_rows = 8}, 80'000 + (i == 3 ? 900'000 : 0));  // one slow step
+  CHECK(m.fitted() && m.base_ns() == 80'000);  // the median ignores the slow step
+  CHECK(std::abs(m.per_token_ns() - 1'100) < 1e-6 && m.per_pair_ns() == 0);  // one shape: tokens alone
+  for (const int32_t chunk : {20, 50, 100}) {
+    for (const int32_t start : {0, 200, 500}) {
+      const double pairs = attention_pairs(start, chunk);
+      m.observe({.decode_rows = 8, .prefill_tokens = chunk, .prefill_pairs = pairs}, cost(chunk, pairs));
+    }
+  }
+  CHECK(std::abs(m.per_token_ns() - 1'000) < 1e-3 && std::abs(m.per_pair_ns() - 2) < 1e-6);
+  // 50 tokens from the start: 50 us + 2 ns x 50 x 50; deeper into the prompt the same time buys fewer tokens.
+  CHECK(m.max_tokens_within(0, 55'000) == 50 && m.max_tokens_within(0, 54'999) == 49);
+  const int32_t deep = m.max_tokens_within(500, 55'000);
+  CHECK(deep == 26 && m.row_ns(500, deep) <= 55'000 && m.row_ns(500, deep + 1) > 55'000);
+  CHECK(m.max_tokens_within(0, 0) == 0 && m.max_tokens_within(0, -5) == 0);
+  // The prefill window survives a long stretch of decoding; the base follows the machine.
+  for (int i = 0; i < 1000; ++i) m.observe({.decode_rows = 8}, 90'000);
+  CHECK(m.fitted() && m.base_ns() == 90'000 && std::abs(m.per_pair_ns() - 2) < 0.5);
   // Ignored: empty steps and clock glitches.
-  m.observe(0, 0, 5);
-  m.observe(8, 8, -1);
-  CHECK(m.token_limit(8, 2.0) == 96);
-  // Steps that cost less with more tokens give no estimate.
-  StepCostModel inverted;
-  for (int i = 0; i < 8; ++i) inverted.observe(8 + 8 * i, 9, 1'000'000 - 1'000 * i);
-  CHECK(!inverted.fitted());
+  m.observe({}, 5);
+  m.observe({.decode_rows = 8}, -1);
+  CHECK(m.base_ns() == 90'000);
+  // Without a base (too few decode-only steps) there is no estimate.
+  StepCostModel young;
+  young.observe({.decode_rows = 0, .prefill_tokens = 50, .prefill_pairs = 2'500}, 200'000);
+  young.observe({.decode_rows = 2}, 80'000);
+  young.observe({.decode_rows = 2}, 80'000);
+  CHECK(!young.fitted() && young.max_tokens_within(0, 1e9) == 0);
+  young.observe({.decode_rows = 2}, 80'000);
+  CHECK(young.fitted());
+  // Prefill that seems to cost nothing (or less than nothing) gives no estimate.
+  StepCostModel free_prefill;
+  for (int i = 0; i < 4; ++i) free_prefill.observe({.decode_rows = 4}, 100'000);
+  free_prefill.observe({.decode_rows = 4, .prefill_tokens = 64, .prefill_pairs = 4'096}, 90'000);
+  CHECK(!free_prefill.fitted());
 }
 
-TEST(decode_latency_guard_cuts_prefill_chunks_while_requests_decode) {
-  auto run = [](float slowdown) {
-    EngineConfig c = make_config(256, 8, 256);
-    c.max_step_slowdown = slowdown;
-    Harness h(c);
-    auto step = [&h] {
-      if (!h.step()) return std::vector<int32_t>{};
-      const int32_t tokens = std::accumulate(h.plan.sched_len.begin(), h.plan.sched_len.end(), 0);
-      h.scheduler.observe_step_time(int64_t{80'000} + int64_t{1'000} * tokens);  // fixed 80 us + 1 us per token
-      return h.plan.sched_len;
-    };
-    CHECK(h.add(prompt_of(1, iota_tokens(20), 200)));
-    CHECK(h.add(prompt_of(2, iota_tokens(30, 500), 200)));
-    CHECK((step() == std::vector<int32_t>{20, 30}));  // nothing decodes yet: no guard
-    for (int i = 0; i < 6; ++i) CHECK((step() == std::vector<int32_t>{1, 1}));
-    CHECK(h.add(prompt_of(3, iota_tokens(600, 1000), 4)));
+namespace {
+
+// Runs steps through the harness and tells the scheduler each one's time by a known cost: a fixed part, plus per
+// prefill token and per prefill attention pair (decodes add nothing).
+struct TimedHarness : Harness {
+  double fixed_ns;
+  double per_token_ns;
+  double per_pair_ns;
+  TimedHarness(EngineConfig c, double fixed, double per_token, double per_pair)
+      : Harness(c), fixed_ns(fixed), per_token_ns(per_token), per_pair_ns(per_pair) {}
+
+  std::vector<int32_t> timed_step() {
+    const double budget = scheduler.prefill_time_budget();
+    const StepCostModel model = scheduler.step_cost();
+    if (!step()) return {};
+    double true_ns = fixed_ns;
+    double prefill_ns = 0;
+    int prefill_rows = 0;
+    int32_t prefill_tokens = 0;
+    for (size_t i = 0; i < plan.sched_len.size(); ++i) {
+      if (plan.sched_len[i] <= 1) continue;
+      ++prefill_rows;
+      prefill_tokens += plan.sched_len[i];
+      true_ns += per_token_ns * plan.sched_len[i] + per_pair_ns * attention_pairs(plan.sched_start[i], plan.sched_len[i]);
+      if (model.fitted()) prefill_ns += model.row_ns(plan.sched_start[i], plan.sched_len[i]);
+    }
+    // The guard's promise: prefill rows within its time budget, or one row of at most a block (progress).
+    CHECK(prefill_ns <= budget * (1 + 1e-9) || (prefill_rows == 1 && prefill_tokens <= config.block_size));
+    scheduler.observe_step_time(static_cast<int64_t>(true_ns));
+    return plan.sched_len;
+  }
+
+  // Two short requests decode; then a long prompt arrives: the chunks it gets while they keep decoding.
+  std::vector<int32_t> chunks_of_a_long_prompt(int32_t prompt_len) {
+    CHECK(add(prompt_of(1, iota_tokens(20), 400)));
+    CHECK(add(prompt_of(2, iota_tokens(30, 500), 400)));
+    CHECK((timed_step() == std::vector<int32_t>{20, 30}));  // nothing decodes yet: no guard
+    for (int i = 0; i < 6; ++i) CHECK((timed_step() == std::vector<int32_t>{1, 1}));
+    CHECK(add(prompt_of(3, iota_tokens(prompt_len, 1000), 4)));
     std::vector<int32_t> chunks;
-    while (chunks.empty() || h.plan.sched_sample.back() == 0) {
-      const std::vector<int32_t> lens = step();
+    while (chunks.empty() || plan.sched_sample.back() == 0) {
+      const std::vector<int32_t> lens = timed_step();
       CHECK(lens.size() == 3 && lens[0] == 1 && lens[1] == 1);  // the decodes run in every step
       chunks.push_back(lens[2]);
     }
-    CHECK(std::accumulate(chunks.begin(), chunks.end(), 0) == 600);
-    h.run_to_completion();
-    CHECK(h.tokens[3].size() == 4 && h.scheduler.block_pool().num_free() == 256);
+    CHECK(std::accumulate(chunks.begin(), chunks.end(), 0) == prompt_len);
+    run_to_completion();
+    CHECK(tokens[3].size() == 4 && scheduler.block_pool().num_free() == config.num_blocks);
     return chunks;
-  };
-  // Unguarded: the budget less the two decodes. Guarded at 2x: 2 x (80 + 2) us = 80 us + 84 tokens, 2 of them decodes.
-  CHECK((run(0.0f) == std::vector<int32_t>{254, 254, 92}));
-  const std::vector<int32_t> guarded = run(2.0f);
-  CHECK(guarded.size() == 8 && guarded.front() == 82 && guarded.back() == 600 - 7 * 82);
+  }
+};
+
+EngineConfig guarded_config(float slowdown) {
+  EngineConfig c = make_config(512, 8, 256);
+  c.max_step_slowdown = slowdown;
+  return c;
+}
+
+}  // namespace
+
+TEST(decode_latency_guard_cuts_prefill_chunks_while_requests_decode) {
+  // Unguarded: the budget less the two decodes.
+  CHECK((TimedHarness(guarded_config(0.0f), 80'000, 1'000, 0).chunks_of_a_long_prompt(600) ==
+         std::vector<int32_t>{254, 254, 92}));
+  // Guarded at 2x: a step may add what a decode-only step costs, 80 us = 80 prompt tokens.
+  const std::vector<int32_t> guarded = TimedHarness(guarded_config(2.0f), 80'000, 1'000, 0).chunks_of_a_long_prompt(600);
+  CHECK(guarded.size() == 8 && guarded.front() == 80 && guarded.back() == 600 - 7 * 80);
+  // At 3x, twice that.
+  const std::vector<int32_t> looser = TimedHarness(guarded_config(3.0f), 80'000, 1'000, 0).chunks_of_a_long_prompt(600);
+  CHECK(looser.size() == 4 && looser.front() == 160);
+}
+
+TEST(prompts_arriving_together_share_the_guards_time) {
+  TimedHarness h(guarded_config(2.0f), 80'000, 1'000, 0);
+  CHECK(h.add(prompt_of(1, iota_tokens(20), 100)));
+  CHECK(h.add(prompt_of(2, iota_tokens(30, 500), 100)));
+  for (int i = 0; i < 6; ++i) CHECK(!h.timed_step().empty());
+  CHECK(h.add(prompt_of(3, iota_tokens(100, 1000), 2)));
+  CHECK(h.add(prompt_of(4, iota_tokens(100, 2000), 2)));
+  CHECK((h.timed_step() == std::vector<int32_t>{1, 1, 80}));  // the first prompt takes all 80 tokens' worth
+  CHECK((h.timed_step() == std::vector<int32_t>{1, 1, 20, 60}));  // its rest, then the second one in what is left
+  h.run_to_completion();
+  CHECK(h.tokens[3].size() == 2 && h.tokens[4].size() == 2);
+}
+
+TEST(the_guard_gives_smaller_chunks_deeper_into_a_prompt_when_attention_costs) {
+  TimedHarness h(guarded_config(2.0f), 80'000, 1'000, 5);
+  const std::vector<int32_t> chunks = h.chunks_of_a_long_prompt(1000);
+  CHECK(chunks.size() > 10 && chunks.front() > 2 * chunks[chunks.size() - 2]);
+  for (size_t i = 1; i + 1 < chunks.size(); ++i) CHECK(chunks[i] <= chunks[i - 1]);
 }
 
 TEST(the_guard_always_leaves_a_block_of_prefill_and_stays_off_without_decodes) {
-  EngineConfig c = make_config(256, 8, 256);
-  c.max_step_slowdown = 1.0f;  // no slowdown allowed at all: still one block of prompt per step
-  Harness h(c);
+  TimedHarness h(guarded_config(1.0f), 50'000, 2'000, 0);  // no slowdown allowed: still one block of prompt per step
   CHECK(h.add(prompt_of(1, iota_tokens(20), 100)));
-  for (int i = 0; i < 5; ++i) {
-    CHECK(h.step());
-    const int32_t tokens = std::accumulate(h.plan.sched_len.begin(), h.plan.sched_len.end(), 0);
-    h.scheduler.observe_step_time(int64_t{50'000} + int64_t{2'000} * tokens);
-  }
-  CHECK(h.scheduler.step_cost().fitted() && h.scheduler.prefill_allowance() == c.block_size);
+  for (int i = 0; i < 5; ++i) CHECK(!h.timed_step().empty());
+  CHECK(h.scheduler.step_cost().fitted() && h.scheduler.prefill_time_budget() == 0);
   CHECK(h.add(prompt_of(2, iota_tokens(40, 300), 2)));
-  CHECK(h.step() && (h.plan.sched_len == std::vector<int32_t>{1, 4}));
+  CHECK((h.timed_step() == std::vector<int32_t>{1, 4}));
   h.run_to_completion();
   CHECK(h.tokens[2].size() == 2);
   // Once nothing decodes, a prompt gets the whole budget again.
   CHECK(h.add(prompt_of(3, iota_tokens(200, 600), 2)));
-  CHECK(h.step() && (h.plan.sched_len == std::vector<int32_t>{200}));
+  CHECK((h.timed_step() == std::vector<int32_t>{200}));
   h.run_to_completion();
 }
 

@@ -138,12 +138,12 @@ request_strategy = st.fixed_dictionaries({
     caching=st.booleans(),
     aging_ms=st.sampled_from([0, 0, 1, 4]),
     slowdown=st.sampled_from([0.0, 0.0, 1.0, 1.5, 3.0]),
-    step_cost=st.tuples(st.integers(0, 2000), st.integers(1, 100)),
+    step_cost=st.tuples(st.integers(0, 2000), st.integers(1, 100), st.sampled_from([0, 0, 1, 3])),
     requests=st.lists(request_strategy, min_size=1, max_size=14),
 )
 def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_blocks: int, max_num_seqs: int,
                                                          budget: int, threshold: int, caching: bool, aging_ms: int,
-                                                         slowdown: float, step_cost: tuple[int, int],
+                                                         slowdown: float, step_cost: tuple[int, int, int],
                                                          requests: list[dict]) -> None:
     config = _core.EngineConfig()
     config.block_size, config.num_blocks, config.max_num_seqs = block_size, num_blocks, max_num_seqs
@@ -153,7 +153,7 @@ def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_b
     config.eos_token_ids = [EOS]
     scheduler = _core.Scheduler(config)
     worker = FakeWorker(block_size, num_blocks)
-    fixed_ns, per_token_ns = step_cost
+    fixed_ns, per_token_ns, per_pair_ns = step_cost  # the "measured" step time: a known function of the plan
 
     expected: dict[int, tuple[list[int], str]] = {}
     abort_at: dict[int, int] = {}
@@ -186,15 +186,19 @@ def test_every_request_finishes_once_with_its_solo_output(block_size: int, num_b
         for rid, at in abort_at.items():
             if at == step and rid in accepted:
                 scheduler.abort_request(rid)
-        allowance = scheduler.prefill_allowance
+        guard_ns, fit = scheduler.prefill_time_budget, scheduler.step_cost
         plan = scheduler.schedule(step * MS)
         if plan is not None:
-            lens = plan.sched_len.tolist()
+            lens, starts = plan.sched_len.tolist(), plan.sched_start.tolist()
             assert sum(lens) <= budget
-            assert sum(n for n in lens if n > 1) <= allowance, "prefill chunks beyond the guard's allowance"
+            pairs = [n * (s + n) for n, s in zip(lens, starts, strict=True)]
+            if fit is not None:  # the guard: prefill rows within its time, or a single row of at most a block
+                chunks = [(n, p) for n, p in zip(lens, pairs, strict=True) if n > 1]
+                spent = sum(fit[1] * n + fit[2] * p for n, p in chunks)
+                assert spent <= guard_ns * (1 + 1e-9) + 1e-6 or (len(chunks) == 1 and chunks[0][0] <= block_size)
             assert len(plan.sched_slots) <= max_num_seqs and scheduler.num_running <= max_num_seqs
             scheduler.update(worker.execute(plan, threshold), step * MS)
-            scheduler.observe_step_time(fixed_ns + per_token_ns * sum(lens))
+            scheduler.observe_step_time(fixed_ns + per_token_ns * sum(lens) + per_pair_ns * sum(pairs))
         for o in scheduler.take_outputs():
             assert o.request_id not in finished, "an output after the final one"
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
