@@ -1,5 +1,7 @@
 #include "kernels/cpu_attention.h"
 
+#include "kernels/simd_avx512.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -102,15 +104,6 @@ void attend_scalar(const Job<T>& job, std::size_t seq, std::size_t kv_head) {
   }
 }
 
-__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 load16(const bf16_bits* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  // bf16 is float's top half. The zero-masked forms: GCC 12 flags the plain ones' undefined-vector source operand
-  // as maybe-uninitialized once inlined (a false positive, like _mm512_reduce_add_ps's in cpu_linear.cpp).
-  const __mmask16 all = 0xffff;
-  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16));
-}
-
 // Sum of the 16 lanes by halving (no _mm512_reduce_add_ps: see horizontal_sum in cpu_linear.cpp).
 __attribute__((target("avx512f"))) inline float sum16(__m512 v) {
   const __m256 lo = _mm512_castps512_ps256(v);
@@ -120,24 +113,6 @@ __attribute__((target("avx512f"))) inline float sum16(__m512 v) {
   s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
   return _mm_cvtss_f32(s4);
-}
-
-// e^x for x <= 0 (softmax arguments): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
-// (relative error ~1e-7, below float32's), times 2^n by scalef. Arguments below -87 give 0.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0F));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341F)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125F), x);  // ln2 in two parts: exact n * hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06F), r);
-  __m512 p = _mm512_set1_ps(1.0F / 720.0F);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 120.0F));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 24.0F));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 6.0F));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5F));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F));
-  return _mm512_scalef_ps(p, n);
 }
 
 // AVX-512 path (head_dim a multiple of 16), one whole sequence: each token row of K and V (every KV head, contiguous
@@ -237,11 +212,6 @@ void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::siz
             "block id " + std::to_string(block) + " out of range");
     }
   }
-}
-
-bool has_avx512f() {
-  static const bool supported = __builtin_cpu_supports("avx512f");
-  return supported;
 }
 
 template <class T>

@@ -8,15 +8,6 @@
 
 namespace ringserve::kernels {
 
-float bf16_to_float(bf16_bits v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
-
-bf16_bits float_to_bf16(float v) {
-  const uint32_t u = std::bit_cast<uint32_t>(v);
-  if ((u & 0x7fffffffU) > 0x7f800000U) return static_cast<bf16_bits>((u >> 16) | 0x40U);  // quiet NaN
-  const uint32_t rounding = 0x7fffU + ((u >> 16) & 1U);
-  return static_cast<bf16_bits>((u + rounding) >> 16);
-}
-
 namespace {
 
 constexpr std::size_t kRowTile = 4;    // weight rows sharing each load of x

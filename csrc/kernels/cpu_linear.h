@@ -6,6 +6,7 @@
 // dot products, accumulating in float32, prefetching the rows ahead in address order, on up to two cores.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -26,13 +27,20 @@ bool has_avx512_bf16();
 
 // x: m*k, w: n*k, y: m*n, bias: n or empty; all row-major and contiguous. Throws std::invalid_argument on a size
 // mismatch. `force_portable` selects the portable path even where AVX512-BF16 exists (for tests). With `threads`
-// of 2 or more, a large product is split with the process's helper thread (kernels/helper_thread.h).
+// of 2 or more, a large product is split over that many OpenMP threads (torch's pool, shared through libgomp).
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
                  std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable = false,
                  int threads = 1);
 
-float bf16_to_float(bf16_bits v);
-bf16_bits float_to_bf16(float v);  // round to nearest even, NaN kept NaN
+inline float bf16_to_float(bf16_bits v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
+
+// Round to nearest even, NaN kept NaN (quieted).
+inline bf16_bits float_to_bf16(float v) {
+  const auto u = std::bit_cast<uint32_t>(v);
+  if ((u & 0x7fffffffU) > 0x7f800000U) return static_cast<bf16_bits>((u >> 16) | 0x40U);
+  const uint32_t rounding = 0x7fffU + ((u >> 16) & 1U);
+  return static_cast<bf16_bits>((u + rounding) >> 16);
+}
 
 // Element access for kernels templated on the storage type (float or bf16), computing in float32.
 inline float load_scalar(float v) { return v; }

@@ -35,8 +35,8 @@ def _load_module() -> Any | None:
 _MODULE = _load_module()
 _KERNELS = _MODULE if _MODULE is not None and _MODULE.has_avx512_bf16() and (
     os.environ.get("RINGSERVE_NATIVE_LINEAR", "1") != "0") else None  # fmt: skip
-# The paged decode attention and RMSNorm kernels run on any x86-64 CPU (AVX-512 when present);
-# RINGSERVE_NATIVE_ATTENTION=0 turns them off (PyTorch operations instead).
+# The paged decode attention, RMSNorm, RoPE and SiLU-and-multiply kernels run on any x86-64 CPU (AVX-512 when
+# present); RINGSERVE_NATIVE_ATTENTION=0 turns them all off (PyTorch operations instead).
 _ATTENTION = _MODULE if os.environ.get("RINGSERVE_NATIVE_ATTENTION", "1") != "0" else None
 _ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -135,6 +135,59 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     out = torch.empty(x.shape, dtype=x.dtype)
     kernels.rms_norm(x.dtype is torch.bfloat16, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim,
                      eps)  # fmt: skip
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+    """Hugging Face "rotate_half" RoPE in place on `x` [tokens, heads, head_dim] (tokens may be strided, as the query
+    and key heads inside a fused QKV output are) by the native kernel, with `cos_sin` the float32
+    [2, max_position, head_dim] table, rounded like `x * cos + rotate_half(x) * sin` in x's dtype. Returns False,
+    changing nothing, when the kernel cannot take these tensors; the caller then uses its PyTorch path."""
+    kernels = _ATTENTION
+    if (
+        kernels is None
+        or x.device.type != "cpu"
+        or x.dtype not in _ATTENTION_DTYPES
+        or x.dim() != 3
+        or x.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+        or x.shape[2] % 2
+        or (torch.is_grad_enabled() and x.requires_grad)
+        or cos_sin.dtype is not torch.float32
+        or cos_sin.device.type != "cpu"
+        or not cos_sin.is_contiguous()
+        or cos_sin.dim() != 3
+        or cos_sin.shape[2] != x.shape[2]
+        or positions.dim() != 1
+        or positions.numel() != x.shape[0]
+    ):
+        return False
+    pos = positions if positions.dtype is torch.int64 and positions.is_contiguous() else positions.long().contiguous()
+    if pos.device.type != "cpu":
+        return False
+    kernels.rope(x.dtype is torch.bfloat16, x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2],
+                 pos.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1])  # fmt: skip
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """F.silu(gate) * up for `gate_up` [..., 2 * dim] (gate then up, as the fused projection writes them) by the
+    native kernel in one pass, or None when it cannot take the tensor."""
+    kernels = _ATTENTION
+    if (
+        kernels is None
+        or gate_up.device.type != "cpu"
+        or gate_up.dtype not in _ATTENTION_DTYPES
+        or gate_up.dim() == 0
+        or gate_up.shape[-1] % 2
+        or (torch.is_grad_enabled() and gate_up.requires_grad)
+    ):
+        return None
+    dim = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty((*gate_up.shape[:-1], dim), dtype=gate_up.dtype)
+    kernels.silu_mul(gate_up.dtype is torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), out.numel() // max(dim, 1),
+                     dim)  # fmt: skip
     return out
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from ringserve.workers.attention import AttentionBackend, get_attention_backend, get_attention_metadata
 from ringserve.workers.model.cpu_ops import Linear, linear
 from ringserve.workers.model.cpu_ops import rms_norm as cpu_rms_norm
+from ringserve.workers.model.cpu_ops import rope_ as cpu_rope_
+from ringserve.workers.model.cpu_ops import silu_mul as cpu_silu_mul
 from ringserve.workers.model.hugepages import move_to_huge_pages
 from torch import nn
 
@@ -152,6 +154,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.step_cos_sin(positions, x.dtype)
         return x * cos + _rotate_half(x) * sin
 
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """`rotate` in place by the native CPU kernel (same roundings); False, changing nothing, where it does not
+        apply (another device, dtype or layout)."""
+        return x.numel() > 0 and cpu_rope_(x, positions, self.cos_sin(x.device))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotate(positions, q), self.rotate(positions, k)
 
@@ -206,8 +213,11 @@ class LlamaAttention(nn.Module):
         if self.qkv_weight is not None:
             heads = self.num_heads + 2 * self.num_kv_heads
             qkv = linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads, self.head_dim)
-            # Queries and keys are rotated as one tensor: half the RoPE kernels.
-            qk = self.rotary.rotate(positions, qkv[:, : self.num_heads + self.num_kv_heads])
+            # Queries and keys are rotated as one tensor: in place in one native pass on CPU, else half the RoPE
+            # tensor operations of rotating them apart.
+            qk = qkv[:, : self.num_heads + self.num_kv_heads]
+            if not self.rotary.rotate_(positions, qk):
+                qk = self.rotary.rotate(positions, qk)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             v = qkv[:, self.num_heads + self.num_kv_heads :]
         else:
@@ -234,7 +244,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate_up = linear(x, self.gate_up_weight)
+            if gate_up.numel() and (activated := cpu_silu_mul(gate_up)) is not None:
+                return self.down_proj(activated)
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

@@ -1,0 +1,114 @@
+#include "kernels/cpu_elementwise.h"
+
+#include "kernels/simd_avx512.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace ringserve::kernels {
+
+namespace {
+
+void check(bool ok, const char* op, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
+}
+
+// Rounds a float32 to what the storage type keeps (float32: itself).
+float round_to(float v, float /*type tag*/) { return v; }
+float round_to(float v, bf16_bits /*type tag*/) { return bf16_to_float(float_to_bf16(v)); }
+
+template <class T>
+void rope(const RopeShape& s, std::span<T> x, std::span<const int64_t> positions, std::span<const float> cos,
+          std::span<const float> sin) {
+  constexpr const char* op = "rope";
+  check(s.head_dim > 0 && s.head_dim % 2 == 0, op, "head_dim must be even and positive");
+  check(s.row_stride >= s.heads * s.head_dim, op, "row_stride is shorter than a row");
+  check(positions.size() == s.rows, op, "one position per row expected");
+  check(cos.size() == s.max_position * s.head_dim && sin.size() == cos.size(), op, "cos / sin tables size");
+  if (s.rows == 0 || s.heads == 0) return;
+  check(x.size() >= (s.rows - 1) * s.row_stride + s.heads * s.head_dim, op, "x is smaller than its rows");
+  for (const int64_t p : positions) {
+    check(p >= 0 && static_cast<uint64_t>(p) < s.max_position, op,
+          "position " + std::to_string(p) + " outside [0, " + std::to_string(s.max_position) + ")");
+  }
+  const std::size_t half = s.head_dim / 2;
+  for (std::size_t r = 0; r < s.rows; ++r) {
+    const std::size_t table = static_cast<std::size_t>(positions[r]) * s.head_dim;
+    const float* c = cos.data() + table;
+    const float* sn = sin.data() + table;
+    for (std::size_t h = 0; h < s.heads; ++h) {
+      T* v = x.data() + r * s.row_stride + h * s.head_dim;
+      for (std::size_t i = 0; i < half; ++i) {
+        const float x1 = load_scalar(v[i]);
+        const float x2 = load_scalar(v[i + half]);
+        const float c1 = round_to(c[i], T{});
+        const float c2 = round_to(c[i + half], T{});
+        const float s1 = round_to(sn[i], T{});
+        const float s2 = round_to(sn[i + half], T{});
+        store_scalar(v + i, round_to(x1 * c1, T{}) + round_to(-x2 * s1, T{}));
+        store_scalar(v + i + half, round_to(x2 * c2, T{}) + round_to(x1 * s2, T{}));
+      }
+    }
+  }
+}
+
+template <class T>
+void silu_mul_scalar(const T* gate, const T* up, T* out, std::size_t count) {
+  for (std::size_t j = 0; j < count; ++j) {
+    const float g = load_scalar(gate[j]);
+    const float activated = round_to(g / (1.0F + std::exp(-g)), T{});
+    store_scalar(out + j, activated * load_scalar(up[j]));
+  }
+}
+
+// 16 values at a time with the vectorised exp (within a float32 rounding of std::exp's).
+template <class T>
+__attribute__((target("avx512f"))) void silu_mul_avx512(const T* gate, const T* up, T* out, std::size_t count) {
+  std::size_t j = 0;
+  for (; j + 16 <= count; j += 16) {
+    const __m512 g = load16(gate + j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 activated = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0F), e)), T{});
+    store16(out + j, _mm512_mul_ps(activated, load16(up + j)));
+  }
+  silu_mul_scalar(gate + j, up + j, out + j, count - j);
+}
+
+template <class T>
+void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std::span<T> out) {
+  constexpr const char* op = "silu_mul";
+  check(gate_up.size() == rows * 2 * dim, op, "gate_up must be [rows, 2 * dim]");
+  check(out.size() == rows * dim, op, "out must be [rows, dim]");
+  const bool vector = has_avx512f();
+  for (std::size_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up.data() + r * 2 * dim;
+    if (vector) {
+      silu_mul_avx512(gate, gate + dim, out.data() + r * dim, dim);
+    } else {
+      silu_mul_scalar(gate, gate + dim, out.data() + r * dim, dim);
+    }
+  }
+}
+
+}  // namespace
+
+void rope_f32(const RopeShape& shape, std::span<float> x, std::span<const int64_t> positions,
+              std::span<const float> cos, std::span<const float> sin) {
+  rope(shape, x, positions, cos, sin);
+}
+
+void rope_bf16(const RopeShape& shape, std::span<bf16_bits> x, std::span<const int64_t> positions,
+               std::span<const float> cos, std::span<const float> sin) {
+  rope(shape, x, positions, cos, sin);
+}
+
+void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out) {
+  silu_mul(rows, dim, gate_up, out);
+}
+
+void silu_mul_bf16(std::size_t rows, std::size_t dim, std::span<const bf16_bits> gate_up, std::span<bf16_bits> out) {
+  silu_mul(rows, dim, gate_up, out);
+}
+
+}  // namespace ringserve::kernels

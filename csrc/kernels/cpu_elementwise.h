@@ -1,0 +1,40 @@
+// Small per-layer operations of a llama decoder on CPU, one pass each, replacing the chains of tensor operations of
+// the PyTorch formulation (which cost more in dispatch than in arithmetic when decoding a few rows). Both round
+// exactly as that formulation does in the storage type, so results equal it (bit for bit where the same elementary
+// functions are used).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kernels/cpu_linear.h"
+
+namespace ringserve::kernels {
+
+// Where the rows to rotate sit: `rows` tokens, each `heads` heads of `head_dim` values, heads contiguous within a
+// token, tokens `row_stride` values apart (a view of the queries and keys inside a fused QKV projection).
+struct RopeShape {
+  std::size_t rows = 0;
+  std::size_t row_stride = 0;
+  std::size_t heads = 0;
+  std::size_t head_dim = 0;  // even
+  std::size_t max_position = 0;
+};
+
+// Hugging Face's "rotate_half" RoPE, in place: x = x * cos + rotate_half(x) * sin, where rotate_half(x) =
+// (-x[half:], x[:half]) and cos / sin are float32 tables [max_position, head_dim] rounded to the storage type first;
+// each product and the sum are rounded to the storage type, as the tensor formulation does. `positions` [rows] index
+// the tables. Every position is checked before anything is written (std::invalid_argument).
+void rope_f32(const RopeShape& shape, std::span<float> x, std::span<const int64_t> positions,
+              std::span<const float> cos, std::span<const float> sin);
+void rope_bf16(const RopeShape& shape, std::span<bf16_bits> x, std::span<const int64_t> positions,
+               std::span<const float> cos, std::span<const float> sin);
+
+// The gated MLP's activation: out[r, j] = silu(gate[r, j]) * up[r, j] with gate_up [rows, 2 * dim] holding gate then
+// up in each row and out [rows, dim]; silu(g) = g / (1 + exp(-g)) in float32, rounded to the storage type before the
+// product (as F.silu(gate) * up rounds).
+void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out);
+void silu_mul_bf16(std::size_t rows, std::size_t dim, std::span<const bf16_bits> gate_up, std::span<bf16_bits> out);
+
+}  // namespace ringserve::kernels

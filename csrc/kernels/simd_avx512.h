@@ -1,0 +1,66 @@
+// AVX-512 helpers shared by the CPU kernels: each function is compiled for AVX-512F alone, so callers must check
+// has_avx512f() first and keep a portable path.
+#pragma once
+
+#include <immintrin.h>
+
+#include "kernels/cpu_linear.h"
+
+namespace ringserve::kernels {
+
+inline bool has_avx512f() {
+  static const bool supported = __builtin_cpu_supports("avx512f");
+  return supported;
+}
+
+// 16 values as float32 lanes.
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const bf16_bits* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // bf16 is float's top half. The zero-masked forms: GCC 12 flags the plain ones' undefined-vector source operand
+  // as maybe-uninitialized once inlined (a false positive, like _mm512_reduce_add_ps's in cpu_linear.cpp).
+  const __mmask16 all = 0xffff;
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16));
+}
+
+// 16 float32 lanes rounded to bf16 (nearest even, NaN kept NaN) and stored.
+__attribute__((target("avx512f"))) inline void store16(bf16_bits* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+__attribute__((target("avx512f"))) inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// 16 float32 lanes rounded to what the storage type keeps (float32: themselves).
+__attribute__((target("avx512f"))) inline __m512 round16(__m512 v, float /*type tag*/) { return v; }
+__attribute__((target("avx512f"))) inline __m512 round16(__m512 v, bf16_bits /*type tag*/) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                                           _mm512_set1_epi32(static_cast<int>(0xffff0000U)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
+}
+
+// e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error ~1e-7, below float32's), times 2^n by scalef. Arguments below -87 give 0.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0F));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341F)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125F), x);  // ln2 in two parts: exact n * hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06F), r);
+  __m512 p = _mm512_set1_ps(1.0F / 720.0F);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 120.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 24.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F / 6.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0F));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace ringserve::kernels

@@ -1,0 +1,140 @@
+// RoPE and SiLU-and-multiply against float64 references, their bf16 roundings, strided rows and bad input.
+#include <cmath>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels/cpu_elementwise.h"
+#include "tests/check.h"
+
+using namespace ringserve::kernels;
+
+namespace {
+
+constexpr std::size_t kDim = 8;
+constexpr std::size_t kMaxPos = 32;
+
+// cos / sin tables as the model builds them: angle = position * inv_freq[i % half].
+void tables(std::vector<float>& cos, std::vector<float>& sin) {
+  cos.assign(kMaxPos * kDim, 0.0F);
+  sin.assign(kMaxPos * kDim, 0.0F);
+  for (std::size_t p = 0; p < kMaxPos; ++p) {
+    for (std::size_t i = 0; i < kDim; ++i) {
+      const double inv_freq = std::pow(10000.0, -2.0 * static_cast<double>(i % (kDim / 2)) / kDim);
+      cos[p * kDim + i] = static_cast<float>(std::cos(static_cast<double>(p) * inv_freq));
+      sin[p * kDim + i] = static_cast<float>(std::sin(static_cast<double>(p) * inv_freq));
+    }
+  }
+}
+
+}  // namespace
+
+TEST(rope_rotates_each_pair_by_its_angle_and_skips_the_gaps_between_rows) {
+  std::vector<float> cos, sin;
+  tables(cos, sin);
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal;
+  const RopeShape shape{.rows = 3, .row_stride = 3 * kDim, .heads = 2, .head_dim = kDim, .max_position = kMaxPos};
+  std::vector<float> x(3 * 3 * kDim);
+  for (auto& v : x) v = normal(gen);
+  const std::vector<float> before = x;
+  const std::vector<int64_t> positions{0, 5, 31};
+  rope_f32(shape, x, positions, cos, sin);
+  for (std::size_t r = 0; r < 3; ++r) {
+    for (std::size_t h = 0; h < 3; ++h) {
+      for (std::size_t i = 0; i < kDim / 2; ++i) {
+        const std::size_t at = r * 3 * kDim + h * kDim + i;
+        if (h == 2) {  // the third head of each row is outside the view: untouched
+          CHECK(x[at] == before[at] && x[at + kDim / 2] == before[at + kDim / 2]);
+          continue;
+        }
+        const double angle = static_cast<double>(positions[r]) * std::pow(10000.0, -2.0 * static_cast<double>(i) / kDim);
+        const double a = before[at];
+        const double b = before[at + kDim / 2];
+        CHECK(std::abs(x[at] - (a * std::cos(angle) - b * std::sin(angle))) < 1e-5);
+        CHECK(std::abs(x[at + kDim / 2] - (b * std::cos(angle) + a * std::sin(angle))) < 1e-5);
+      }
+    }
+  }
+  for (std::size_t i = 0; i < 2 * kDim; ++i) CHECK(x[i] == before[i]);  // position 0: cos 1, sin 0
+}
+
+TEST(rope_in_bf16_rounds_each_product_and_the_sum) {
+  std::vector<float> cos, sin;
+  tables(cos, sin);
+  const RopeShape shape{.rows = 1, .row_stride = kDim, .heads = 1, .head_dim = kDim, .max_position = kMaxPos};
+  std::vector<bf16_bits> x(kDim);
+  for (std::size_t i = 0; i < kDim; ++i) x[i] = float_to_bf16(0.37F * static_cast<float>(i + 1));
+  const std::vector<bf16_bits> before = x;
+  const std::vector<int64_t> positions{7};
+  rope_bf16(shape, x, positions, cos, sin);
+  auto r = [](float v) { return bf16_to_float(float_to_bf16(v)); };
+  for (std::size_t i = 0; i < kDim / 2; ++i) {
+    const float a = bf16_to_float(before[i]);
+    const float b = bf16_to_float(before[i + kDim / 2]);
+    const std::size_t t = 7 * kDim + i;
+    const float c1 = r(cos[t]), s1 = r(sin[t]), c2 = r(cos[t + kDim / 2]), s2 = r(sin[t + kDim / 2]);
+    CHECK(x[i] == float_to_bf16(r(a * c1) + r(-b * s1)));
+    CHECK(x[i + kDim / 2] == float_to_bf16(r(b * c2) + r(a * s2)));
+  }
+}
+
+TEST(rope_refuses_a_bad_position_or_shape_before_writing) {
+  std::vector<float> cos, sin;
+  tables(cos, sin);
+  const RopeShape shape{.rows = 2, .row_stride = kDim, .heads = 1, .head_dim = kDim, .max_position = kMaxPos};
+  std::vector<float> x(2 * kDim, 1.0F);
+  for (const int64_t bad : {int64_t{-1}, static_cast<int64_t>(kMaxPos)}) {
+    const std::vector<int64_t> positions{3, bad};
+    CHECK_THROWS(std::invalid_argument, rope_f32(shape, x, positions, cos, sin));
+    for (const float v : x) CHECK(v == 1.0F);  // the valid first row was not rotated either
+  }
+  const std::vector<int64_t> positions{1, 2};
+  RopeShape odd = shape;
+  odd.head_dim = 7;
+  CHECK_THROWS(std::invalid_argument, rope_f32(odd, x, positions, cos, sin));
+  RopeShape overlapping = shape;
+  overlapping.row_stride = kDim - 1;
+  CHECK_THROWS(std::invalid_argument, rope_f32(overlapping, x, positions, cos, sin));
+  std::vector<float> short_x(kDim + 1);
+  CHECK_THROWS(std::invalid_argument, rope_f32(shape, short_x, positions, cos, sin));
+}
+
+TEST(silu_mul_matches_the_reference_and_rounds_like_the_tensor_formulation) {
+  std::mt19937 gen(4);
+  std::normal_distribution<float> normal;
+  const std::size_t rows = 3, dim = 37;
+  std::vector<float> gate_up(rows * 2 * dim), out(rows * dim);
+  for (auto& v : gate_up) v = 4.0F * normal(gen);
+  silu_mul_f32(rows, dim, gate_up, out);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t j = 0; j < dim; ++j) {
+      const double g = gate_up[r * 2 * dim + j];
+      const double ref = g / (1.0 + std::exp(-g)) * gate_up[r * 2 * dim + dim + j];
+      CHECK(std::abs(out[r * dim + j] - ref) <= 1e-6 * (1.0 + std::abs(ref)));
+    }
+  }
+  std::vector<bf16_bits> gu16(2 * dim), out16(dim);
+  for (auto& v : gu16) v = float_to_bf16(4.0F * normal(gen));
+  silu_mul_bf16(1, dim, gu16, out16);
+  for (std::size_t j = 0; j < dim; ++j) {
+    // The activation rounded to bf16, then the product: within one bf16 step of that (the vectorised exp may round
+    // the last float bit the other way).
+    const float g = bf16_to_float(gu16[j]);
+    const float activated = bf16_to_float(float_to_bf16(g / (1.0F + std::exp(-g))));
+    const float ref = bf16_to_float(float_to_bf16(activated * bf16_to_float(gu16[dim + j])));
+    CHECK(std::abs(bf16_to_float(out16[j]) - ref) <= std::abs(ref) * 0x1p-7F + 1e-30F);
+  }
+  // Large arguments: silu(g) -> g for g >> 0 and -> -0 for g << 0, no NaN from the exp's range.
+  std::vector<float> extreme{-200.0F, -90.0F, 90.0F, 200.0F, -200.0F, -90.0F, 90.0F, 200.0F, 1, 1, 1, 1, 1, 1, 1, 1,
+                             1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  std::vector<float> extreme_out(16);
+  silu_mul_f32(1, 16, extreme, extreme_out);
+  const float want[] = {-0.0F, -0.0F, 90.0F, 200.0F};
+  for (std::size_t j = 0; j < 8; ++j) CHECK(std::abs(extreme_out[j] - want[j % 4]) < 1e-30F + 1e-6F * std::abs(want[j % 4]));
+  CHECK_THROWS(std::invalid_argument, silu_mul_f32(rows, dim + 1, gate_up, out));
+  std::vector<float> small(dim);
+  CHECK_THROWS(std::invalid_argument, silu_mul_f32(rows, dim, gate_up, small));
+}
+
+TEST_MAIN()
