@@ -3,7 +3,12 @@ token, and on without token events, measured in one run against an OTLP/gRPC rec
 
 The three servers load in parallel and are then driven one at a time, in interleaved rounds (the order rotates), so
 drift on a shared machine hits every configuration alike; each ratio is the median over rounds of that round's
-ratio to the untraced server. The last line of output is one JSON object.
+ratio to the untraced server. On a small shared machine the rounds scatter by +-15 %, more than tracing costs, so
+the run also measures that cost directly: the CPU time (all threads) this process spends recording the same
+requests' timelines token by token, building their spans and encoding them as OTLP protobuf, per generated token,
+against the CPU time the untraced server spends per token (its cores / its throughput). If tracing's CPU came out
+of serving one for one, throughput would fall to 1 / (1 + that share): `throughput_ratio_bound_*`. The last line of
+output is one JSON object.
 
     python benchmarks/tracing_overhead.py --model /work/cache/SmolLM2-135M-Instruct.Q4_1.gguf [--quick]
 """
@@ -25,7 +30,11 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from ringserve.frontend.timeline import RequestTimeline
+from ringserve.frontend.tracing import RequestTracer, TracingSettings
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -46,6 +55,56 @@ class CountingReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
         self.spans += n
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class EncodingExporter(SpanExporter):
+    """Encodes each batch as the OTLP exporter does, then drops it (sending is the network's cost, not the CPU's)."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans) -> SpanExportResult:
+        encode_spans(spans).SerializeToString()
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def tracing_cpu_us_per_token(token_events: bool, requests: int, max_tokens: int) -> float:
+    """CPU time of tracing per generated token: the timeline's per-token records, the spans and their encoding."""
+    tracer = RequestTracer.from_settings(TracingSettings(endpoint="http://unused:4317", token_events=token_events),
+                                         context_length=4096, exporter=EncodingExporter())  # fmt: skip
+    start = time.process_time()
+    for index in range(requests):
+        timeline = RequestTimeline("bench", {"traceparent": f"00-{index + 1:032x}-{index + 1:016x}-01"})
+        timeline.request_id, timeline.prompt_tokens = f"req-{index}", 12
+        timeline.tokenize_end_ns = timeline.rpc_start_ns + 1000
+        for k in range(max_tokens):
+            now = time.time_ns()
+            timeline.on_output(Output(emit_time_ns=now, receive_time_ns=now, new_token_ids=[1000 + k],
+                                      num_scheduled_tokens=12 if k == 0 else 1, num_computed_tokens=12 + k,
+                                      arrival_time_ns=timeline.rpc_start_ns, first_scheduled_time_ns=now,
+                                      first_token_time_ns=now))  # fmt: skip
+            timeline.mark_sent()
+        timeline.finish_reason = "length"
+        timeline.finish()
+        tracer.record(timeline)
+    tracer.provider.force_flush()
+    cpu = time.process_time() - start
+    tracer.shutdown()
+    return cpu / (requests * max_tokens) * 1e6
+
+
+class Output:
+    """The fields of an engine output a RequestTimeline reads."""
+
+    def __init__(self, **fields: object) -> None:
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.num_spec_proposed_tokens = 0
+        self.__dict__.update(fields)
 
 
 def progress(message: str) -> None:
@@ -191,6 +250,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         result[f"throughput_ratio_{name}_of_totals"] = round(throughput[name] / throughput["off"], 4)
         result[f"throughput_ratio_{name}_rounds"] = [round(x, 3) for x in ratios]
     result["spans_received"] = receiver.spans
+    # Tracing's own CPU per token, against what serving spends per token (the untraced servers keep every core busy).
+    cores = len(os.sched_getaffinity(0))
+    serving_us = cores / throughput["off"] * 1e6
+    result["serving_cpu_us_per_token_off"] = round(serving_us, 1)
+    samples = 200 if args.quick else 1000
+    for name, token_events in (("token_events", True), ("no_token_events", False)):
+        cost = min(tracing_cpu_us_per_token(token_events, samples // args.max_tokens + 1, args.max_tokens)
+                   for _ in range(3))  # fmt: skip
+        result[f"tracing_cpu_us_per_token_{name}"] = round(cost, 2)
+        result[f"throughput_ratio_bound_{name}"] = round(1 / (1 + cost / serving_us), 4)
     return result
 
 
