@@ -40,12 +40,14 @@ class SlotState:
 class FakeWorker(threading.Thread):
     """Rank 0 of a fake TP=1 world: reads plans from the step ring and answers StepResults."""
 
-    def __init__(self, step_ring: str, result_ring: str, num_kv_blocks: int, step_delay_s: float = 0.0) -> None:
+    def __init__(self, step_ring: str, result_ring: str, num_kv_blocks: int, step_delay_s: float = 0.0,
+                 prefill_token_delay_s: float = 0.0) -> None:  # fmt: skip
         super().__init__(daemon=True)
         self.reader = _core.RingReader(_core.ShmRing.attach(step_ring))
         self.writer = _core.RingWriter(_core.ShmRing.attach(result_ring))
         self.num_kv_blocks = num_kv_blocks
         self.step_delay_s = step_delay_s
+        self.prefill_token_delay_s = prefill_token_delay_s  # a step's time also grows with its prompt tokens
         self.plans: list[_core.StepPlan] = []
         self.slots: dict[int, SlotState] = {}
         self.errors: list[str] = []
@@ -67,8 +69,9 @@ class FakeWorker(threading.Thread):
             except AssertionError as e:  # reported by the test, not swallowed by the thread
                 self.errors.append(f"step {command.step_id}: {e!r}")
                 return
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
+            if self.step_delay_s or self.prefill_token_delay_s:
+                prefill_tokens = sum(n for n in command.sched_len.tolist() if n > 1)
+                time.sleep(self.step_delay_s + self.prefill_token_delay_s * prefill_tokens)
             result = _core.encode_step_result(
                 command.step_id,
                 np.array(slots, np.int32),
@@ -126,13 +129,14 @@ class RequestLog:
 class Frontend:
     """The frontend side of the request and event rings, plus the engine thread."""
 
-    def __init__(self, config: _core.EngineConfig, num_kv_blocks: int, worker_pids: list[int], delay: float) -> None:
+    def __init__(self, config: _core.EngineConfig, num_kv_blocks: int, worker_pids: list[int], delay: float,
+                 token_delay: float = 0.0) -> None:  # fmt: skip
         self.rings = {
             role: _core.ShmRing.create(segment_name(role), RING_BYTES) for role in ("req", "evt", "step", "res")
         }
         self.requests = _core.RingWriter(self.rings["req"])
         self.events = _core.RingReader(self.rings["evt"])
-        self.worker = FakeWorker(self.rings["step"].name, self.rings["res"].name, num_kv_blocks, delay)
+        self.worker = FakeWorker(self.rings["step"].name, self.rings["res"].name, num_kv_blocks, delay, token_delay)
         self.engine = _core.Engine(config, *(self.rings[r].name for r in ("req", "evt", "step", "res")), worker_pids)
         self.run_error: BaseException | None = None
         self.engine_thread = threading.Thread(target=self._run_engine, daemon=True)
@@ -221,9 +225,10 @@ def frontend_factory() -> Iterator[Callable[..., Frontend]]:
     made: list[Frontend] = []
 
     def make(
-        num_kv_blocks: int = 64, worker_pids: list[int] | None = None, delay: float = 0.0, **config: object
+        num_kv_blocks: int = 64, worker_pids: list[int] | None = None, delay: float = 0.0, token_delay: float = 0.0,
+        **config: object,
     ) -> Frontend:
-        f = Frontend(make_config(**config), num_kv_blocks, worker_pids or [], delay)
+        f = Frontend(make_config(**config), num_kv_blocks, worker_pids or [], delay, token_delay)
         made.append(f)
         return f
 
@@ -289,6 +294,33 @@ def test_continuous_batching_with_stop_rules_and_chunked_prefill(frontend_factor
     f.shutdown()
     assert f.worker.saw_shutdown.wait(5), "WorkerShutdown was not sent"
     assert f.run_error is None
+
+
+@pytest.mark.parametrize("slowdown", [0.0, 2.0])
+def test_the_engine_times_its_steps_and_the_guard_cuts_prompt_chunks_while_requests_decode(
+        frontend_factory: FrontendFactory, slowdown: float) -> None:  # fmt: skip
+    # A worker whose steps take 20 ms plus 1 ms per prompt token: at 2x, a step may add about 20 prompt tokens.
+    f = frontend_factory(num_kv_blocks=128, delay=0.02, token_delay=0.001, max_num_batched_tokens=256,
+                         max_step_slowdown=slowdown)  # fmt: skip
+    f.start()
+    f.add(1, prompt_ending_at(100, 24), max_tokens=300, ignore_eos=True)
+    f.add(2, prompt_ending_at(200, 24), max_tokens=300, ignore_eos=True)
+    while sum(len(log.tokens) for log in f.log.values()) < 12:  # both decode: the engine has timed both kinds
+        f.next_event()
+    f.add(3, prompt_ending_at(500, 400), max_tokens=1)
+    f.wait_finished([3])
+    chunks = [o.num_scheduled_tokens for o in f.log[3].outputs]
+    decoding = [o for rid in (1, 2) for o in f.log[rid].outputs if o.new_token_ids]
+    cached = f.log[3].outputs[0].num_cached_tokens  # its first block is the other prompts' first block
+    assert cached == BLOCK_SIZE and sum(chunks) + cached == 400 and f.log[3].tokens == [501]
+    assert len(decoding) > 12  # the streams kept decoding
+    if slowdown == 0:
+        assert chunks[0] == 254  # the budget less the two decodes
+    else:
+        # Some 20 tokens a step (at least a block), leaving room for a busy machine's timing.
+        assert max(chunks) <= 128 and sum(chunks) / len(chunks) <= 64, chunks
+        assert len(chunks) >= 4
+    f.engine.stop()
 
 
 def test_abort_frees_all_blocks_and_emits_a_final_abort(frontend_factory: FrontendFactory) -> None:
