@@ -5,6 +5,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace ringserve::kernels {
 
@@ -17,6 +18,23 @@ void check(bool ok, const char* op, const std::string& what) {
 // Rounds a float32 to what the storage type keeps (float32: itself).
 float round_to(float v, float /*type tag*/) { return v; }
 float round_to(float v, bf16_bits /*type tag*/) { return bf16_to_float(float_to_bf16(v)); }
+
+// One head of bf16 values, 16 pairs at a time: the same roundings as the scalar loop (each product rounded before
+// the sum, so nothing can be fused into an FMA).
+template <class T>
+__attribute__((target("avx512f"))) void rope_head_avx512(T* v, const float* c, const float* sn, std::size_t half) {
+  for (std::size_t i = 0; i < half; i += 16) {
+    const __m512 x1 = load16(v + i);
+    const __m512 x2 = load16(v + i + half);
+    const __m512 c1 = round16(_mm512_loadu_ps(c + i), T{});
+    const __m512 c2 = round16(_mm512_loadu_ps(c + i + half), T{});
+    const __m512 s1 = round16(_mm512_loadu_ps(sn + i), T{});
+    const __m512 s2 = round16(_mm512_loadu_ps(sn + i + half), T{});
+    const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+    store16(v + i, _mm512_add_ps(round16(_mm512_mul_ps(x1, c1), T{}), round16(_mm512_mul_ps(neg_x2, s1), T{})));
+    store16(v + i + half, _mm512_add_ps(round16(_mm512_mul_ps(x2, c2), T{}), round16(_mm512_mul_ps(x1, s2), T{})));
+  }
+}
 
 template <class T>
 void rope(const RopeShape& s, std::span<T> x, std::span<const int64_t> positions, std::span<const float> cos,
@@ -33,12 +51,17 @@ void rope(const RopeShape& s, std::span<T> x, std::span<const int64_t> positions
           "position " + std::to_string(p) + " outside [0, " + std::to_string(s.max_position) + ")");
   }
   const std::size_t half = s.head_dim / 2;
+  const bool vector = std::is_same_v<T, bf16_bits> && half % 16 == 0 && has_avx512f();
   for (std::size_t r = 0; r < s.rows; ++r) {
     const std::size_t table = static_cast<std::size_t>(positions[r]) * s.head_dim;
     const float* c = cos.data() + table;
     const float* sn = sin.data() + table;
     for (std::size_t h = 0; h < s.heads; ++h) {
       T* v = x.data() + r * s.row_stride + h * s.head_dim;
+      if (vector) {
+        rope_head_avx512(v, c, sn, half);
+        continue;
+      }
       for (std::size_t i = 0; i < half; ++i) {
         const float x1 = load_scalar(v[i]);
         const float x2 = load_scalar(v[i + half]);

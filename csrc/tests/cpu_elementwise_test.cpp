@@ -15,14 +15,14 @@ constexpr std::size_t kDim = 8;
 constexpr std::size_t kMaxPos = 32;
 
 // cos / sin tables as the model builds them: angle = position * inv_freq[i % half].
-void tables(std::vector<float>& cos, std::vector<float>& sin) {
-  cos.assign(kMaxPos * kDim, 0.0F);
-  sin.assign(kMaxPos * kDim, 0.0F);
+void tables(std::vector<float>& cos, std::vector<float>& sin, std::size_t dim = kDim) {
+  cos.assign(kMaxPos * dim, 0.0F);
+  sin.assign(kMaxPos * dim, 0.0F);
   for (std::size_t p = 0; p < kMaxPos; ++p) {
-    for (std::size_t i = 0; i < kDim; ++i) {
-      const double inv_freq = std::pow(10000.0, -2.0 * static_cast<double>(i % (kDim / 2)) / kDim);
-      cos[p * kDim + i] = static_cast<float>(std::cos(static_cast<double>(p) * inv_freq));
-      sin[p * kDim + i] = static_cast<float>(std::sin(static_cast<double>(p) * inv_freq));
+    for (std::size_t i = 0; i < dim; ++i) {
+      const double inv_freq = std::pow(10000.0, -2.0 * static_cast<double>(i % (dim / 2)) / static_cast<double>(dim));
+      cos[p * dim + i] = static_cast<float>(std::cos(static_cast<double>(p) * inv_freq));
+      sin[p * dim + i] = static_cast<float>(std::sin(static_cast<double>(p) * inv_freq));
     }
   }
 }
@@ -60,22 +60,25 @@ TEST(rope_rotates_each_pair_by_its_angle_and_skips_the_gaps_between_rows) {
 }
 
 TEST(rope_in_bf16_rounds_each_product_and_the_sum) {
-  std::vector<float> cos, sin;
-  tables(cos, sin);
-  const RopeShape shape{.rows = 1, .row_stride = kDim, .heads = 1, .head_dim = kDim, .max_position = kMaxPos};
-  std::vector<bf16_bits> x(kDim);
-  for (std::size_t i = 0; i < kDim; ++i) x[i] = float_to_bf16(0.37F * static_cast<float>(i + 1));
-  const std::vector<bf16_bits> before = x;
-  const std::vector<int64_t> positions{7};
-  rope_bf16(shape, x, positions, cos, sin);
-  auto r = [](float v) { return bf16_to_float(float_to_bf16(v)); };
-  for (std::size_t i = 0; i < kDim / 2; ++i) {
-    const float a = bf16_to_float(before[i]);
-    const float b = bf16_to_float(before[i + kDim / 2]);
-    const std::size_t t = 7 * kDim + i;
-    const float c1 = r(cos[t]), s1 = r(sin[t]), c2 = r(cos[t + kDim / 2]), s2 = r(sin[t + kDim / 2]);
-    CHECK(x[i] == float_to_bf16(r(a * c1) + r(-b * s1)));
-    CHECK(x[i + kDim / 2] == float_to_bf16(r(b * c2) + r(a * s2)));
+  for (const std::size_t dim : {kDim, 4 * kDim}) {  // 32: the AVX-512 path (16 pairs at a time) where present
+    std::vector<float> cos, sin;
+    tables(cos, sin, dim);
+    const RopeShape shape{.rows = 1, .row_stride = dim, .heads = 1, .head_dim = dim, .max_position = kMaxPos};
+    std::vector<bf16_bits> x(dim);
+    for (std::size_t i = 0; i < dim; ++i) x[i] = float_to_bf16(0.37F * static_cast<float>(i + 1));
+    const std::vector<bf16_bits> before = x;
+    const std::vector<int64_t> positions{7};
+    rope_bf16(shape, x, positions, cos, sin);
+    auto r = [](float v) { return bf16_to_float(float_to_bf16(v)); };
+    const std::size_t half = dim / 2;
+    for (std::size_t i = 0; i < half; ++i) {
+      const float a = bf16_to_float(before[i]);
+      const float b = bf16_to_float(before[i + half]);
+      const std::size_t t = 7 * dim + i;
+      const float c1 = r(cos[t]), s1 = r(sin[t]), c2 = r(cos[t + half]), s2 = r(sin[t + half]);
+      CHECK(x[i] == float_to_bf16(r(a * c1) + r(-b * s1)));
+      CHECK(x[i + half] == float_to_bf16(r(b * c2) + r(a * s2)));
+    }
   }
 }
 

@@ -161,14 +161,15 @@ def test_native_rms_norm_equals_the_pytorch_formulation(monkeypatch: pytest.Monk
 
 @pytest.mark.skipif(not cpu_ops.native_attention_available(), reason="the native kernels are not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_rope_in_place_equals_the_pytorch_rotation(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the AVX-512 path for bf16 (16 pairs at a time)
+def test_native_rope_in_place_equals_the_pytorch_rotation(dtype: torch.dtype, head_dim: int) -> None:
     from ringserve.workers.model.llama import RotaryEmbedding
 
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
-                         num_kv_heads=2, head_dim=16, max_position=300, rope_theta=10000.0)  # fmt: skip
+    config = LlamaConfig(vocab_size=97, hidden_size=4 * head_dim, intermediate_size=96, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=head_dim, max_position=300, rope_theta=10000.0)  # fmt: skip
     rotary = RotaryEmbedding(config)
     torch.manual_seed(1)
-    qkv = (torch.randn(5, 8, 16) * 2).to(dtype)  # [tokens, q + k + v heads, head_dim]
+    qkv = (torch.randn(5, 8, head_dim) * 2).to(dtype)  # [tokens, q + k + v heads, head_dim]
     positions = torch.tensor([0, 1, 17, 250, 299])
     with torch.inference_mode():
         reference = rotary.rotate(positions, qkv[:, :6])
@@ -196,6 +197,7 @@ def test_native_silu_mul_equals_the_pytorch_formulation(dtype: torch.dtype) -> N
     torch.manual_seed(2)
     gate_up = (torch.randn(3, 2, 2 * 96) * 4).to(dtype)
     with torch.inference_mode():
+        assert cpu_ops.silu_mul(torch.zeros(cpu_ops.MAX_NATIVE_SILU_ROWS + 1, 8, dtype=dtype)) is None  # PyTorch's
         native = cpu_ops.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         reference = torch.nn.functional.silu(gate) * up

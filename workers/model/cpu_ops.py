@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # Up to this many rows the native kernel wins on this class of CPU (benchmarks/throughput.py, single-stream and
 # small-batch decode); RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
 MAX_NATIVE_ROWS = 2
+# The one-pass SiLU-and-multiply saves PyTorch's dispatch on a few rows; past this, PyTorch's threads are as fast.
+MAX_NATIVE_SILU_ROWS = 16
 
 
 def _load_module() -> Any | None:
@@ -172,7 +174,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bo
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """F.silu(gate) * up for `gate_up` [..., 2 * dim] (gate then up, as the fused projection writes them) by the
-    native kernel in one pass, or None when it cannot take the tensor."""
+    native kernel in one pass, or None when it cannot take the tensor or has more than MAX_NATIVE_SILU_ROWS rows
+    (one core: PyTorch's threads win on larger batches)."""
     kernels = _ATTENTION
     if (
         kernels is None
@@ -180,6 +183,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         or gate_up.dtype not in _ATTENTION_DTYPES
         or gate_up.dim() == 0
         or gate_up.shape[-1] % 2
+        or gate_up.numel() > MAX_NATIVE_SILU_ROWS * gate_up.shape[-1]
         or (torch.is_grad_enabled() and gate_up.requires_grad)
     ):
         return None
