@@ -488,6 +488,25 @@ def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> Non
     assert "--priority-aging-ms" in launcher.check_serve_arguments(parser.parse_args(["--priority-aging-ms", "-1"]))
 
 
+def test_serve_passes_the_decode_latency_guard_to_the_engine_config(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    launcher.add_serve_arguments(parser)
+    source = ModelSource("m", tmp_path / "m.gguf")
+    for flags, want in (([], launcher.DEFAULT_MAX_STEP_SLOWDOWN), (["--max-step-slowdown", "3.5"], 3.5),
+                        (["--max-step-slowdown", "0"], 0.0)):  # fmt: skip
+        args = parser.parse_args(flags)
+        assert launcher.check_serve_arguments(args) is None
+        cmd = launcher.engine_command(args, source, "float32", 128, [EOS], "/req", "/evt")
+        assert engine_main.engine_config(engine_main.parse_args(cmd[3:])).max_step_slowdown == want
+    for bad in ("0.5", "-1", "nan"):
+        message = launcher.check_serve_arguments(parser.parse_args(["--max-step-slowdown", bad]))
+        assert message is not None and "--max-step-slowdown must be 0 (off) or >= 1" in message
+    config = _core.EngineConfig()
+    config.num_blocks, config.max_step_slowdown = 8, 0.5
+    with pytest.raises(ValueError, match="max_step_slowdown"):
+        _core.Scheduler(config)
+
+
 def test_serve_passes_worker_threads_down_to_the_workers(tmp_path: Path) -> None:
     from ringserve.workers.worker_main import parse_args as worker_args
 
