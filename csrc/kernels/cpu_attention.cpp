@@ -174,14 +174,9 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
   }
 }
 
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("paged_decode_attention: " + what);
-}
+constexpr const char* kOp = "paged_decode_attention";
 
-void check_size(const char* what, std::size_t got, std::size_t want) {
-  check(got == want, std::string(what) + " holds " + std::to_string(got) + " values, expected " +
-                         std::to_string(want));
-}
+void check(bool ok, const std::string& what) { require(ok, kOp, what); }
 
 // Everything a call will read is checked before anything is computed, so a bad table never reads out of bounds.
 void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::size_t q_size, std::size_t k_size,
@@ -190,13 +185,13 @@ void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::siz
         "num_heads must be a positive multiple of num_kv_heads");
   check(s.head_dim > 0 && s.block_size > 0, "head_dim and block_size must be positive");
   check(s.q_row_stride >= s.num_heads * s.head_dim, "q_row_stride is shorter than a row");
-  check_size("q", q_size, s.num_q_rows == 0 ? 0 : (s.num_q_rows - 1) * s.q_row_stride + s.num_heads * s.head_dim);
-  check_size("out", out_size, s.num_q_rows * s.num_heads * s.head_dim);
-  check_size("k_cache", k_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
-  check_size("v_cache", v_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
-  check_size("block_tables", index.block_tables.size(), s.num_seqs * s.table_stride);
-  check_size("seq_lens", index.seq_lens.size(), s.num_seqs);
-  check_size("cu_seqlens_q", index.cu_seqlens_q.size(), s.num_seqs + 1);
+  require_size(kOp, "q", q_size, s.num_q_rows == 0 ? 0 : (s.num_q_rows - 1) * s.q_row_stride + s.num_heads * s.head_dim);
+  require_size(kOp, "out", out_size, s.num_q_rows * s.num_heads * s.head_dim);
+  require_size(kOp, "k_cache", k_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
+  require_size(kOp, "v_cache", v_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
+  require_size(kOp, "block_tables", index.block_tables.size(), s.num_seqs * s.table_stride);
+  require_size(kOp, "seq_lens", index.seq_lens.size(), s.num_seqs);
+  require_size(kOp, "cu_seqlens_q", index.cu_seqlens_q.size(), s.num_seqs + 1);
   for (const int32_t seq : index.seq_ids) {
     check(seq >= 0 && static_cast<std::size_t>(seq) < s.num_seqs, "sequence id " + std::to_string(seq) +
                                                                       " out of range");

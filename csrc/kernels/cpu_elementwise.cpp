@@ -11,14 +11,6 @@ namespace ringserve::kernels {
 
 namespace {
 
-void check(bool ok, const char* op, const std::string& what) {
-  if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
-}
-
-// Rounds a float32 to what the storage type keeps (float32: itself).
-float round_to(float v, float /*type tag*/) { return v; }
-float round_to(float v, bf16_bits /*type tag*/) { return bf16_to_float(float_to_bf16(v)); }
-
 // One head of bf16 values, 16 pairs at a time: the same roundings as the scalar loop (each product rounded before
 // the sum, so nothing can be fused into an FMA).
 template <class T>
@@ -40,14 +32,14 @@ template <class T>
 void rope(const RopeShape& s, std::span<T> x, std::span<const int64_t> positions, std::span<const float> cos,
           std::span<const float> sin) {
   constexpr const char* op = "rope";
-  check(s.head_dim > 0 && s.head_dim % 2 == 0, op, "head_dim must be even and positive");
-  check(s.row_stride >= s.heads * s.head_dim, op, "row_stride is shorter than a row");
-  check(positions.size() == s.rows, op, "one position per row expected");
-  check(cos.size() == s.max_position * s.head_dim && sin.size() == cos.size(), op, "cos / sin tables size");
+  require(s.head_dim > 0 && s.head_dim % 2 == 0, op, "head_dim must be even and positive");
+  require(s.row_stride >= s.heads * s.head_dim, op, "row_stride is shorter than a row");
+  require(positions.size() == s.rows, op, "one position per row expected");
+  require(cos.size() == s.max_position * s.head_dim && sin.size() == cos.size(), op, "cos / sin tables size");
   if (s.rows == 0 || s.heads == 0) return;
-  check(x.size() >= (s.rows - 1) * s.row_stride + s.heads * s.head_dim, op, "x is smaller than its rows");
+  require(x.size() >= (s.rows - 1) * s.row_stride + s.heads * s.head_dim, op, "x is smaller than its rows");
   for (const int64_t p : positions) {
-    check(p >= 0 && static_cast<uint64_t>(p) < s.max_position, op,
+    require(p >= 0 && static_cast<uint64_t>(p) < s.max_position, op,
           "position " + std::to_string(p) + " outside [0, " + std::to_string(s.max_position) + ")");
   }
   const std::size_t half = s.head_dim / 2;
@@ -101,8 +93,8 @@ __attribute__((target("avx512f"))) void silu_mul_avx512(const T* gate, const T* 
 template <class T>
 void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std::span<T> out) {
   constexpr const char* op = "silu_mul";
-  check(gate_up.size() == rows * 2 * dim, op, "gate_up must be [rows, 2 * dim]");
-  check(out.size() == rows * dim, op, "out must be [rows, dim]");
+  require(gate_up.size() == rows * 2 * dim, op, "gate_up must be [rows, 2 * dim]");
+  require(out.size() == rows * dim, op, "out must be [rows, dim]");
   const bool vector = has_avx512f();
   for (std::size_t r = 0; r < rows; ++r) {
     const T* gate = gate_up.data() + r * 2 * dim;

@@ -131,13 +131,6 @@ void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
   rows_avx512(all);
 }
 
-void check_size(const char* what, std::size_t got, std::size_t want) {
-  if (got != want) {
-    throw std::invalid_argument(std::string(what) + " holds " + std::to_string(got) + " values, expected " +
-                                std::to_string(want));
-  }
-}
-
 }  // namespace
 
 bool has_avx512_bf16() {
@@ -148,10 +141,10 @@ bool has_avx512_bf16() {
 
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
                  std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable, int threads) {
-  check_size("x", x.size(), shape.m * shape.k);
-  check_size("w", w.size(), shape.n * shape.k);
-  check_size("y", y.size(), shape.m * shape.n);
-  if (!bias.empty()) check_size("bias", bias.size(), shape.n);
+  require_size("linear_bf16", "x", x.size(), shape.m * shape.k);
+  require_size("linear_bf16", "w", w.size(), shape.n * shape.k);
+  require_size("linear_bf16", "y", y.size(), shape.m * shape.n);
+  if (!bias.empty()) require_size("linear_bf16", "bias", bias.size(), shape.n);
   const bf16_bits* b = bias.empty() ? nullptr : bias.data();
   if (!force_portable && has_avx512_bf16()) {
     linear_avx512(shape, x.data(), w.data(), b, y.data(), threads >= 2);

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <stdexcept>
+#include <string>
 
 namespace ringserve::kernels {
 
@@ -47,5 +49,18 @@ inline float load_scalar(float v) { return v; }
 inline float load_scalar(bf16_bits v) { return bf16_to_float(v); }
 inline void store_scalar(float* p, float v) { *p = v; }
 inline void store_scalar(bf16_bits* p, float v) { *p = float_to_bf16(v); }
+
+// Rounds a float32 to what the storage type keeps (float32: itself).
+inline float round_to(float v, float /*type tag*/) { return v; }
+inline float round_to(float v, bf16_bits /*type tag*/) { return bf16_to_float(float_to_bf16(v)); }
+
+// The kernels' argument checks: std::invalid_argument "<op>: <what>", sizes counted in values.
+inline void require(bool ok, const char* op, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
+}
+inline void require_size(const char* op, const char* what, std::size_t got, std::size_t want) {
+  require(got == want, op, std::string(what) + " holds " + std::to_string(got) + " values, expected " +
+                               std::to_string(want));
+}
 
 }  // namespace ringserve::kernels

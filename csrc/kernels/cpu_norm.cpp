@@ -1,33 +1,20 @@
 #include "kernels/cpu_norm.h"
 
 #include <cmath>
-#include <stdexcept>
-#include <string>
 
 namespace ringserve::kernels {
 
 namespace {
 
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("rms_norm: " + what);
-}
-
-void check_size(const char* what, std::size_t got, std::size_t want) {
-  check(got == want, std::string(what) + " holds " + std::to_string(got) + " values, expected " +
-                         std::to_string(want));
-}
-
-// Rounds a float32 to what the storage type keeps (float32: itself).
-float round_to(float v, float /*type tag*/) { return v; }
-float round_to(float v, bf16_bits /*type tag*/) { return bf16_to_float(float_to_bf16(v)); }
+constexpr const char* kOp = "rms_norm";
 
 template <class T>
 void rms_norm_rows(std::size_t rows, std::size_t dim, std::span<const T> x, std::span<const T> weight, std::span<T> out,
               float eps) {
-  check_size("x", x.size(), rows * dim);
-  check_size("out", out.size(), rows * dim);
-  check_size("weight", weight.size(), dim);
-  check(dim > 0, "dim must be positive");
+  require_size(kOp, "x", x.size(), rows * dim);
+  require_size(kOp, "out", out.size(), rows * dim);
+  require_size(kOp, "weight", weight.size(), dim);
+  require(dim > 0, kOp, "dim must be positive");
   for (std::size_t r = 0; r < rows; ++r) {
     const T* in = x.data() + r * dim;
     T* o = out.data() + r * dim;

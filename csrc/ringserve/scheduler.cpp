@@ -798,78 +798,74 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       new_output(r, FinishReason::kNone, s.num_tokens);  // a prefill chunk: progress only, for tracing
       continue;
     }
+    FinishReason reason = FinishReason::kNone;
     if (plain) {  // one token per row, no drafts, no top logprobs: the common step, kept short
       const auto row = static_cast<size_t>(s.result);
       const int32_t token = tokens[row];
       if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
       r.num_computed_tokens += s.num_tokens;
       r.token_ids.push_back(token);  // within the capacity reserved at add_request
-      const FinishReason reason = stop_reason(r, token);
+      reason = stop_reason(r, token);
       const float logprob = logprobs != nullptr ? logprobs[row] : 0.0f;
       outputs_.emplace_back(make_output(r, reason, s.num_tokens, true, token, logprob));
-      if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
-      if (reason != FinishReason::kNone) {
-        finished_.push_back(s.index);
-      } else if (s.lookahead > 0) {
-        trimming_.push_back(s.index);  // its lookahead slots went unused
+    } else {
+      const auto row_index = static_cast<size_t>(s.result);
+      const size_t first = multi ? row_offsets_[row_index] : row_index;
+      const int32_t num_new = multi ? result.token_counts[row_index] : 1;
+      const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
+      // num_logprobs sits in the request's cold part: read it only when the worker sent top logprobs at all.
+      const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(r.num_logprobs),
+                                                               uint32_t{std::numeric_limits<uint16_t>::max()}});
+      if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
+      r.num_computed_tokens += s.num_tokens;
+      // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.
+      int32_t appended = 0;
+      while (appended < num_new && reason == FinishReason::kNone) {
+        const size_t at = first + static_cast<size_t>(appended);
+        const int32_t token = tokens[at];
+        r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
+        reason = stop_reason(r, token);
+        const int32_t scheduled = appended == 0 ? s.num_tokens + proposed : 0;
+        PackedOutput& o = outputs_.emplace_back(
+            make_output(r, reason, scheduled, true, token, logprobs != nullptr ? logprobs[at] : 0.0f));
+        if (appended == 0 && proposed > 0) {
+          o.num_spec_proposed_tokens = static_cast<uint8_t>(proposed);
+          o.num_spec_accepted_tokens = static_cast<uint8_t>(num_new - 1);
+        }
+        if (top > 0) {
+          const auto row = static_cast<std::ptrdiff_t>(at * result.num_top);
+          o.num_top = static_cast<uint16_t>(top);
+          top_token_ids_.insert(top_token_ids_.end(), result.top_token_ids.begin() + row,
+                                result.top_token_ids.begin() + row + top);
+          top_logprobs_.insert(top_logprobs_.end(), result.top_logprobs.begin() + row,
+                               result.top_logprobs.begin() + row + top);
+        }
+        ++appended;
       }
-      continue;
+      generated += static_cast<uint64_t>(appended);
+      // The KV of the accepted drafts was computed in this step; the last token's is computed next step.
+      r.num_computed_tokens += appended - 1;
+      if (proposed > 0) {
+        const int32_t accepted = num_new - 1;
+        r.spec_proposed_tokens += static_cast<uint64_t>(proposed);
+        r.spec_accepted_tokens += static_cast<uint64_t>(accepted);
+        spec_proposed_tokens_ += static_cast<uint64_t>(proposed);
+        spec_accepted_tokens_ += static_cast<uint64_t>(accepted);
+        ++spec_verify_rows_;
+        const float weighted = 0.25f * static_cast<float>(accepted) / static_cast<float>(proposed);
+        r.spec_acceptance = 0.75f * r.spec_acceptance + weighted;
+        if (r.spec_acceptance < config_.spec_min_acceptance) {
+          r.spec_backoff = config_.spec_backoff_steps;
+          r.spec_acceptance = 1.0f;  // a fresh start after the pause
+        }
+      }
     }
-    const auto row_index = static_cast<size_t>(s.result);
-    const size_t first = multi ? row_offsets_[row_index] : row_index;
-    const int32_t num_new = multi ? result.token_counts[row_index] : 1;
-    const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
-    // num_logprobs sits in the request's cold part: read it only when the worker sent top logprobs at all.
-    const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(r.num_logprobs),
-                                                             uint32_t{std::numeric_limits<uint16_t>::max()}});
-    if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-    r.num_computed_tokens += s.num_tokens;
-    // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.
-    FinishReason reason = FinishReason::kNone;
-    int32_t appended = 0;
-    while (appended < num_new && reason == FinishReason::kNone) {
-      const size_t at = first + static_cast<size_t>(appended);
-      const int32_t token = tokens[at];
-      r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
-      reason = stop_reason(r, token);
-      PackedOutput& o = outputs_.emplace_back(make_output(r, reason, appended == 0 ? s.num_tokens + proposed : 0, true,
-                                                          token, logprobs != nullptr ? logprobs[at] : 0.0f));
-      if (appended == 0 && proposed > 0) {
-        o.num_spec_proposed_tokens = static_cast<uint8_t>(proposed);
-        o.num_spec_accepted_tokens = static_cast<uint8_t>(num_new - 1);
-      }
-      if (top > 0) {
-        const auto row = static_cast<std::ptrdiff_t>(at * result.num_top);
-        o.num_top = static_cast<uint16_t>(top);
-        top_token_ids_.insert(top_token_ids_.end(), result.top_token_ids.begin() + row,
-                              result.top_token_ids.begin() + row + top);
-        top_logprobs_.insert(top_logprobs_.end(), result.top_logprobs.begin() + row,
-                             result.top_logprobs.begin() + row + top);
-      }
-      ++appended;
-    }
-    generated += static_cast<uint64_t>(appended);
-    // The KV of the accepted drafts was computed in this step; the last token's is computed next step.
-    r.num_computed_tokens += appended - 1;
     // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
     if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
-    if (proposed > 0) {
-      const int32_t accepted = num_new - 1;
-      r.spec_proposed_tokens += static_cast<uint64_t>(proposed);
-      r.spec_accepted_tokens += static_cast<uint64_t>(accepted);
-      spec_proposed_tokens_ += static_cast<uint64_t>(proposed);
-      spec_accepted_tokens_ += static_cast<uint64_t>(accepted);
-      ++spec_verify_rows_;
-      r.spec_acceptance = 0.75f * r.spec_acceptance + 0.25f * static_cast<float>(accepted) / static_cast<float>(proposed);
-      if (r.spec_acceptance < config_.spec_min_acceptance) {
-        r.spec_backoff = config_.spec_backoff_steps;
-        r.spec_acceptance = 1.0f;  // a fresh start after the pause
-      }
-    }
     if (reason != FinishReason::kNone) {
       finished_.push_back(s.index);
     } else if (s.lookahead > 0) {
-      trimming_.push_back(s.index);
+      trimming_.push_back(s.index);  // the lookahead slots it did not fill go back
     }
   }
   total_generation_tokens_ += generated;

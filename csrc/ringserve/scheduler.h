@@ -181,7 +181,10 @@ class Scheduler {
   uint64_t num_preemptions() const { return num_preemptions_; }
   int32_t last_step_tokens() const { return last_step_tokens_; }
   // The measured wall time of the step last scheduled (plan to result), for the decode-latency guard's cost model.
-  void observe_step_time(int64_t ns) { step_cost_.observe(last_shape_, ns); }
+  // Nothing to learn while the guard is off.
+  void observe_step_time(int64_t ns) {
+    if (config_.max_step_slowdown > 0.0f) step_cost_.observe(last_shape_, ns);
+  }
   const StepCostModel& step_cost() const { return step_cost_; }
   // The estimated time the guard lets the next step's prefill rows add (+infinity when it does not apply).
   double prefill_time_budget() const;

@@ -160,13 +160,12 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bo
         or not cos_sin.is_contiguous()
         or cos_sin.dim() != 3
         or cos_sin.shape[2] != x.shape[2]
+        or positions.device.type != "cpu"
         or positions.dim() != 1
         or positions.numel() != x.shape[0]
     ):
         return False
     pos = positions if positions.dtype is torch.int64 and positions.is_contiguous() else positions.long().contiguous()
-    if pos.device.type != "cpu":
-        return False
     kernels.rope(x.dtype is torch.bfloat16, x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2],
                  pos.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1])  # fmt: skip
     return True
