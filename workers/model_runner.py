@@ -207,7 +207,8 @@ class ModelRunner:
             np.asarray(plan.sched_sample, np.bool_).reshape(-1),
         )
         with torch.inference_mode(), attention_metadata_scope(step.metadata):
-            logits = self.model(step.input_ids, step.positions)
+            # The sampler widens to float32 itself where it needs to (exactly), so plain steps skip that copy.
+            logits = self.model(step.input_ids, step.positions, float_logits=False)
         if self.proposer is not None:
             self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
         if not len(step.sampled_slots):

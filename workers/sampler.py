@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from ringserve.workers.model.cpu_ops import greedy_tokens
 
 _GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
 _U32 = 0xFFFFFFFF
@@ -91,18 +92,29 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties(logits, batch)
-        logits = apply_suppression(logits, batch)
-        tokens = logits.argmax(dim=-1)
         sampled_rows = batch.temperature > _GREEDY_TEMPERATURE
-        if bool(sampled_rows.any()):
+        any_sampled = bool(sampled_rows.any())
+        wants_top = batch.num_logprobs is not None and bool((batch.num_logprobs > 0).any())
+        plain = batch.token_ids is None and (batch.suppress_active is None or not bool(batch.suppress_active.any()))
+        if plain and not any_sampled and not wants_top:
+            # Greedy rows with nothing to adjust: the argmax and its log-probability in one native pass (CPU).
+            native = greedy_tokens(logits)
+            if native is not None:
+                return SamplerOutput(native[0], native[1], None, None)
+        raw = logits.float()
+        logits = apply_suppression(apply_penalties(raw, batch), batch)
+        tokens = logits.argmax(dim=-1)
+        if any_sampled:
             rows = sampled_rows.nonzero().squeeze(1)
             tokens[rows] = self._sample(logits[rows], _select(batch, rows))
-        logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        top_ids, top_lps = top_logprobs(raw_logprobs, batch.num_logprobs)
-        return SamplerOutput(tokens, logprobs, top_ids, top_lps)
+        if wants_top:
+            raw_logprobs = torch.log_softmax(raw, dim=-1)
+            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            top_ids, top_lps = top_logprobs(raw_logprobs, batch.num_logprobs)
+            return SamplerOutput(tokens, logprobs, top_ids, top_lps)
+        # Only the sampled tokens' log-probabilities: no [rows, vocab] log-softmax.
+        logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
+        return SamplerOutput(tokens, logprobs, None, None)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = sampling_distribution(logits, batch)

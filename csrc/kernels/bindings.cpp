@@ -11,6 +11,7 @@
 #include "kernels/cpu_elementwise.h"
 #include "kernels/cpu_linear.h"
 #include "kernels/cpu_norm.h"
+#include "kernels/cpu_sampling.h"
 
 namespace py = pybind11;
 using ringserve::kernels::bf16_bits;
@@ -103,6 +104,19 @@ void silu_mul(bool bf16, std::uintptr_t gate_up, std::uintptr_t out, std::size_t
   }
 }
 
+void argmax_logprob(bool bf16, std::uintptr_t logits, std::uintptr_t ids, std::uintptr_t logprobs, std::size_t rows,
+                    std::size_t vocab, int threads) {
+  namespace k = ringserve::kernels;
+  const auto id_span = view<int64_t>(ids, rows);
+  const auto lp_span = view<float>(logprobs, rows);
+  py::gil_scoped_release release;
+  if (bf16) {
+    k::argmax_logprob_bf16(rows, vocab, view<const bf16_bits>(logits, rows * vocab), id_span, lp_span, threads);
+  } else {
+    k::argmax_logprob_f32(rows, vocab, view<const float>(logits, rows * vocab), id_span, lp_span, threads);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -132,4 +146,8 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("silu_mul", &silu_mul, py::arg("bf16"), py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("dim"),
         "out[rows, dim] = silu(gate) * up for gate_up [rows, 2 * dim] (gate then up), contiguous float32 or bfloat16 "
         "memory given by address.");
+  m.def("argmax_logprob", &argmax_logprob, py::arg("bf16"), py::arg("logits"), py::arg("ids"), py::arg("logprobs"),
+        py::arg("rows"), py::arg("vocab"), py::arg("threads") = 1,
+        "Greedy tokens of logits [rows, vocab] (contiguous float32 or bfloat16 memory given by address): writes the "
+        "first index of each row's maximum to ids (int64 [rows]) and its log-softmax value to logprobs (float32).");
 }

@@ -174,6 +174,129 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
   }
 }
 
+// AVX-512 path for head_dim = 16 * kVectors (64 or 128: every llama-family model), one whole sequence, a chunk of
+// the query heads sharing one KV head at a time, so that each K or V row is converted once for the chunk and the
+// output accumulators stay in registers (kChunk * kVectors = 16 of them). A query-key score is a dot product over
+// head_dim; rather than summing each product vector's 16 lanes apart, 16 positions' vectors are transposed and
+// added, which leaves the 16 scores in one register.
+template <class T, std::size_t kVectors>
+__attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, std::size_t seq) {
+  constexpr std::size_t kHd = kLanes * kVectors;
+  constexpr std::size_t kChunk = 16 / kVectors;
+  const auto& s = job.shape;
+  const std::size_t heads = s.num_heads, group = s.num_heads / s.num_kv_heads;
+  const auto len = static_cast<std::size_t>(job.index.seq_lens[seq]);
+  const std::size_t stride = (len + kLanes - 1) / kLanes * kLanes;  // a head's row of scores, padded to vectors
+  const auto row = static_cast<std::size_t>(job.index.cu_seqlens_q[seq]);
+  Scratch& w = scratch();
+  w.query.resize(heads * kHd);
+  w.scores.resize(heads * stride);
+  w.acc.resize(kChunk * kLanes * kLanes);  // the chunk's product vectors for 16 positions, before the transpose
+  const T* q = job.q + row * s.q_row_stride;
+  for (std::size_t i = 0; i < heads * kHd; i += kLanes) {
+    _mm512_storeu_ps(w.query.data() + i, _mm512_mul_ps(load16(q + i), _mm512_set1_ps(job.scale)));
+  }
+  T* out = job.out + row * heads * kHd;
+  for (std::size_t kv = 0; kv < s.num_kv_heads; ++kv) {
+    for (std::size_t h0 = 0; h0 < group; h0 += kChunk) {
+      const std::size_t first = kv * group + h0;  // the chunk's first query head
+      const std::size_t count = std::min(kChunk, group - h0);
+      float* products = w.acc.data();
+      // Scores: each position's product vectors go to `products`; every 16 positions they become 16 scores.
+      const auto score = [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+        const T* k = job.k_cache + offset;
+        __m512 kvec[kVectors];
+        for (std::size_t v = 0; v < kVectors; ++v) kvec[v] = load16(k + v * kLanes);
+        const std::size_t slot = pos % kLanes;
+        for (std::size_t c = 0; c < kChunk; ++c) {
+          if (c >= count) break;
+          const float* qh = w.query.data() + (first + c) * kHd;
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), kvec[0]);
+          for (std::size_t v = 1; v < kVectors; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + v * kLanes), kvec[v], dot);
+          _mm512_storeu_ps(products + (c * kLanes + slot) * kLanes, dot);
+        }
+        if (slot + 1 == kLanes || pos + 1 == len) {
+          const std::size_t base = pos - slot;
+          for (std::size_t c = 0; c < count; ++c) {
+            __m512i r[16];
+            for (std::size_t p = 0; p < kLanes; ++p) {
+              r[p] = p <= slot ? _mm512_loadu_si512(products + (c * kLanes + p) * kLanes) : _mm512_setzero_si512();
+            }
+            transpose16x16(r);
+            __m512 sum = _mm512_castsi512_ps(r[0]);
+            for (std::size_t l = 1; l < kLanes; ++l) sum = _mm512_add_ps(sum, _mm512_castsi512_ps(r[l]));
+            _mm512_storeu_ps(w.scores.data() + (first + c) * stride + base, sum);
+          }
+        }
+      };
+      if (kv == 0 && h0 == 0) {
+        // The first pass over K also fetches each position's V row (every KV head), which the first pass over V
+        // reads next: both streams are then in flight together.
+        const std::size_t row_bytes = s.num_kv_heads * kHd * sizeof(T);
+        for_each_position<true>(job, seq, len, kv, job.k_cache,
+                                [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+          const char* vrow = reinterpret_cast<const char*>(job.v_cache + offset);
+          for (std::size_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(vrow + byte, _MM_HINT_T1);
+          score(pos, offset);
+        });
+      } else {
+        for_each_position<false>(job, seq, len, kv, job.k_cache, score);
+      }
+      // Softmax numerators in place, and their sums.
+      float sums[kChunk];
+      for (std::size_t c = 0; c < count; ++c) {
+        float* scores = w.scores.data() + (first + c) * stride;
+        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (std::size_t pos = 0; pos < len; pos += kLanes) {
+          const std::size_t left = len - pos;
+          const __mmask16 mask = left >= kLanes ? __mmask16{0xffff} : static_cast<__mmask16>((1U << left) - 1);
+          top = _mm512_mask_max_ps(top, mask, top, _mm512_loadu_ps(scores + pos));
+        }
+        alignas(64) float lanes[kLanes];
+        _mm512_store_ps(lanes, top);
+        float max = lanes[0];
+        for (const float lane : lanes) max = std::max(max, lane);
+        __m512 total = _mm512_setzero_ps();
+        for (std::size_t pos = 0; pos < len; pos += kLanes) {
+          const std::size_t left = len - pos;
+          const __mmask16 mask = left >= kLanes ? __mmask16{0xffff} : static_cast<__mmask16>((1U << left) - 1);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + pos), _mm512_set1_ps(max)));
+          _mm512_mask_storeu_ps(scores + pos, mask, e);
+          total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+        }
+        sums[c] = sum16(total);
+      }
+      // Weighted values, accumulated in registers.
+      __m512 acc[kChunk][kVectors];
+      for (std::size_t c = 0; c < kChunk; ++c) {
+        for (std::size_t v = 0; v < kVectors; ++v) acc[c][v] = _mm512_setzero_ps();
+      }
+      const float* scores = w.scores.data() + first * stride;
+      const auto weigh = [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+        const T* vrow = job.v_cache + offset;
+        __m512 vvec[kVectors];
+        for (std::size_t v = 0; v < kVectors; ++v) vvec[v] = load16(vrow + v * kLanes);
+        for (std::size_t c = 0; c < kChunk; ++c) {
+          if (c >= count) break;
+          const __m512 p = _mm512_set1_ps(scores[c * stride + pos]);
+          for (std::size_t v = 0; v < kVectors; ++v) acc[c][v] = _mm512_fmadd_ps(p, vvec[v], acc[c][v]);
+        }
+      };
+      if (kv == 0 && h0 == 0) {
+        for_each_position<true>(job, seq, len, kv, job.v_cache, weigh);
+      } else {
+        for_each_position<false>(job, seq, len, kv, job.v_cache, weigh);
+      }
+      for (std::size_t c = 0; c < count; ++c) {
+        const __m512 inv = _mm512_set1_ps(1.0F / sums[c]);
+        for (std::size_t v = 0; v < kVectors; ++v) {
+          store16(out + (first + c) * kHd + v * kLanes, _mm512_mul_ps(acc[c][v], inv));
+        }
+      }
+    }
+  }
+}
+
 constexpr const char* kOp = "paged_decode_attention";
 
 void check(bool ok, const std::string& what) { require(ok, kOp, what); }
@@ -219,7 +342,11 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   const std::size_t items = index.seq_ids.size();
   auto attend = [&](std::size_t item) {
     const auto seq = static_cast<std::size_t>(index.seq_ids[item]);
-    if (vector) {
+    if (vector && shape.head_dim == 64) {
+      attend_avx512_fixed<T, 4>(job, seq);
+    } else if (vector && shape.head_dim == 128) {
+      attend_avx512_fixed<T, 8>(job, seq);
+    } else if (vector) {
       attend_avx512(job, seq);
     } else {
       for (std::size_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) attend_scalar(job, seq, kv_head);

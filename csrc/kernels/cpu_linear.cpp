@@ -1,10 +1,15 @@
 #include "kernels/cpu_linear.h"
 
+#include "kernels/simd_avx512.h"
+
 #include <immintrin.h>
 
+#include <algorithm>
 #include <bit>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ringserve::kernels {
 
@@ -16,6 +21,8 @@ constexpr std::size_t kLanes = 32;     // bf16 values per 512-bit register
 constexpr std::size_t kPrefetchRows = 16;
 // Products with at least this many weights (512 KiB of bf16) are split over two cores when the caller allows it.
 constexpr std::size_t kSplitElements = std::size_t{1} << 18;
+// From this many input rows (and an even K) the packed outer-product kernel below takes over.
+constexpr std::size_t kPackedMinRows = 3;
 
 void linear_portable(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y) {
   for (std::size_t i = 0; i < s.m; ++i) {
@@ -131,6 +138,144 @@ void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
   rows_avx512(all);
 }
 
+// ---- Batches: an outer-product kernel on weight panels packed per call ----
+//
+// With more than a couple of input rows the product is compute-bound, and the dot-product tiles above spend too
+// much on their horizontal sums (K is a few hundred) and on reloading x. Here each panel of kPanel weight rows is
+// first packed into "pair-interleaved" order, P[k/2][c] = (w[c][k], w[c][k+1]), so that one 512-bit load holds the
+// k-pairs of 16 output columns; a micro-tile of kTileRows input rows x kPanel columns then keeps its 24 float32
+// accumulators in registers for the whole of K, each step broadcasting one k-pair of an input row against four such
+// loads (AVX512-BF16 dot products). Packing reads the weights once per call, as the product has to anyway, and
+// writes an L2-resident buffer per thread; x is read in place.
+
+constexpr std::size_t kPanel = 64;     // weight rows (output columns) per packed panel: four vectors of 16
+constexpr std::size_t kTileRows = 6;   // input rows per micro-tile (6 x 4 accumulators + 4 weights + 1 broadcast)
+constexpr std::size_t kPairsPerBlock = 16;  // the packing transposes 16 x 16 blocks of 32-bit k-pairs
+
+// Packs weight rows [j0, j0 + kPanel) (rows past n are zeros) as P[p][c] = k-pair p of row j0 + c, p < k / 2.
+__attribute__((target("avx512f"))) void pack_panel(LinearShape s, const bf16_bits* w, std::size_t j0,
+                                                   uint32_t* packed) {
+  const std::size_t pairs = s.k / 2;
+  for (std::size_t g = 0; g < kPanel; g += 16) {
+    for (std::size_t p0 = 0; p0 < pairs; p0 += kPairsPerBlock) {
+      const std::size_t count = std::min(kPairsPerBlock, pairs - p0);
+      const auto mask = static_cast<__mmask16>((1U << count) - 1U);
+      __m512i r[16];
+      for (std::size_t c = 0; c < 16; ++c) {
+        const std::size_t row = j0 + g + c;
+        r[c] = row < s.n ? _mm512_maskz_loadu_epi32(mask, w + row * s.k + 2 * p0) : _mm512_setzero_si512();
+      }
+      transpose16x16(r);
+      for (std::size_t p = 0; p < count; ++p) _mm512_storeu_si512(packed + (p0 + p) * kPanel + g, r[p]);
+    }
+  }
+}
+
+// y[i0 .. i0 + kRows, j0 .. j0 + cols) from x's rows and the packed panel, over all of K.
+// While the first tile of a panel runs, it prefetches the next panel's weight rows into L2 (one contiguous run of
+// memory, `ahead`, of `ahead_lines` cache lines), spread over its iterations, so packing that panel does not wait on
+// DRAM.
+template <std::size_t kRows>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
+    LinearShape s, const bf16_bits* x, const uint32_t* packed, const bf16_bits* bias, bf16_bits* y, std::size_t i0,
+    std::size_t j0, std::size_t cols, const char* ahead, std::size_t ahead_lines) {
+  __m512 acc[kRows][4];
+  for (std::size_t i = 0; i < kRows; ++i) {
+    for (std::size_t v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  const std::size_t pairs = s.k / 2;
+  const std::size_t lines_per_pair = ahead_lines == 0 ? 0 : ahead_lines / pairs + 1;
+  for (std::size_t p = 0; p < pairs; ++p) {
+    for (std::size_t l = p * lines_per_pair; l < std::min(ahead_lines, (p + 1) * lines_per_pair); ++l) {
+      _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
+    }
+    const uint32_t* wp = packed + p * kPanel;
+    const __m512bh w0 = reinterpret_bh(_mm512_loadu_si512(wp));
+    const __m512bh w1 = reinterpret_bh(_mm512_loadu_si512(wp + 16));
+    const __m512bh w2 = reinterpret_bh(_mm512_loadu_si512(wp + 32));
+    const __m512bh w3 = reinterpret_bh(_mm512_loadu_si512(wp + 48));
+    for (std::size_t i = 0; i < kRows; ++i) {
+      uint32_t pair = 0;
+      std::memcpy(&pair, x + (i0 + i) * s.k + 2 * p, sizeof pair);
+      const __m512bh xv = reinterpret_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xv);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xv);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], w3, xv);
+    }
+  }
+  for (std::size_t v = 0; v < 4; ++v) {
+    const std::size_t c0 = v * 16;
+    if (c0 >= cols) break;
+    const std::size_t live = std::min<std::size_t>(16, cols - c0);
+    const auto mask = static_cast<__mmask16>((1U << live) - 1U);
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + j0 + c0)), 16));
+    }
+    for (std::size_t i = 0; i < kRows; ++i) {
+      const __m512 out = _mm512_add_ps(acc[i][v], b);
+      // Round to nearest even, as float_to_bf16 does (NaN stays NaN).
+      const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out));
+      _mm256_mask_storeu_epi16(y + (i0 + i) * s.n + j0 + c0, mask, bits);
+    }
+  }
+}
+
+// Panels [first, last) of the product, packing each into `packed` (kPanel * k / 2 values).
+void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y,
+                   std::size_t first, std::size_t last, uint32_t* packed) {
+  for (std::size_t panel = first; panel < last; ++panel) {
+    const std::size_t j0 = panel * kPanel;
+    const std::size_t cols = std::min(kPanel, s.n - j0);
+    pack_panel(s, w, j0, packed);
+    // The next panel of this call's range, prefetched during the first tile.
+    const char* ahead = reinterpret_cast<const char*>(w + (j0 + kPanel) * s.k);
+    const std::size_t ahead_rows = panel + 1 < last ? std::min(kPanel, s.n - j0 - kPanel) : 0;
+    std::size_t ahead_lines = ahead_rows * s.k * sizeof(bf16_bits) / 64;
+    std::size_t i0 = 0;
+    for (; i0 + kTileRows <= s.m; i0 += kTileRows) {
+      panel_tile<kTileRows>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines);
+      ahead_lines = 0;
+    }
+    switch (s.m - i0) {
+      case 5: panel_tile<5>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 4: panel_tile<4>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 3: panel_tile<3>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 2: panel_tile<2>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 1: panel_tile<1>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
+      default: break;
+    }
+  }
+}
+
+// Each thread keeps its packing buffer between calls (no allocation per step once the largest K has been seen).
+uint32_t* packing_buffer(std::size_t k) {
+  thread_local std::vector<uint32_t> buffer;
+  const std::size_t need = kPanel * (k / 2);
+  if (buffer.size() < need) buffer.resize(need);
+  return buffer.data();
+}
+
+void gemm_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y,
+                 [[maybe_unused]] int threads) {
+  const std::size_t panels = (s.n + kPanel - 1) / kPanel;
+#ifdef _OPENMP
+  if (threads >= 2 && panels >= 2) {
+    const int parts = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(threads), panels));
+#pragma omp parallel for num_threads(parts) schedule(static)
+    for (int part = 0; part < parts; ++part) {
+      const std::size_t first = panels * static_cast<std::size_t>(part) / static_cast<std::size_t>(parts);
+      const std::size_t last = panels * static_cast<std::size_t>(part + 1) / static_cast<std::size_t>(parts);
+      panels_avx512(s, x, w, bias, y, first, last, packing_buffer(s.k));
+    }
+    return;
+  }
+#endif
+  panels_avx512(s, x, w, bias, y, 0, panels, packing_buffer(s.k));
+}
+
 }  // namespace
 
 bool has_avx512_bf16() {
@@ -146,7 +291,9 @@ void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<cons
   require_size("linear_bf16", "y", y.size(), shape.m * shape.n);
   if (!bias.empty()) require_size("linear_bf16", "bias", bias.size(), shape.n);
   const bf16_bits* b = bias.empty() ? nullptr : bias.data();
-  if (!force_portable && has_avx512_bf16()) {
+  if (!force_portable && has_avx512_bf16() && shape.m >= kPackedMinRows && shape.k % 2 == 0) {
+    gemm_avx512(shape, x.data(), w.data(), b, y.data(), threads);
+  } else if (!force_portable && has_avx512_bf16()) {
     linear_avx512(shape, x.data(), w.data(), b, y.data(), threads >= 2);
   } else {
     linear_portable(shape, x.data(), w.data(), b, y.data());

@@ -130,6 +130,9 @@ TEST(float32_and_bf16_match_the_reference) {
     check_case({6, 2, 24, 16, {50, 7, 18}}, threads);                   // head_dim off the vector path
     check_case({8, 2, 64, 16, std::vector<int32_t>(12, 300)}, threads); // enough work for two threads
     check_case({9, 3, 64, 16, {20, 44, 61}, 15 * 64}, threads);         // queries strided in a fused QKV row
+    check_case({8, 1, 64, 16, {16, 17, 47}}, threads);                   // a group of 8: two chunks of 4 heads
+    check_case({6, 2, 128, 16, {1, 15, 16, 33, 70}}, threads);           // head_dim 128: chunks of 2 heads, one short
+    check_case({4, 4, 128, 4, {5, 64}}, threads);                        // head_dim 128 without grouping
   }
 }
 

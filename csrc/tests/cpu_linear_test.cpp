@@ -74,6 +74,19 @@ TEST(model_shapes_match_the_reference) {
   check_against_reference(4, 576, 1536, true, false);
 }
 
+// From three input rows (even K) the packed outer-product kernel runs: several panels of 64 weight rows with a
+// partial last one, every micro-tile height (1..6 rows left over), k-pair counts off the 16-pair packing blocks,
+// bias, and the panels split over two threads.
+TEST(packed_panels_every_tile_height_and_pair_tail_match_the_reference) {
+  for (std::size_t m : {3, 6, 7, 11, 13, 64}) {
+    for (std::size_t n : {64, 65, 130, 200}) {
+      for (std::size_t k : {2, 34, 64, 98}) check_against_reference(m, n, k, (m + n + k) % 3 == 0, false);
+    }
+  }
+  for (std::size_t n : {129, 960}) check_against_reference(9, n, 576, true, false, 2);
+  check_against_reference(70, 576, 1536, false, false, 2);
+}
+
 // Products this large are split over two threads (where built with OpenMP): both halves, and the row tile that
 // straddles an odd split point, must be computed.
 TEST(products_split_over_two_threads_match_the_reference) {

@@ -22,8 +22,10 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 @native
-@pytest.mark.parametrize(("shape", "n", "with_bias"), [((1, 576), 960, False), ((2, 100), 37, True),
-                                                        ((1, 1, 33), 5, True), ((2, 1536), 576, False)])  # fmt: skip
+@pytest.mark.parametrize(("shape", "n", "with_bias"), [
+    ((1, 576), 960, False), ((2, 100), 37, True), ((1, 1, 33), 5, True), ((2, 1536), 576, False),
+    ((7, 576), 960, True), ((4, 16, 1536), 576, False),  # batches: the packed-panel kernel
+])  # fmt: skip
 def test_native_linear_matches_a_float64_reference(shape: tuple[int, ...], n: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen).to(torch.bfloat16)
@@ -38,7 +40,7 @@ def test_native_linear_matches_a_float64_reference(shape: tuple[int, ...], n: in
 
 
 @native
-def test_only_few_row_bf16_products_on_contiguous_weights_take_the_native_kernel(
+def test_bf16_products_on_contiguous_weights_take_the_native_kernel_unless_k_is_odd_past_two_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[tuple[int, int, int]] = []
@@ -54,10 +56,13 @@ def test_only_few_row_bf16_products_on_contiguous_weights_take_the_native_kernel
     weight = torch.randn(8, 64).to(torch.bfloat16)
     with torch.inference_mode():
         cpu_ops.linear(torch.randn(1, 64).to(torch.bfloat16), weight)
-        cpu_ops.linear(torch.randn(64, 64).to(torch.bfloat16), weight)  # a prefill: oneDNN's GEMM
+        cpu_ops.linear(torch.randn(64, 64).to(torch.bfloat16), weight)  # a batch: the packed-panel kernel
+        odd = torch.randn(8, 33).to(torch.bfloat16)
+        cpu_ops.linear(torch.randn(2, 33).to(torch.bfloat16), odd)  # odd K, two rows: the dot-product tiles
+        cpu_ops.linear(torch.randn(3, 33).to(torch.bfloat16), odd)  # odd K, three rows: PyTorch
         cpu_ops.linear(torch.randn(1, 64), weight.float())  # float32: PyTorch
         cpu_ops.linear(torch.randn(1, 64).to(torch.bfloat16), torch.randn(64, 8).to(torch.bfloat16).T)  # strided
-    assert calls == [(1, 8, 64)]
+    assert calls == [(1, 8, 64), (64, 8, 64), (2, 8, 33)]
 
 
 @pytest.mark.skipif(not cpu_ops.native_linear_available(), reason="needs AVX512-BF16 and the built kernels")
@@ -97,9 +102,9 @@ def greedy_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> lis
     captured: list[torch.Tensor] = []
     forward = model.forward
 
-    def capture(*args: object) -> torch.Tensor:
-        logits = forward(*args)
-        captured.append(logits.clone())
+    def capture(*args: object, **kwargs: object) -> torch.Tensor:
+        logits = forward(*args, **kwargs)
+        captured.append(logits.float())
         return logits
 
     model.forward = capture  # type: ignore[method-assign]

@@ -231,3 +231,33 @@ def test_top_n_logprobs_are_the_raw_top_alternatives_padded_per_row():
     assert out.top_token_ids[2].tolist() == [int(ids[2, 0]), -1, -1]
     b.num_logprobs = torch.zeros(3, dtype=torch.int64)
     assert Sampler().sample(logits, b).top_token_ids is None
+
+
+def test_plain_greedy_batches_take_the_native_pass_and_equal_pytorch(monkeypatch) -> None:
+    from ringserve.workers import sampler as sampler_module
+    from ringserve.workers.model import cpu_ops
+
+    calls: list[tuple[int, ...]] = []
+    real = sampler_module.greedy_tokens
+
+    def recording(logits: torch.Tensor):
+        calls.append(tuple(logits.shape))
+        return real(logits)
+
+    monkeypatch.setattr(sampler_module, "greedy_tokens", recording)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (random_logits(rows=16, vocab=5003, seed=3) * 2).to(dtype)
+        logits[5, 100] = logits[5, 4000] = logits[5].max() + 1  # a tie: the first index wins, as in torch
+        out = Sampler().sample(logits, batch(16, temperature=0.0))
+        assert out.token_ids.tolist() == logits.float().argmax(-1).tolist()
+        assert out.token_ids[5] == 100 and out.top_token_ids is None
+        expected = torch.log_softmax(logits.float(), -1).gather(1, out.token_ids[:, None]).squeeze(1)
+        torch.testing.assert_close(out.logprobs, expected, rtol=1e-5, atol=1e-5)
+    if cpu_ops.native_attention_available():  # built with the kernels (else the same answers come from PyTorch)
+        assert calls == [(16, 5003)] * 2
+    # Anything that adjusts the logits, samples or wants alternatives takes the tensor path.
+    calls.clear()
+    logits = random_logits(rows=2)
+    Sampler().sample(logits, batch(2, temperature=0.7))
+    Sampler().sample(logits, SamplingBatch.build([0.0] * 2, [0] * 2, [1.0] * 2, num_logprobs=torch.tensor([0, 2])))
+    assert calls == []

@@ -19,9 +19,10 @@ from torch import nn
 if TYPE_CHECKING:
     from ringserve.workers.attention.metadata import AttentionMetadata
 
-# Up to this many rows the native kernel wins on this class of CPU (benchmarks/throughput.py, single-stream and
-# small-batch decode); RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
-MAX_NATIVE_ROWS = 2
+# Up to this many rows the native kernel's dot-product tiles take any K; from three rows on it packs weight panels
+# for an outer-product kernel, which needs K even (every llama-family width is), and otherwise PyTorch takes the
+# product. RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
+MAX_ANY_K_ROWS = 2
 # The one-pass SiLU-and-multiply saves PyTorch's dispatch on a few rows; past this, PyTorch's threads are as fast.
 MAX_NATIVE_SILU_ROWS = 16
 
@@ -62,7 +63,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
         return F.linear(x, weight, bias)  # (F.linear reports any shape error)
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 0 < rows <= MAX_NATIVE_ROWS:
+    if rows == 0 or (rows > MAX_ANY_K_ROWS and x.shape[-1] % 2 != 0):
         return F.linear(x, weight, bias)
     if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
         return F.linear(x, weight, bias)
@@ -192,6 +193,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     kernels.silu_mul(gate_up.dtype is torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), out.numel() // max(dim, 1),
                      dim)  # fmt: skip
     return out
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax ids int64 [rows], their log-softmax values float32 [rows]) of `logits` [rows, vocab] by the native
+    kernel: one call over all rows, no [rows, vocab] float32 copy or log-softmax. None when it cannot take the
+    tensor (not on CPU, another dtype, autograd); the caller then uses PyTorch."""
+    kernels = _ATTENTION
+    if (
+        kernels is None
+        or logits.device.type != "cpu"
+        or logits.dtype not in _ATTENTION_DTYPES
+        or logits.dim() != 2
+        or logits.shape[1] == 0
+        or (torch.is_grad_enabled() and logits.requires_grad)
+    ):
+        return None
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    ids = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    kernels.argmax_logprob(logits.dtype is torch.bfloat16, logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr(),
+                           rows, vocab, threads=torch.get_num_threads())  # fmt: skip
+    return ids, logprobs
 
 
 class Linear(nn.Linear):

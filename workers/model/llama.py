@@ -389,10 +389,13 @@ class LlamaForCausalLM(nn.Module):
             self.model.rotary.end_step()
         return self.lm_head(self.model.norm(x)).float()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Packed token ids and positions [num_tokens] -> float32 logits for the metadata's logits rows."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
+        """Packed token ids and positions [num_tokens] -> logits for the metadata's logits rows: float32, or with
+        `float_logits=False` in the weights' dtype (what the sampler's greedy pass reads without a float32 copy;
+        widening bf16 to float32 later is exact)."""
         hidden = self.model(input_ids, positions)
         rows = get_attention_metadata().logits_indices
         if rows is not None:
             hidden = hidden[rows]
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if float_logits else logits
