@@ -94,14 +94,27 @@ void rope(bool bf16, std::uintptr_t x, std::size_t rows, std::size_t row_stride,
   }
 }
 
-void silu_mul(bool bf16, std::uintptr_t gate_up, std::uintptr_t out, std::size_t rows, std::size_t dim) {
+void silu_mul(bool bf16, std::uintptr_t gate_up, std::uintptr_t out, std::size_t rows, std::size_t dim, int threads) {
   namespace k = ringserve::kernels;
   py::gil_scoped_release release;
   if (bf16) {
-    k::silu_mul_bf16(rows, dim, view<const bf16_bits>(gate_up, rows * 2 * dim), view<bf16_bits>(out, rows * dim));
+    k::silu_mul_bf16(rows, dim, view<const bf16_bits>(gate_up, rows * 2 * dim), view<bf16_bits>(out, rows * dim),
+                     threads);
   } else {
-    k::silu_mul_f32(rows, dim, view<const float>(gate_up, rows * 2 * dim), view<float>(out, rows * dim));
+    k::silu_mul_f32(rows, dim, view<const float>(gate_up, rows * 2 * dim), view<float>(out, rows * dim), threads);
   }
+}
+
+void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::size_t cache_bytes, std::uintptr_t k,
+              std::uintptr_t v, std::uintptr_t slots, std::size_t rows, std::size_t row_bytes, std::size_t k_stride,
+              std::size_t v_stride) {
+  namespace kn = ringserve::kernels;
+  const kn::KvWriteShape shape{rows, row_bytes, k_stride, v_stride};
+  const auto span_of = [&](std::size_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + row_bytes; };
+  const auto slot_span = view<const int64_t>(slots, rows);
+  py::gil_scoped_release release;
+  kn::write_kv(shape, view<std::byte>(k_cache, cache_bytes), view<std::byte>(v_cache, cache_bytes),
+               view<const std::byte>(k, span_of(k_stride)), view<const std::byte>(v, span_of(v_stride)), slot_span);
 }
 
 void argmax_logprob(bool bf16, std::uintptr_t logits, std::uintptr_t ids, std::uintptr_t logprobs, std::size_t rows,
@@ -144,8 +157,14 @@ PYBIND11_MODULE(_kernels, m) {
         "by int64 positions and a float32 [2, max_position, head_dim] cos/sin table. Raises ValueError on a position "
         "outside the table, writing nothing.");
   m.def("silu_mul", &silu_mul, py::arg("bf16"), py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("dim"),
+        py::arg("threads") = 1,
         "out[rows, dim] = silu(gate) * up for gate_up [rows, 2 * dim] (gate then up), contiguous float32 or bfloat16 "
-        "memory given by address.");
+        "memory given by address; threads >= 2 splits a large call's rows.");
+  m.def("write_kv", &write_kv, py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_bytes"), py::arg("k"),
+        py::arg("v"), py::arg("slots"), py::arg("rows"), py::arg("row_bytes"), py::arg("k_stride"), py::arg("v_stride"),
+        "Copies row r of k and v (row_bytes each, rows k_stride / v_stride bytes apart) into slot slots[r] (int64) of "
+        "the caches (cache_bytes each, row_bytes per slot). Raises ValueError on a slot outside them, writing "
+        "nothing.");
   m.def("argmax_logprob", &argmax_logprob, py::arg("bf16"), py::arg("logits"), py::arg("ids"), py::arg("logprobs"),
         py::arg("rows"), py::arg("vocab"), py::arg("threads") = 1,
         "Greedy tokens of logits [rows, vocab] (contiguous float32 or bfloat16 memory given by address): writes the "

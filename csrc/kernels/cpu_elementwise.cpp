@@ -3,6 +3,7 @@
 #include "kernels/simd_avx512.h"
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -90,20 +91,33 @@ __attribute__((target("avx512f"))) void silu_mul_avx512(const T* gate, const T* 
   silu_mul_scalar(gate + j, up + j, out + j, count - j);
 }
 
+// Below this many values a call stays on the calling thread (waking a second costs more than it saves).
+constexpr std::size_t kParallelValues = std::size_t{1} << 14;
+
 template <class T>
-void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std::span<T> out) {
+void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std::span<T> out,
+              [[maybe_unused]] int threads) {
   constexpr const char* op = "silu_mul";
   require(gate_up.size() == rows * 2 * dim, op, "gate_up must be [rows, 2 * dim]");
   require(out.size() == rows * dim, op, "out must be [rows, dim]");
   const bool vector = has_avx512f();
-  for (std::size_t r = 0; r < rows; ++r) {
+  const auto one = [&](std::size_t r) {
     const T* gate = gate_up.data() + r * 2 * dim;
     if (vector) {
       silu_mul_avx512(gate, gate + dim, out.data() + r * dim, dim);
     } else {
       silu_mul_scalar(gate, gate + dim, out.data() + r * dim, dim);
     }
+  };
+#ifdef _OPENMP
+  if (threads >= 2 && rows >= 2 && rows * dim >= kParallelValues) {
+    const auto count = static_cast<long>(rows);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < count; ++r) one(static_cast<std::size_t>(r));
+    return;
   }
+#endif
+  for (std::size_t r = 0; r < rows; ++r) one(r);
 }
 
 }  // namespace
@@ -118,12 +132,37 @@ void rope_bf16(const RopeShape& shape, std::span<bf16_bits> x, std::span<const i
   rope(shape, x, positions, cos, sin);
 }
 
-void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out) {
-  silu_mul(rows, dim, gate_up, out);
+void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out,
+                  int threads) {
+  silu_mul(rows, dim, gate_up, out, threads);
 }
 
-void silu_mul_bf16(std::size_t rows, std::size_t dim, std::span<const bf16_bits> gate_up, std::span<bf16_bits> out) {
-  silu_mul(rows, dim, gate_up, out);
+void silu_mul_bf16(std::size_t rows, std::size_t dim, std::span<const bf16_bits> gate_up, std::span<bf16_bits> out,
+                   int threads) {
+  silu_mul(rows, dim, gate_up, out, threads);
+}
+
+void write_kv(const KvWriteShape& shape, std::span<std::byte> k_cache, std::span<std::byte> v_cache,
+              std::span<const std::byte> k, std::span<const std::byte> v, std::span<const int64_t> slots) {
+  constexpr const char* op = "write_kv";
+  const std::size_t slot_bytes = shape.row_bytes;
+  require(slot_bytes > 0, op, "row_bytes must be positive");
+  require_size(op, "slots", slots.size(), shape.rows);
+  require(k_cache.size() % slot_bytes == 0 && v_cache.size() == k_cache.size(), op,
+          "the caches must be the same whole number of slots");
+  const auto need = [&](std::size_t stride) { return shape.rows == 0 ? 0 : (shape.rows - 1) * stride + slot_bytes; };
+  require_size(op, "k bytes", k.size(), need(shape.k_stride));
+  require_size(op, "v bytes", v.size(), need(shape.v_stride));
+  const std::size_t num_slots = k_cache.size() / slot_bytes;
+  for (const int64_t slot : slots) {
+    require(slot >= 0 && static_cast<std::size_t>(slot) < num_slots, op,
+            "slot " + std::to_string(slot) + " outside the cache's " + std::to_string(num_slots));
+  }
+  for (std::size_t r = 0; r < shape.rows; ++r) {
+    const auto at = static_cast<std::size_t>(slots[r]) * slot_bytes;
+    std::memcpy(k_cache.data() + at, k.data() + r * shape.k_stride, slot_bytes);
+    std::memcpy(v_cache.data() + at, v.data() + r * shape.v_stride, slot_bytes);
+  }
 }
 
 }  // namespace ringserve::kernels

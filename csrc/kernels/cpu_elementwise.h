@@ -33,8 +33,25 @@ void rope_bf16(const RopeShape& shape, std::span<bf16_bits> x, std::span<const i
 
 // The gated MLP's activation: out[r, j] = silu(gate[r, j]) * up[r, j] with gate_up [rows, 2 * dim] holding gate then
 // up in each row and out [rows, dim]; silu(g) = g / (1 + exp(-g)) in float32, rounded to the storage type before the
-// product (as F.silu(gate) * up rounds).
-void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out);
-void silu_mul_bf16(std::size_t rows, std::size_t dim, std::span<const bf16_bits> gate_up, std::span<bf16_bits> out);
+// product (as F.silu(gate) * up rounds). With `threads` >= 2, a large call splits its rows over that many OpenMP
+// threads.
+void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out,
+                  int threads = 1);
+void silu_mul_bf16(std::size_t rows, std::size_t dim, std::span<const bf16_bits> gate_up, std::span<bf16_bits> out,
+                   int threads = 1);
+
+// Where a step's new keys and values go: `rows` tokens, each one cache slot of `row_bytes` (every KV head of one
+// position), read from rows `k_stride` / `v_stride` bytes apart (views inside a fused QKV output).
+struct KvWriteShape {
+  std::size_t rows = 0;
+  std::size_t row_bytes = 0;
+  std::size_t k_stride = 0;
+  std::size_t v_stride = 0;
+};
+
+// Copies row r of k and v into slot slots[r] of the caches ([num_slots, row_bytes] each, any element type). Every
+// slot is checked before anything is written (std::invalid_argument).
+void write_kv(const KvWriteShape& shape, std::span<std::byte> k_cache, std::span<std::byte> v_cache,
+              std::span<const std::byte> k, std::span<const std::byte> v, std::span<const int64_t> slots);
 
 }  // namespace ringserve::kernels

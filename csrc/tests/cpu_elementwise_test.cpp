@@ -2,6 +2,7 @@
 #include <cmath>
 #include <random>
 #include <stdexcept>
+#include <span>
 #include <vector>
 
 #include "kernels/cpu_elementwise.h"
@@ -138,6 +139,47 @@ TEST(silu_mul_matches_the_reference_and_rounds_like_the_tensor_formulation) {
   CHECK_THROWS(std::invalid_argument, silu_mul_f32(rows, dim + 1, gate_up, out));
   std::vector<float> small(dim);
   CHECK_THROWS(std::invalid_argument, silu_mul_f32(rows, dim, gate_up, small));
+}
+
+TEST(silu_mul_split_over_two_threads_equals_one_thread) {
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal;
+  const std::size_t rows = 64, dim = 1536;  // a batch large enough to split
+  std::vector<bf16_bits> gate_up(rows * 2 * dim), one(rows * dim), two(rows * dim, 0xffff);
+  for (auto& v : gate_up) v = float_to_bf16(3.0F * normal(gen));
+  silu_mul_bf16(rows, dim, gate_up, one, 1);
+  silu_mul_bf16(rows, dim, gate_up, two, 2);
+  CHECK(one == two);
+}
+
+TEST(write_kv_copies_each_row_to_its_slot_and_checks_every_slot_first) {
+  // Two caches of 6 slots of 4 values; 3 rows taken from strided views (stride 10 values for k, 7 for v).
+  const std::size_t slots = 6, row = 4;
+  std::vector<float> k_cache(slots * row, -1.0F), v_cache(slots * row, -1.0F);
+  std::vector<float> k(2 * 10 + row), v(2 * 7 + row);
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>(i);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = 100.0F + static_cast<float>(i);
+  const std::vector<int64_t> where{4, 0, 2};
+  const KvWriteShape shape{3, row * sizeof(float), 10 * sizeof(float), 7 * sizeof(float)};
+  const auto bytes = [](auto& vec) { return std::as_writable_bytes(std::span(vec)); };
+  const auto cbytes = [](const auto& vec) { return std::as_bytes(std::span(vec)); };
+  write_kv(shape, bytes(k_cache), bytes(v_cache), cbytes(k), cbytes(v), where);
+  for (std::size_t r = 0; r < 3; ++r) {
+    for (std::size_t j = 0; j < row; ++j) {
+      CHECK(k_cache[static_cast<std::size_t>(where[r]) * row + j] == k[r * 10 + j]);
+      CHECK(v_cache[static_cast<std::size_t>(where[r]) * row + j] == v[r * 7 + j]);
+    }
+  }
+  for (std::size_t j = 0; j < row; ++j) CHECK(k_cache[1 * row + j] == -1.0F && v_cache[5 * row + j] == -1.0F);
+  // A slot past the end: refused, and the first (valid) row is not written either.
+  std::vector<float> fresh(slots * row, -1.0F), fresh_v(slots * row, -1.0F);
+  const std::vector<int64_t> bad{1, 6, 0};
+  CHECK_THROWS(std::invalid_argument, write_kv(shape, bytes(fresh), bytes(fresh_v), cbytes(k), cbytes(v), bad));
+  const std::vector<int64_t> negative{1, -1, 0};
+  CHECK_THROWS(std::invalid_argument, write_kv(shape, bytes(fresh), bytes(fresh_v), cbytes(k), cbytes(v), negative));
+  CHECK(fresh == std::vector<float>(slots * row, -1.0F));
+  CHECK_THROWS(std::invalid_argument, write_kv(shape, bytes(fresh), bytes(fresh_v), cbytes(k), cbytes(v),
+                                               std::span<const int64_t>(where.data(), 2)));
 }
 
 TEST_MAIN()

@@ -200,9 +200,9 @@ def test_native_rope_refuses_a_position_outside_the_table_and_changes_nothing() 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_silu_mul_equals_the_pytorch_formulation(dtype: torch.dtype) -> None:
     torch.manual_seed(2)
-    gate_up = (torch.randn(3, 2, 2 * 96) * 4).to(dtype)
+    gate_up = (torch.randn(3, 40, 2 * 240) * 4).to(dtype)  # 120 rows of 240: enough to split over two threads
     with torch.inference_mode():
-        assert cpu_ops.silu_mul(torch.zeros(cpu_ops.MAX_NATIVE_SILU_ROWS + 1, 8, dtype=dtype)) is None  # PyTorch's
+        assert cpu_ops.silu_mul(torch.zeros(4, 7, dtype=dtype)) is None  # an odd last dim: PyTorch's
         native = cpu_ops.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         reference = torch.nn.functional.silu(gate) * up
@@ -223,3 +223,27 @@ def test_the_native_decoder_ops_give_pytorchs_greedy_decode(monkeypatch: pytest.
     reference = greedy_logits(tiny_model(torch.float32, True), [5, 6, 7, 8, 9], 4)
     for a, b in zip(native, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.native_attention_available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kv_write_equals_index_copy_and_refuses_bad_slots(dtype: torch.dtype) -> None:
+    from ringserve.workers.attention.backend import write_kv
+
+    torch.manual_seed(3)
+    blocks, block_size, kv_heads, head_dim, heads = 5, 4, 3, 16, 9
+    qkv = torch.randn(6, heads + 2 * kv_heads, head_dim).to(dtype)  # k and v as strided views, as in the model
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    slots = torch.tensor([19, 0, 7, 8, 3, 12])
+    caches = [torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    assert cpu_ops.write_kv_(caches[0], caches[1], k, v, slots)
+    caches[2].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    caches[3].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    fresh_k, fresh_v = torch.zeros_like(caches[0]), torch.zeros_like(caches[1])
+    with pytest.raises(ValueError, match="slot 20 outside"):
+        write_kv(fresh_k, fresh_v, k, v, torch.tensor([1, 2, 3, 4, 5, 20]))
+    assert not fresh_k.any() and not fresh_v.any()  # checked before anything was written
+    # Tensors it does not take are left to index_copy_: int32 slots, a cache dtype unlike the keys'.
+    assert not cpu_ops.write_kv_(fresh_k, fresh_v, k, v, slots.int())
+    assert not cpu_ops.write_kv_(fresh_k.double(), fresh_v.double(), k, v, slots)

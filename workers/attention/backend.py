@@ -32,7 +32,12 @@ class AttentionBackend(Protocol):
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatters new keys/values into their flat cache slots (block_id * block_size + offset)."""
+    """Scatters new keys/values into their flat cache slots (block_id * block_size + offset): on CPU by the native
+    copy (checked slots), else index_copy_."""
+    from ringserve.workers.model.cpu_ops import write_kv_  # here: the model package imports this one
+
+    if write_kv_(k_cache, v_cache, k, v, slot_mapping):
+        return
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 # for an outer-product kernel, which needs K even (every llama-family width is), and otherwise PyTorch takes the
 # product. RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
 MAX_ANY_K_ROWS = 2
-# The one-pass SiLU-and-multiply saves PyTorch's dispatch on a few rows; past this, PyTorch's threads are as fast.
-MAX_NATIVE_SILU_ROWS = 16
 
 
 def _load_module() -> Any | None:
@@ -174,8 +172,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bo
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """F.silu(gate) * up for `gate_up` [..., 2 * dim] (gate then up, as the fused projection writes them) by the
-    native kernel in one pass, or None when it cannot take the tensor or has more than MAX_NATIVE_SILU_ROWS rows
-    (one core: PyTorch's threads win on larger batches)."""
+    native kernel in one pass (a large batch on torch's threads), or None when it cannot take the tensor."""
     kernels = _ATTENTION
     if (
         kernels is None
@@ -183,7 +180,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         or gate_up.dtype not in _ATTENTION_DTYPES
         or gate_up.dim() == 0
         or gate_up.shape[-1] % 2
-        or gate_up.numel() > MAX_NATIVE_SILU_ROWS * gate_up.shape[-1]
         or (torch.is_grad_enabled() and gate_up.requires_grad)
     ):
         return None
@@ -191,8 +187,46 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     gate_up = gate_up.contiguous()
     out = torch.empty((*gate_up.shape[:-1], dim), dtype=gate_up.dtype)
     kernels.silu_mul(gate_up.dtype is torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), out.numel() // max(dim, 1),
-                     dim)  # fmt: skip
+                     dim, threads=torch.get_num_threads())  # fmt: skip
     return out
+
+
+def write_kv_(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """Copies the step's keys and values [tokens, kv_heads, head_dim] (rows may be strided, as inside a fused QKV
+    output) into their flat cache slots by the native kernel, which checks every slot first (ValueError). Returns
+    False, writing nothing, when it cannot take these tensors (not on CPU, dtypes differ, inner dims not contiguous);
+    the caller then uses index_copy_."""
+    kernels = _ATTENTION
+    if (
+        kernels is None
+        or k_cache.device.type != "cpu"
+        or k.device.type != "cpu"
+        or v.device.type != "cpu"
+        or slot_mapping.device.type != "cpu"
+        or slot_mapping.dtype is not torch.int64
+        or not slot_mapping.is_contiguous()
+        or k.dtype is not k_cache.dtype
+        or v.dtype is not k_cache.dtype
+        or v_cache.dtype is not k_cache.dtype
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.shape != v_cache.shape
+        or k_cache.dim() != 4
+        or k.dim() != 3
+        or v.shape != k.shape
+        or k.shape[1:] != k_cache.shape[2:]
+        or slot_mapping.numel() != k.shape[0]
+    ):
+        return False
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            return False
+    size = k.element_size()
+    kernels.write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() * size, k.data_ptr(), v.data_ptr(),
+                     slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * size, k.stride(0) * size,
+                     v.stride(0) * size)  # fmt: skip
+    return True
 
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
