@@ -3,7 +3,8 @@ token, and on without token events, measured in one run against an OTLP/gRPC rec
 
 The three servers load in parallel and are then driven one at a time, in interleaved rounds (the order rotates), so
 drift on a shared machine hits every configuration alike; each ratio is the median over rounds of that round's
-ratio to the untraced server. On a small shared machine the rounds scatter by +-15 %, more than tracing costs, so
+ratio to the untraced server (also reported: the ratio of the totals, and of each configuration's fastest round).
+On a small shared machine single rounds scatter by +-25 %, far more than tracing costs, hence many short rounds; and
 the run also measures that cost directly: the CPU time (all threads) this process spends recording the same
 requests' timelines token by token, building their spans and encoding them as OTLP protobuf, per generated token,
 against the CPU time the untraced server spends per token (its cores / its throughput). If tracing's CPU came out
@@ -174,8 +175,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=os.environ.get("RINGSERVE_TEST_GGUF", ""), help="model for the servers")
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
@@ -245,6 +246,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         result[f"throughput_ratio_{name}"] = round(statistics.median(ratios), 4)
         result[f"throughput_ratio_{name}_of_totals"] = round(throughput[name] / throughput["off"], 4)
         result[f"throughput_ratio_{name}_rounds"] = [round(x, 3) for x in ratios]
+        # Interference on a shared machine only ever slows a round down, so each configuration's fastest round is
+        # the least disturbed estimate of its speed (timeit's reasoning); their ratio is kept alongside.
+        best = max(r[name] for r in per_round) / max(r["off"] for r in per_round)
+        result[f"throughput_ratio_{name}_best_rounds"] = round(best, 4)
     result["spans_received"] = receiver.spans
     # Tracing's own CPU per token, against what serving spends per token (the untraced servers keep every core busy).
     cores = len(os.sched_getaffinity(0))
