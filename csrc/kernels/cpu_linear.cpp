@@ -172,9 +172,9 @@ __attribute__((target("avx512f"))) void pack_panel(LinearShape s, const bf16_bit
 }
 
 // y[i0 .. i0 + kRows, j0 .. j0 + cols) from x's rows and the packed panel, over all of K.
-// While the first tile of a panel runs, it prefetches the next panel's weight rows into L2 (one contiguous run of
-// memory, `ahead`, of `ahead_lines` cache lines), spread over its iterations, so packing that panel does not wait on
-// DRAM.
+// While a panel's tiles run, each prefetches its share of the next panel's weight rows into L2 (one contiguous run
+// of memory: `ahead_lines` cache lines from `ahead` for this tile), spread over its iterations, so packing that panel
+// does not wait on DRAM.
 template <std::size_t kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
     LinearShape s, const bf16_bits* x, const uint32_t* packed, const bf16_bits* bias, bf16_bits* y, std::size_t i0,
@@ -230,15 +230,22 @@ void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
     const std::size_t j0 = panel * kPanel;
     const std::size_t cols = std::min(kPanel, s.n - j0);
     pack_panel(s, w, j0, packed);
-    // The next panel of this call's range, prefetched during the first tile.
-    const char* ahead = reinterpret_cast<const char*>(w + (j0 + kPanel) * s.k);
+    // The next panel of this call's range, prefetched while this one's tiles run.
     const std::size_t ahead_rows = panel + 1 < last ? std::min(kPanel, s.n - j0 - kPanel) : 0;
-    std::size_t ahead_lines = ahead_rows * s.k * sizeof(bf16_bits) / 64;
+    const char* ahead = reinterpret_cast<const char*>(w + (ahead_rows > 0 ? (j0 + kPanel) * s.k : 0));
+    const std::size_t all_lines = ahead_rows * s.k * sizeof(bf16_bits) / 64;
+    // Spread over the panel's tiles (a burst in one tile would overrun the outstanding-miss queue).
+    const std::size_t tiles = (s.m + kTileRows - 1) / kTileRows;
+    const std::size_t lines_per_tile = (all_lines + tiles - 1) / tiles;
     std::size_t i0 = 0;
     for (; i0 + kTileRows <= s.m; i0 += kTileRows) {
-      panel_tile<kTileRows>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines);
-      ahead_lines = 0;
+      const std::size_t first_line = std::min(all_lines, i0 / kTileRows * lines_per_tile);
+      const std::size_t lines = std::min(lines_per_tile, all_lines - first_line);
+      panel_tile<kTileRows>(s, x, packed, bias, y, i0, j0, cols, ahead + first_line * 64, lines);
     }
+    const std::size_t first_line = std::min(all_lines, i0 / kTileRows * lines_per_tile);
+    const std::size_t ahead_lines = std::min(lines_per_tile, all_lines - first_line);
+    ahead += first_line * 64;
     switch (s.m - i0) {
       case 5: panel_tile<5>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
       case 4: panel_tile<4>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
