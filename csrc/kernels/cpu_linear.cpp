@@ -144,12 +144,14 @@ void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
 // much on their horizontal sums (K is a few hundred) and on reloading x. Here each panel of kPanel weight rows is
 // first packed into "pair-interleaved" order, P[k/2][c] = (w[c][k], w[c][k+1]), so that one 512-bit load holds the
 // k-pairs of 16 output columns; a micro-tile of kTileRows input rows x kPanel columns then keeps its 24 float32
-// accumulators in registers for the whole of K, each step broadcasting one k-pair of an input row against four such
-// loads (AVX512-BF16 dot products). Packing reads the weights once per call, as the product has to anyway, and
+// accumulators in registers for the whole of K, each step broadcasting one k-pair of an input row against three such
+// loads (AVX512-BF16 dot products). Panels of 48 split llama widths (576, 960, 1536, 3072, 4096, ...) into even panel
+// counts, so two threads get equal shares, and tiles of 8 rows divide the usual batch sizes. Packing reads the weights once per call, as the product has to anyway, and
 // writes an L2-resident buffer per thread; x is read in place.
 
-constexpr std::size_t kPanel = 64;     // weight rows (output columns) per packed panel: four vectors of 16
-constexpr std::size_t kTileRows = 6;   // input rows per micro-tile (6 x 4 accumulators + 4 weights + 1 broadcast)
+constexpr std::size_t kVectors = 3;              // 16-column vectors per panel
+constexpr std::size_t kPanel = 16 * kVectors;    // weight rows (output columns) per packed panel
+constexpr std::size_t kTileRows = 8;             // input rows per micro-tile (8 x 3 accumulators + 3 weights + 1)
 constexpr std::size_t kPairsPerBlock = 16;  // the packing transposes 16 x 16 blocks of 32-bit k-pairs
 
 // Packs weight rows [j0, j0 + kPanel) (rows past n are zeros) as P[p][c] = k-pair p of row j0 + c, p < k / 2.
@@ -179,9 +181,9 @@ template <std::size_t kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
     LinearShape s, const bf16_bits* x, const uint32_t* packed, const bf16_bits* bias, bf16_bits* y, std::size_t i0,
     std::size_t j0, std::size_t cols, const char* ahead, std::size_t ahead_lines) {
-  __m512 acc[kRows][4];
+  __m512 acc[kRows][kVectors];
   for (std::size_t i = 0; i < kRows; ++i) {
-    for (std::size_t v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_setzero_ps();
   }
   const std::size_t pairs = s.k / 2;
   const std::size_t lines_per_pair = ahead_lines == 0 ? 0 : ahead_lines / pairs + 1;
@@ -190,21 +192,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
       _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
     }
     const uint32_t* wp = packed + p * kPanel;
-    const __m512bh w0 = reinterpret_bh(_mm512_loadu_si512(wp));
-    const __m512bh w1 = reinterpret_bh(_mm512_loadu_si512(wp + 16));
-    const __m512bh w2 = reinterpret_bh(_mm512_loadu_si512(wp + 32));
-    const __m512bh w3 = reinterpret_bh(_mm512_loadu_si512(wp + 48));
+    __m512bh wv[kVectors];
+    for (std::size_t v = 0; v < kVectors; ++v) wv[v] = reinterpret_bh(_mm512_loadu_si512(wp + 16 * v));
     for (std::size_t i = 0; i < kRows; ++i) {
       uint32_t pair = 0;
       std::memcpy(&pair, x + (i0 + i) * s.k + 2 * p, sizeof pair);
       const __m512bh xv = reinterpret_bh(_mm512_set1_epi32(static_cast<int>(pair)));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xv);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
-      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xv);
-      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], w3, xv);
+      for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wv[v], xv);
     }
   }
-  for (std::size_t v = 0; v < 4; ++v) {
+  for (std::size_t v = 0; v < kVectors; ++v) {
     const std::size_t c0 = v * 16;
     if (c0 >= cols) break;
     const std::size_t live = std::min<std::size_t>(16, cols - c0);
@@ -247,6 +244,8 @@ void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
     const std::size_t ahead_lines = std::min(lines_per_tile, all_lines - first_line);
     ahead += first_line * 64;
     switch (s.m - i0) {
+      case 7: panel_tile<7>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 6: panel_tile<6>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
       case 5: panel_tile<5>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
       case 4: panel_tile<4>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
       case 3: panel_tile<3>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;

@@ -74,11 +74,11 @@ TEST(model_shapes_match_the_reference) {
   check_against_reference(4, 576, 1536, true, false);
 }
 
-// From three input rows (even K) the packed outer-product kernel runs: several panels of 64 weight rows with a
-// partial last one, every micro-tile height (1..6 rows left over), k-pair counts off the 16-pair packing blocks,
+// From three input rows (even K) the packed outer-product kernel runs: several panels of 48 weight rows with a
+// partial last one, every micro-tile height (1..7 rows left over), k-pair counts off the 16-pair packing blocks,
 // bias, and the panels split over two threads.
 TEST(packed_panels_every_tile_height_and_pair_tail_match_the_reference) {
-  for (std::size_t m : {3, 6, 7, 11, 13, 64}) {
+  for (std::size_t m : {3, 6, 7, 8, 11, 13, 14, 15, 64}) {
     for (std::size_t n : {64, 65, 130, 200}) {
       for (std::size_t k : {2, 34, 64, 98}) check_against_reference(m, n, k, (m + n + k) % 3 == 0, false);
     }
