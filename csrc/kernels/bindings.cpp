@@ -66,15 +66,15 @@ void paged_decode_attention(bool bf16, std::uintptr_t q, std::uintptr_t k_cache,
 }
 
 void rms_norm(bool bf16, std::uintptr_t x, std::uintptr_t weight, std::uintptr_t out, std::size_t rows,
-              std::size_t dim, float eps) {
+              std::size_t dim, float eps, int threads) {
   namespace k = ringserve::kernels;
   py::gil_scoped_release release;
   if (bf16) {
     k::rms_norm_bf16(rows, dim, view<const bf16_bits>(x, rows * dim), view<const bf16_bits>(weight, dim),
-                     view<bf16_bits>(out, rows * dim), eps);
+                     view<bf16_bits>(out, rows * dim), eps, threads);
   } else {
     k::rms_norm_f32(rows, dim, view<const float>(x, rows * dim), view<const float>(weight, dim),
-                    view<float>(out, rows * dim), eps);
+                    view<float>(out, rows * dim), eps, threads);
   }
 }
 
@@ -148,9 +148,9 @@ PYBIND11_MODULE(_kernels, m) {
         "Decode attention (one query per sequence) over the paged KV cache, read through the block tables; float32 "
         "or bfloat16 (bf16=True) memory given by address. Raises ValueError on an out-of-range index or size.");
   m.def("rms_norm", &rms_norm, py::arg("bf16"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
-        py::arg("dim"), py::arg("eps"),
+        py::arg("dim"), py::arg("eps"), py::arg("threads") = 1,
         "out[rows, dim] = weight * (x * rsqrt(mean(x^2) + eps)) as Hugging Face's LlamaRMSNorm computes it, on "
-        "contiguous float32 or bfloat16 memory given by address.");
+        "contiguous float32 or bfloat16 memory given by address; threads >= 2 splits a large call's rows.");
   m.def("rope", &rope, py::arg("bf16"), py::arg("x"), py::arg("rows"), py::arg("row_stride"), py::arg("heads"),
         py::arg("head_dim"), py::arg("positions"), py::arg("cos_sin"), py::arg("max_position"),
         "Hugging Face rotate_half RoPE in place on x [rows (row_stride apart), heads, head_dim] (float32 or bfloat16) "

@@ -12,7 +12,7 @@ using namespace ringserve::kernels;
 TEST(float32_rows_match_the_reference) {
   std::mt19937 gen(1);
   std::normal_distribution<float> normal;
-  for (std::size_t dim : {1, 7, 8, 576, 1001}) {
+  for (std::size_t dim : {1, 7, 8, 16, 48, 576, 1001}) {  // 16, 48, 576: the AVX-512 rows (48: an odd vector)
     const std::size_t rows = 3;
     std::vector<float> x(rows * dim), w(dim), out(rows * dim);
     for (auto& v : x) v = 3.0F * normal(gen);
@@ -47,6 +47,18 @@ TEST(bf16_rounds_the_normalised_value_then_the_product) {
     differing += out[d] != float_to_bf16(bf16_to_float(w[d]) * normed);
   }
   CHECK(differing <= 1);  // the float32 sum may round the scale one ulp apart, moving at most a tie
+}
+
+TEST(a_batch_split_over_two_threads_equals_one_thread) {
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal;
+  const std::size_t rows = 64, dim = 576;
+  std::vector<bf16_bits> x(rows * dim), w(dim), one(rows * dim), two(rows * dim, 0xffff);
+  for (auto& v : x) v = float_to_bf16(2.0F * normal(gen));
+  for (auto& v : w) v = float_to_bf16(normal(gen));
+  rms_norm_bf16(rows, dim, x, w, one, 1e-5F, 1);
+  rms_norm_bf16(rows, dim, x, w, two, 1e-5F, 2);
+  CHECK(one == two);
 }
 
 TEST(mismatched_sizes_are_refused) {

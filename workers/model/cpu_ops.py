@@ -135,7 +135,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     kernels.rms_norm(x.dtype is torch.bfloat16, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim,
-                     eps)  # fmt: skip
+                     eps, threads=torch.get_num_threads())  # fmt: skip
     return out
 
 
