@@ -15,6 +15,12 @@ namespace ringserve::kernels {
 
 namespace {
 
+// What is added to each product before its one rounding to bf16: bias[n] and residual[m, n], either may be null.
+struct Epilogue {
+  const bf16_bits* bias;
+  const bf16_bits* residual;
+};
+
 constexpr std::size_t kRowTile = 4;    // weight rows sharing each load of x
 constexpr std::size_t kInputTile = 4;  // input rows sharing each load of a weight row
 constexpr std::size_t kLanes = 32;     // bf16 values per 512-bit register
@@ -24,12 +30,13 @@ constexpr std::size_t kSplitElements = std::size_t{1} << 18;
 // From this many input rows (and an even K) the packed outer-product kernel below takes over.
 constexpr std::size_t kPackedMinRows = 3;
 
-void linear_portable(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y) {
+void linear_portable(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y) {
   for (std::size_t i = 0; i < s.m; ++i) {
     for (std::size_t j = 0; j < s.n; ++j) {
       float acc = 0.0F;
       for (std::size_t p = 0; p < s.k; ++p) acc += bf16_to_float(x[i * s.k + p]) * bf16_to_float(w[j * s.k + p]);
-      if (bias != nullptr) acc += bf16_to_float(bias[j]);
+      if (epi.bias != nullptr) acc += bf16_to_float(epi.bias[j]);
+      if (epi.residual != nullptr) acc += bf16_to_float(epi.residual[i * s.n + j]);
       y[i * s.n + j] = float_to_bf16(acc);
     }
   }
@@ -54,7 +61,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512bh reinterpr
 // accumulators stay in registers. Rows below `j_end` are this call's; prefetches stay inside them.
 template <std::size_t kInputs, std::size_t kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_avx512(
-    LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y, std::size_t i0,
+    LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y, std::size_t i0,
     std::size_t j0, std::size_t j_end) {
   __m512 acc[kInputs][kRows];
   for (std::size_t i = 0; i < kInputs; ++i) {
@@ -82,7 +89,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_avx512
   for (std::size_t i = 0; i < kInputs; ++i) {
     for (std::size_t r = 0; r < kRows; ++r) {
       float out = horizontal_sum(acc[i][r]);
-      if (bias != nullptr) out += bf16_to_float(bias[j0 + r]);
+      if (epi.bias != nullptr) out += bf16_to_float(epi.bias[j0 + r]);
+      if (epi.residual != nullptr) out += bf16_to_float(epi.residual[(i0 + i) * s.n + j0 + r]);
       y[(i0 + i) * s.n + j0 + r] = float_to_bf16(out);
     }
   }
@@ -90,14 +98,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_avx512
 
 // Input rows are the inner loop, so each weight tile is read from memory once (and reused from L1) whatever m is.
 template <std::size_t kRows>
-void column_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y,
+void column_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
                    std::size_t j0, std::size_t j_end) {
   std::size_t i0 = 0;
-  for (; i0 + kInputTile <= s.m; i0 += kInputTile) tile_avx512<kInputTile, kRows>(s, x, w, bias, y, i0, j0, j_end);
+  for (; i0 + kInputTile <= s.m; i0 += kInputTile) tile_avx512<kInputTile, kRows>(s, x, w, epi, y, i0, j0, j_end);
   switch (s.m - i0) {
-    case 3: tile_avx512<3, kRows>(s, x, w, bias, y, i0, j0, j_end); break;
-    case 2: tile_avx512<2, kRows>(s, x, w, bias, y, i0, j0, j_end); break;
-    case 1: tile_avx512<1, kRows>(s, x, w, bias, y, i0, j0, j_end); break;
+    case 3: tile_avx512<3, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
+    case 2: tile_avx512<2, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
+    case 1: tile_avx512<1, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
     default: break;
   }
 }
@@ -107,7 +115,7 @@ struct RowRange {
   LinearShape s;
   const bf16_bits* x;
   const bf16_bits* w;
-  const bf16_bits* bias;
+  Epilogue epi;
   bf16_bits* y;
   std::size_t j_begin;
   std::size_t j_end;
@@ -116,25 +124,25 @@ struct RowRange {
 void rows_avx512(const RowRange& job) {
   std::size_t j0 = job.j_begin;
   for (; j0 + kRowTile <= job.j_end; j0 += kRowTile) {
-    column_avx512<kRowTile>(job.s, job.x, job.w, job.bias, job.y, j0, job.j_end);
+    column_avx512<kRowTile>(job.s, job.x, job.w, job.epi, job.y, j0, job.j_end);
   }
-  for (; j0 < job.j_end; ++j0) column_avx512<1>(job.s, job.x, job.w, job.bias, job.y, j0, job.j_end);
+  for (; j0 < job.j_end; ++j0) column_avx512<1>(job.s, job.x, job.w, job.epi, job.y, j0, job.j_end);
 }
 
-void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y,
+void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
                    [[maybe_unused]] bool two_cores) {
 #ifdef _OPENMP
   // The two halves of the rows on two threads of the OpenMP pool. Imported after torch, this module shares torch's
   // libgomp (same soname), so these are torch's own intra-op threads, already awake between the step's operators.
   if (two_cores && s.n * s.k >= kSplitElements) {
     const std::size_t middle = s.n / 2 / kRowTile * kRowTile;
-    const RowRange halves[2] = {{s, x, w, bias, y, 0, middle}, {s, x, w, bias, y, middle, s.n}};
+    const RowRange halves[2] = {{s, x, w, epi, y, 0, middle}, {s, x, w, epi, y, middle, s.n}};
 #pragma omp parallel for num_threads(2) schedule(static)
     for (int half = 0; half < 2; ++half) rows_avx512(halves[half]);
     return;
   }
 #endif
-  const RowRange all{s, x, w, bias, y, 0, s.n};
+  const RowRange all{s, x, w, epi, y, 0, s.n};
   rows_avx512(all);
 }
 
@@ -179,7 +187,7 @@ __attribute__((target("avx512f"))) void pack_panel(LinearShape s, const bf16_bit
 // does not wait on DRAM.
 template <std::size_t kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
-    LinearShape s, const bf16_bits* x, const uint32_t* packed, const bf16_bits* bias, bf16_bits* y, std::size_t i0,
+    LinearShape s, const bf16_bits* x, const uint32_t* packed, const Epilogue& epi, bf16_bits* y, std::size_t i0,
     std::size_t j0, std::size_t cols, const char* ahead, std::size_t ahead_lines) {
   __m512 acc[kRows][kVectors];
   for (std::size_t i = 0; i < kRows; ++i) {
@@ -206,13 +214,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
     if (c0 >= cols) break;
     const std::size_t live = std::min<std::size_t>(16, cols - c0);
     const auto mask = static_cast<__mmask16>((1U << live) - 1U);
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr) {
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + j0 + c0)), 16));
-    }
+    const auto widen = [&](const bf16_bits* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+    };
+    const __m512 b = epi.bias != nullptr ? widen(epi.bias + j0 + c0) : _mm512_setzero_ps();
     for (std::size_t i = 0; i < kRows; ++i) {
-      const __m512 out = _mm512_add_ps(acc[i][v], b);
+      __m512 out = _mm512_add_ps(acc[i][v], b);
+      if (epi.residual != nullptr) out = _mm512_add_ps(out, widen(epi.residual + (i0 + i) * s.n + j0 + c0));
       // Round to nearest even, as float_to_bf16 does (NaN stays NaN).
       const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out));
       _mm256_mask_storeu_epi16(y + (i0 + i) * s.n + j0 + c0, mask, bits);
@@ -221,7 +229,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
 }
 
 // Panels [first, last) of the product, packing each into `packed` (kPanel * k / 2 values).
-void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y,
+void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
                    std::size_t first, std::size_t last, uint32_t* packed) {
   for (std::size_t panel = first; panel < last; ++panel) {
     const std::size_t j0 = panel * kPanel;
@@ -238,19 +246,19 @@ void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
     for (; i0 + kTileRows <= s.m; i0 += kTileRows) {
       const std::size_t first_line = std::min(all_lines, i0 / kTileRows * lines_per_tile);
       const std::size_t lines = std::min(lines_per_tile, all_lines - first_line);
-      panel_tile<kTileRows>(s, x, packed, bias, y, i0, j0, cols, ahead + first_line * 64, lines);
+      panel_tile<kTileRows>(s, x, packed, epi, y, i0, j0, cols, ahead + first_line * 64, lines);
     }
     const std::size_t first_line = std::min(all_lines, i0 / kTileRows * lines_per_tile);
     const std::size_t ahead_lines = std::min(lines_per_tile, all_lines - first_line);
     ahead += first_line * 64;
     switch (s.m - i0) {
-      case 7: panel_tile<7>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 6: panel_tile<6>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 5: panel_tile<5>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 4: panel_tile<4>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 3: panel_tile<3>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 2: panel_tile<2>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 1: panel_tile<1>(s, x, packed, bias, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 7: panel_tile<7>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 6: panel_tile<6>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 5: panel_tile<5>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 4: panel_tile<4>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 3: panel_tile<3>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 2: panel_tile<2>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 1: panel_tile<1>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
       default: break;
     }
   }
@@ -264,7 +272,7 @@ uint32_t* packing_buffer(std::size_t k) {
   return buffer.data();
 }
 
-void gemm_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf16_bits* bias, bf16_bits* y,
+void gemm_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
                  [[maybe_unused]] int threads) {
   const std::size_t panels = (s.n + kPanel - 1) / kPanel;
 #ifdef _OPENMP
@@ -274,12 +282,12 @@ void gemm_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const bf
     for (int part = 0; part < parts; ++part) {
       const std::size_t first = panels * static_cast<std::size_t>(part) / static_cast<std::size_t>(parts);
       const std::size_t last = panels * static_cast<std::size_t>(part + 1) / static_cast<std::size_t>(parts);
-      panels_avx512(s, x, w, bias, y, first, last, packing_buffer(s.k));
+      panels_avx512(s, x, w, epi, y, first, last, packing_buffer(s.k));
     }
     return;
   }
 #endif
-  panels_avx512(s, x, w, bias, y, 0, panels, packing_buffer(s.k));
+  panels_avx512(s, x, w, epi, y, 0, panels, packing_buffer(s.k));
 }
 
 }  // namespace
@@ -291,18 +299,20 @@ bool has_avx512_bf16() {
 }
 
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
-                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable, int threads) {
+                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable, int threads,
+                 std::span<const bf16_bits> residual) {
   require_size("linear_bf16", "x", x.size(), shape.m * shape.k);
   require_size("linear_bf16", "w", w.size(), shape.n * shape.k);
   require_size("linear_bf16", "y", y.size(), shape.m * shape.n);
   if (!bias.empty()) require_size("linear_bf16", "bias", bias.size(), shape.n);
-  const bf16_bits* b = bias.empty() ? nullptr : bias.data();
+  if (!residual.empty()) require_size("linear_bf16", "residual", residual.size(), shape.m * shape.n);
+  const Epilogue epi{bias.empty() ? nullptr : bias.data(), residual.empty() ? nullptr : residual.data()};
   if (!force_portable && has_avx512_bf16() && shape.m >= kPackedMinRows && shape.k % 2 == 0) {
-    gemm_avx512(shape, x.data(), w.data(), b, y.data(), threads);
+    gemm_avx512(shape, x.data(), w.data(), epi, y.data(), threads);
   } else if (!force_portable && has_avx512_bf16()) {
-    linear_avx512(shape, x.data(), w.data(), b, y.data(), threads >= 2);
+    linear_avx512(shape, x.data(), w.data(), epi, y.data(), threads >= 2);
   } else {
-    linear_portable(shape, x.data(), w.data(), b, y.data());
+    linear_portable(shape, x.data(), w.data(), epi, y.data());
   }
 }
 

@@ -27,12 +27,13 @@ struct LinearShape {
 // True when this CPU (and OS) runs the AVX512-BF16 path; otherwise linear_bf16 uses portable code.
 bool has_avx512_bf16();
 
-// x: m*k, w: n*k, y: m*n, bias: n or empty; all row-major and contiguous. Throws std::invalid_argument on a size
+// x: m*k, w: n*k, y: m*n, bias: n or empty, residual: m*n or empty (may be y itself); all row-major and
+// contiguous. y = x w^T + bias + residual, summed in float32 and rounded once. Throws std::invalid_argument on a size
 // mismatch. `force_portable` selects the portable path even where AVX512-BF16 exists (for tests). With `threads`
 // of 2 or more, a large product is split over that many OpenMP threads (torch's pool, shared through libgomp).
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
                  std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable = false,
-                 int threads = 1);
+                 int threads = 1, std::span<const bf16_bits> residual = {});
 
 inline float bf16_to_float(bf16_bits v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
 

@@ -20,16 +20,18 @@ std::vector<bf16_bits> random_bf16(std::size_t count, std::mt19937& gen) {
 
 // Relative error of y against a float64 product of the same bf16 inputs, within bf16 rounding of the output.
 void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool with_bias, bool portable,
-                             int threads = 1) {
+                             int threads = 1, bool with_residual = false) {
   std::mt19937 gen(static_cast<unsigned>(m * 1000003 + n * 1009 + k));
   const auto x = random_bf16(m * k, gen);
   const auto w = random_bf16(n * k, gen);
   const auto bias = with_bias ? random_bf16(n, gen) : std::vector<bf16_bits>{};
+  const auto residual = with_residual ? random_bf16(m * n, gen) : std::vector<bf16_bits>{};
   std::vector<bf16_bits> y(m * n, 0xffff);
-  linear_bf16({m, n, k}, x, w, bias, y, portable, threads);
+  linear_bf16({m, n, k}, x, w, bias, y, portable, threads, residual);
   for (std::size_t i = 0; i < m; ++i) {
     for (std::size_t j = 0; j < n; ++j) {
       double ref = with_bias ? bf16_to_float(bias[j]) : 0.0;
+      if (with_residual) ref += bf16_to_float(residual[i * n + j]);
       double magnitude = std::abs(ref);
       for (std::size_t p = 0; p < k; ++p) {
         const double term = double{bf16_to_float(x[i * k + p])} * bf16_to_float(w[j * k + p]);
@@ -85,6 +87,28 @@ TEST(packed_panels_every_tile_height_and_pair_tail_match_the_reference) {
   }
   for (std::size_t n : {129, 960}) check_against_reference(9, n, 576, true, false, 2);
   check_against_reference(70, 576, 1536, false, false, 2);
+}
+
+// A residual (the decoder's skip connection) is added before the one rounding, on every path.
+TEST(a_residual_is_added_on_every_path) {
+  for (bool portable : {false, true}) {
+    for (std::size_t m : {1, 2, 3, 9, 64}) check_against_reference(m, 100, 64, m % 2 == 1, portable, 1, true);
+  }
+  check_against_reference(2, 1538, 576, false, false, 2, true);  // the dot-product tiles, split
+  check_against_reference(64, 576, 1536, true, false, 2, true);  // the packed panels, split
+  // In place: the residual is y itself.
+  std::mt19937 gen(11);
+  const std::size_t m = 5, n = 50, k = 32;
+  const auto x = random_bf16(m * k, gen);
+  const auto w = random_bf16(n * k, gen);
+  auto y = random_bf16(m * n, gen);
+  const auto before = y;
+  std::vector<bf16_bits> separate(m * n);
+  linear_bf16({m, n, k}, x, w, {}, separate, false, 1, before);
+  linear_bf16({m, n, k}, x, w, {}, y, false, 1, y);
+  CHECK(y == separate);
+  std::vector<bf16_bits> short_residual(m * n - 1);
+  CHECK_THROWS(std::invalid_argument, linear_bf16({m, n, k}, x, w, {}, separate, false, 1, short_residual));
 }
 
 // Products this large are split over two threads (where built with OpenMP): both halves, and the row tile that

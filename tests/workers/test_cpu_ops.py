@@ -47,10 +47,11 @@ def test_bf16_products_on_contiguous_weights_take_the_native_kernel_unless_k_is_
     real = cpu_ops._KERNELS
 
     class Recording:
-        def linear_bf16(self, x: int, w: int, b: int, y: int, m: int, n: int, k: int, threads: int) -> None:
+        def linear_bf16(self, x: int, w: int, b: int, y: int, m: int, n: int, k: int, threads: int,
+                        residual: int) -> None:  # fmt: skip
             assert threads == torch.get_num_threads()  # torch's intra-op thread count is the kernel's too
             calls.append((m, n, k))
-            real.linear_bf16(x, w, b, y, m, n, k, threads=threads)
+            real.linear_bf16(x, w, b, y, m, n, k, threads=threads, residual=residual)
 
     monkeypatch.setattr(cpu_ops, "_KERNELS", Recording())
     weight = torch.randn(8, 64).to(torch.bfloat16)
@@ -247,3 +248,33 @@ def test_native_kv_write_equals_index_copy_and_refuses_bad_slots(dtype: torch.dt
     # Tensors it does not take are left to index_copy_: int32 slots, a cache dtype unlike the keys'.
     assert not cpu_ops.write_kv_(fresh_k, fresh_v, k, v, slots.int())
     assert not cpu_ops.write_kv_(fresh_k.double(), fresh_v.double(), k, v, slots)
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 7])  # the dot-product tiles and the packed panels
+def test_a_residual_is_added_before_the_one_rounding(rows: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    residual = (torch.randn(rows, 40, generator=gen) * 4).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = cpu_ops.linear(x, weight, None, residual)
+        plain = cpu_ops._plain_linear(x, weight, None, residual)  # PyTorch: the product rounded, then the sum
+    want = (x.double() @ weight.double().T + residual.double()).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+    assert torch.equal(plain, residual + torch.nn.functional.linear(x, weight))
+
+
+def test_tensor_parallel_hooks_see_the_projection_without_the_residual() -> None:
+    from ringserve.workers.model.llama import _project
+
+    proj = cpu_ops.Linear(8, 4, bias=False).to(torch.bfloat16)
+    seen: list[torch.Tensor] = []
+    proj.register_forward_hook(lambda _m, _i, out: seen.append(out.clone()))
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    residual = torch.randn(3, 4).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = _project(proj, x, residual)
+        alone = proj(x)
+    assert torch.equal(seen[0], alone)  # the hook got the projection alone (as an all-reduce needs)
+    assert torch.equal(out, residual + alone)

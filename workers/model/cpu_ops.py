@@ -46,8 +46,12 @@ def native_linear_available() -> bool:
     return _KERNELS is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the native kernel when the shapes and dtypes suit it."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) (+ residual, shaped like the output), through the native kernel when the shapes and
+    dtypes suit it; there the residual is added before the output's one rounding (PyTorch rounds the product, then
+    the sum)."""
     kernels = _KERNELS
     if (
         kernels is None
@@ -57,20 +61,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         or weight.device.type != "cpu"
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        return F.linear(x, weight, bias)
+        return _plain_linear(x, weight, bias, residual)
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
-        return F.linear(x, weight, bias)  # (F.linear reports any shape error)
+        return _plain_linear(x, weight, bias, residual)  # (F.linear reports any shape error)
     rows = x.numel() // max(x.shape[-1], 1)
     if rows == 0 or (rows > MAX_ANY_K_ROWS and x.shape[-1] % 2 != 0):
-        return F.linear(x, weight, bias)
+        return _plain_linear(x, weight, bias, residual)
     if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
-        return F.linear(x, weight, bias)
+        return _plain_linear(x, weight, bias, residual)
     n, k = weight.shape
+    if residual is not None and (residual.dtype is not torch.bfloat16 or residual.device.type != "cpu"
+                                 or residual.shape != (*x.shape[:-1], n)):  # fmt: skip
+        return _plain_linear(x, weight, bias, residual)
     x2 = x.reshape(rows, k).contiguous()
+    res = 0 if residual is None else residual.contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16)
     kernels.linear_bf16(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                        rows, n, k, threads=torch.get_num_threads())  # fmt: skip
+                        rows, n, k, threads=torch.get_num_threads(),
+                        residual=0 if isinstance(res, int) else res.data_ptr())  # fmt: skip
     return out.view(*x.shape[:-1], n)
+
+
+def _plain_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
 
 
 def native_attention_available() -> bool:
@@ -255,5 +271,6 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
 class Linear(nn.Linear):
     """nn.Linear (same parameters, hooks and state_dict) whose forward uses `linear`."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With `residual`, returns residual + the projection (see `linear`)."""
+        return linear(x, self.weight, self.bias, residual)

@@ -208,7 +208,8 @@ class LlamaAttention(nn.Module):
         self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output, plus `residual` when given."""
         tokens = x.shape[0]
         if self.qkv_weight is not None:
             heads = self.num_heads + 2 * self.num_kv_heads
@@ -228,7 +229,7 @@ class LlamaAttention(nn.Module):
         if self.k_cache is None or self.v_cache is None or self.backend is None:
             raise RuntimeError("no KV cache bound; call LlamaForCausalLM.bind_kv_cache before the forward pass")
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_attention_metadata(), self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return _project(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -242,14 +243,25 @@ class LlamaMLP(nn.Module):
     def fuse_projections(self) -> None:
         self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output, plus `residual` when given."""
         if self.gate_up_weight is not None:
             gate_up = linear(x, self.gate_up_weight)
             if gate_up.numel() and (activated := cpu_silu_mul(gate_up)) is not None:
-                return self.down_proj(activated)
+                return _project(self.down_proj, activated, residual)
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return _project(self.down_proj, F.silu(gate) * up, residual)
+        return _project(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
+
+
+def _project(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + proj(x): the add folded into the projection's kernel unless the module has forward hooks (tensor
+    parallelism all-reduces the projection's own output in one; the residual must be added after that)."""
+    if residual is None:
+        return proj(x)
+    if proj._forward_hooks or not isinstance(proj, Linear):
+        return residual + proj(x)
+    return proj(x, residual)
 
 
 @torch.no_grad()
@@ -289,8 +301,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(positions, self.input_layernorm(x), residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):
