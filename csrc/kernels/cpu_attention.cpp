@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace ringserve::kernels {
@@ -174,13 +176,82 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
   }
 }
 
+// Streams the K and V token rows of the sequence a thread attends to next into L2, a few cache lines per call, while
+// the current sequence's later passes run from cache: its memory then overlaps this one's arithmetic.
+template <class T>
+class NextSequenceFeeder {
+ public:
+  NextSequenceFeeder(const Job<T>& job, std::ptrdiff_t seq) : job_(job) {
+    if (seq < 0) return;
+    const auto& s = job.shape;
+    seq_ = static_cast<std::size_t>(seq);
+    len_ = static_cast<std::size_t>(job.index.seq_lens[seq_]);
+    row_bytes_ = s.num_kv_heads * s.head_dim * sizeof(T);
+    block_bytes_ = s.block_size * row_bytes_;
+    total_ = 2 * ((len_ + s.block_size - 1) / s.block_size);  // K blocks, then V blocks
+  }
+
+  // Issues up to `lines` prefetches, continuing where the last call stopped.
+  void feed(std::size_t lines) {
+    const auto& s = job_.shape;
+    while (lines > 0 && block_ < total_) {
+      const std::size_t b = block_ % (total_ / 2);
+      const T* cache = block_ < total_ / 2 ? job_.k_cache : job_.v_cache;
+      const std::size_t bytes = std::min(s.block_size, len_ - b * s.block_size) * row_bytes_;
+      const auto id = static_cast<std::size_t>(job_.index.block_tables[seq_ * s.table_stride + b]);
+      const char* base = reinterpret_cast<const char*>(cache) + id * block_bytes_;
+      for (; byte_ < bytes && lines > 0; byte_ += 64, --lines) _mm_prefetch(base + byte_, _MM_HINT_T1);
+      if (byte_ >= bytes) byte_ = 0, ++block_;
+    }
+  }
+
+  std::size_t lines() const { return total_ * block_bytes_ / 64; }
+
+ private:
+  const Job<T>& job_;
+  std::size_t seq_ = 0, len_ = 0, row_bytes_ = 0, block_bytes_ = 0;
+  std::size_t total_ = 0, block_ = 0, byte_ = 0;
+};
+
+// bf16 scores with AVX512-BF16, for up to 16 positions at once: their key rows (at k_cache + offsets[i], i < rows)
+// are transposed 16 k-pairs at a time so that each lane holds one position, and each of the `count` (at most 4)
+// query heads at q (kPairs * 2 values apart, unscaled) is broadcast one k-pair at a time into dot products: no
+// horizontal sums. scores[c * stride + i] = scale * q_c . k_i.
+template <std::size_t kPairs>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void score_block_bf16(
+    const bf16_bits* k_cache, const std::size_t* offsets, std::size_t rows, const bf16_bits* q, std::size_t count,
+    float scale, float* scores, std::size_t stride) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (std::size_t half = 0; half < kPairs; half += 16) {
+    __m512i r[16];
+    for (std::size_t p = 0; p < 16; ++p) {
+      r[p] = p < rows ? _mm512_loadu_si512(k_cache + offsets[p] + 2 * half) : _mm512_setzero_si512();
+    }
+    transpose16x16(r);  // r[j]: k-pair half + j of the 16 positions
+    for (std::size_t c = 0; c < 4; ++c) {
+      if (c >= count) break;
+      const bf16_bits* qc = q + c * 2 * kPairs + 2 * half;
+      for (std::size_t j = 0; j < 16; ++j) {
+        uint32_t pair = 0;
+        std::memcpy(&pair, qc + 2 * j, sizeof pair);
+        acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)r[j],
+                                  (__m512bh)_mm512_maskz_set1_epi32(0xffff, static_cast<int>(pair)));
+      }
+    }
+  }
+  for (std::size_t c = 0; c < count; ++c) {
+    _mm512_storeu_ps(scores + c * stride, _mm512_mul_ps(acc[c], _mm512_set1_ps(scale)));
+  }
+}
+
 // AVX-512 path for head_dim = 16 * kVectors (64 or 128: every llama-family model), one whole sequence, a chunk of
 // the query heads sharing one KV head at a time, so that each K or V row is converted once for the chunk and the
 // output accumulators stay in registers (kChunk * kVectors = 16 of them). A query-key score is a dot product over
 // head_dim; rather than summing each product vector's 16 lanes apart, 16 positions' vectors are transposed and
 // added, which leaves the 16 scores in one register.
 template <class T, std::size_t kVectors>
-__attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, std::size_t seq) {
+__attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, std::size_t seq,
+                                                             std::ptrdiff_t next_seq) {
   constexpr std::size_t kHd = kLanes * kVectors;
   constexpr std::size_t kChunk = 16 / kVectors;
   const auto& s = job.shape;
@@ -197,13 +268,31 @@ __attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, s
     _mm512_storeu_ps(w.query.data() + i, _mm512_mul_ps(load16(q + i), _mm512_set1_ps(job.scale)));
   }
   T* out = job.out + row * heads * kHd;
+  const bool dot_bf16 = has_avx512_bf16();
+  NextSequenceFeeder<T> feeder(job, next_seq);
+  // Every pass after the first (which brings this sequence's own rows in) feeds a share of the next sequence's.
+  const std::size_t later_passes = s.num_kv_heads * ((group + kChunk - 1) / kChunk) * 2 - 1;
+  const std::size_t per_position = later_passes == 0 ? 0 : feeder.lines() / (later_passes * len) + 1;
   for (std::size_t kv = 0; kv < s.num_kv_heads; ++kv) {
     for (std::size_t h0 = 0; h0 < group; h0 += kChunk) {
       const std::size_t first = kv * group + h0;  // the chunk's first query head
       const std::size_t count = std::min(kChunk, group - h0);
       float* products = w.acc.data();
-      // Scores: each position's product vectors go to `products`; every 16 positions they become 16 scores.
+      // Scores: each position's product vectors go to `products`; every 16 positions they become 16 scores. bf16 keys
+      // on CPUs with AVX512-BF16 take score_block_bf16 instead, on each 16 positions' offsets.
+      std::size_t offsets[kLanes];
       const auto score = [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
+        if constexpr (std::is_same_v<T, bf16_bits>) {
+          if (dot_bf16) {
+            const std::size_t slot = pos % kLanes;
+            offsets[slot] = offset;
+            if (slot + 1 == kLanes || pos + 1 == len) {
+              score_block_bf16<kHd / 2>(job.k_cache, offsets, slot + 1, q + first * kHd, count, job.scale,
+                                        w.scores.data() + first * stride + (pos - slot), stride);
+            }
+            return;
+          }
+        }
         const T* k = job.k_cache + offset;
         __m512 kvec[kVectors];
         for (std::size_t v = 0; v < kVectors; ++v) kvec[v] = load16(k + v * kLanes);
@@ -240,7 +329,10 @@ __attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, s
           score(pos, offset);
         });
       } else {
-        for_each_position<false>(job, seq, len, kv, job.k_cache, score);
+        for_each_position<false>(job, seq, len, kv, job.k_cache, [&](std::size_t pos, std::size_t offset) {
+          feeder.feed(per_position);
+          score(pos, offset);
+        });
       }
       // Softmax numerators in place, and their sums.
       float sums[kChunk];
@@ -282,10 +374,14 @@ __attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, s
           for (std::size_t v = 0; v < kVectors; ++v) acc[c][v] = _mm512_fmadd_ps(p, vvec[v], acc[c][v]);
         }
       };
+      const auto weigh_and_feed = [&](std::size_t pos, std::size_t offset) {
+        feeder.feed(per_position);
+        weigh(pos, offset);
+      };
       if (kv == 0 && h0 == 0) {
-        for_each_position<true>(job, seq, len, kv, job.v_cache, weigh);
+        for_each_position<true>(job, seq, len, kv, job.v_cache, weigh_and_feed);
       } else {
-        for_each_position<false>(job, seq, len, kv, job.v_cache, weigh);
+        for_each_position<false>(job, seq, len, kv, job.v_cache, weigh_and_feed);
       }
       for (std::size_t c = 0; c < count; ++c) {
         const __m512 inv = _mm512_set1_ps(1.0F / sums[c]);
@@ -342,10 +438,12 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   const std::size_t items = index.seq_ids.size();
   auto attend = [&](std::size_t item) {
     const auto seq = static_cast<std::size_t>(index.seq_ids[item]);
+    // The sequence this thread most likely attends to next (a static schedule gives each thread a contiguous range).
+    const std::ptrdiff_t next = item + 1 < items ? index.seq_ids[item + 1] : -1;
     if (vector && shape.head_dim == 64) {
-      attend_avx512_fixed<T, 4>(job, seq);
+      attend_avx512_fixed<T, 4>(job, seq, next);
     } else if (vector && shape.head_dim == 128) {
-      attend_avx512_fixed<T, 8>(job, seq);
+      attend_avx512_fixed<T, 8>(job, seq, next);
     } else if (vector) {
       attend_avx512(job, seq);
     } else {

@@ -63,31 +63,35 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Transposes the 16 x 16 matrix of 32-bit values in r (in place, in registers).
+// Transposes the 16 x 16 matrix of 32-bit values in r (in place, in registers). The zero-masked forms with full masks
+// are the plain instructions; GCC 12 flags the plain intrinsics' undefined pass-through operand as uninitialized once
+// inlined (see load16).
 __attribute__((target("avx512f"))) inline void transpose16x16(__m512i (&r)[16]) {
+  const __mmask16 all = 0xffff;
+  const __mmask8 all8 = 0xff;
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    t[i] = _mm512_maskz_unpacklo_epi32(all, r[i], r[i + 1]);
+    t[i + 1] = _mm512_maskz_unpackhi_epi32(all, r[i], r[i + 1]);
   }
   // u[4g + m] holds, in each 128-bit lane L, column 4L + m of rows 4g .. 4g + 3.
   __m512i u[16];
   for (int g = 0; g < 4; ++g) {
     const int b = 4 * g;
-    u[b + 0] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
-    u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
-    u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
-    u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    u[b + 0] = _mm512_maskz_unpacklo_epi64(all8, t[b], t[b + 2]);
+    u[b + 1] = _mm512_maskz_unpackhi_epi64(all8, t[b], t[b + 2]);
+    u[b + 2] = _mm512_maskz_unpacklo_epi64(all8, t[b + 1], t[b + 3]);
+    u[b + 3] = _mm512_maskz_unpackhi_epi64(all8, t[b + 1], t[b + 3]);
   }
   for (int m = 0; m < 4; ++m) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
-    const __m512i x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-    r[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[4 + m] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[8 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+    const __m512i x0 = _mm512_maskz_shuffle_i32x4(all, u[m], u[4 + m], 0x44);
+    const __m512i x1 = _mm512_maskz_shuffle_i32x4(all, u[m], u[4 + m], 0xEE);
+    const __m512i y0 = _mm512_maskz_shuffle_i32x4(all, u[8 + m], u[12 + m], 0x44);
+    const __m512i y1 = _mm512_maskz_shuffle_i32x4(all, u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_maskz_shuffle_i32x4(all, x0, y0, 0x88);
+    r[4 + m] = _mm512_maskz_shuffle_i32x4(all, x0, y0, 0xDD);
+    r[8 + m] = _mm512_maskz_shuffle_i32x4(all, x1, y1, 0x88);
+    r[12 + m] = _mm512_maskz_shuffle_i32x4(all, x1, y1, 0xDD);
   }
 }
 
