@@ -1,5 +1,6 @@
 #include "kernels/cpu_attention.h"
 
+#include "kernels/parallel.h"
 #include "kernels/simd_avx512.h"
 
 #include <immintrin.h>
@@ -431,7 +432,7 @@ void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::siz
 template <class T>
 void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const T> q,
          std::span<const T> k_cache, std::span<const T> v_cache, std::span<T> out, float scale,
-         [[maybe_unused]] int threads) {
+         int threads) {
   validate(shape, index, q.size(), k_cache.size(), v_cache.size(), out.size());
   const Job<T> job{shape, index, q.data(), k_cache.data(), v_cache.data(), out.data(), scale};
   const bool vector = has_avx512f() && shape.head_dim % kLanes == 0;
@@ -450,17 +451,9 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
       for (std::size_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) attend_scalar(job, seq, kv_head);
     }
   };
-#ifdef _OPENMP
   std::size_t work = 0;
   for (const int32_t seq : index.seq_ids) work += static_cast<std::size_t>(index.seq_lens[seq]);
-  if (threads >= 2 && items >= 2 && work * shape.num_heads >= kParallelWork) {
-    const auto count = static_cast<std::ptrdiff_t>(items);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (std::ptrdiff_t item = 0; item < count; ++item) attend(static_cast<std::size_t>(item));
-    return;
-  }
-#endif
-  for (std::size_t item = 0; item < items; ++item) attend(item);
+  for_each_item(items, threads, work * shape.num_heads >= kParallelWork, attend);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "kernels/cpu_elementwise.h"
 
+#include "kernels/parallel.h"
 #include "kernels/simd_avx512.h"
 
 #include <cmath>
@@ -91,12 +92,10 @@ __attribute__((target("avx512f"))) void silu_mul_avx512(const T* gate, const T* 
   silu_mul_scalar(gate + j, up + j, out + j, count - j);
 }
 
-// Below this many values a call stays on the calling thread (waking a second costs more than it saves).
-constexpr std::size_t kParallelValues = std::size_t{1} << 14;
 
 template <class T>
 void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std::span<T> out,
-              [[maybe_unused]] int threads) {
+              int threads) {
   constexpr const char* op = "silu_mul";
   require(gate_up.size() == rows * 2 * dim, op, "gate_up must be [rows, 2 * dim]");
   require(out.size() == rows * dim, op, "out must be [rows, dim]");
@@ -109,15 +108,7 @@ void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std
       silu_mul_scalar(gate, gate + dim, out.data() + r * dim, dim);
     }
   };
-#ifdef _OPENMP
-  if (threads >= 2 && rows >= 2 && rows * dim >= kParallelValues) {
-    const auto count = static_cast<long>(rows);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < count; ++r) one(static_cast<std::size_t>(r));
-    return;
-  }
-#endif
-  for (std::size_t r = 0; r < rows; ++r) one(r);
+  for_each_item(rows, threads, rows * dim >= kParallelValues, one);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "kernels/cpu_norm.h"
 
+#include "kernels/parallel.h"
 #include "kernels/simd_avx512.h"
 
 #include <cmath>
@@ -56,12 +57,10 @@ __attribute__((target("avx512f"))) void row_avx512(const T* in, const T* weight,
   }
 }
 
-// Below this many values a call stays on the calling thread.
-constexpr std::size_t kParallelValues = std::size_t{1} << 14;
 
 template <class T>
 void rms_norm_rows(std::size_t rows, std::size_t dim, std::span<const T> x, std::span<const T> weight, std::span<T> out,
-                   float eps, [[maybe_unused]] int threads) {
+                   float eps, int threads) {
   require_size(kOp, "x", x.size(), rows * dim);
   require_size(kOp, "out", out.size(), rows * dim);
   require_size(kOp, "weight", weight.size(), dim);
@@ -76,15 +75,7 @@ void rms_norm_rows(std::size_t rows, std::size_t dim, std::span<const T> x, std:
       row_scalar(in, weight.data(), o, dim, eps);
     }
   };
-#ifdef _OPENMP
-  if (threads >= 2 && rows >= 2 && rows * dim >= kParallelValues) {
-    const auto count = static_cast<long>(rows);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < count; ++r) one(static_cast<std::size_t>(r));
-    return;
-  }
-#endif
-  for (std::size_t r = 0; r < rows; ++r) one(r);
+  for_each_item(rows, threads, rows * dim >= kParallelValues, one);
 }
 
 }  // namespace

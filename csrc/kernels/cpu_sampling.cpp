@@ -1,5 +1,6 @@
 #include "kernels/cpu_sampling.h"
 
+#include "kernels/parallel.h"
 #include <cmath>
 #include <limits>
 
@@ -84,7 +85,7 @@ __attribute__((target("avx512f"))) RowResult row_avx512(const T* row, std::size_
 
 template <class T>
 void argmax_logprob_rows(std::size_t rows, std::size_t vocab, std::span<const T> logits, std::span<int64_t> ids,
-                         std::span<float> logprobs, [[maybe_unused]] int threads) {
+                         std::span<float> logprobs, int threads) {
   require(vocab > 0, kOp, "vocab must be positive");
   require_size(kOp, "logits", logits.size(), rows * vocab);
   require_size(kOp, "ids", ids.size(), rows);
@@ -96,15 +97,7 @@ void argmax_logprob_rows(std::size_t rows, std::size_t vocab, std::span<const T>
     ids[r] = result.id;
     logprobs[r] = result.logprob;
   };
-#ifdef _OPENMP
-  if (threads >= 2 && rows >= 2) {
-    const auto count = static_cast<long>(rows);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < count; ++r) one(static_cast<std::size_t>(r));
-    return;
-  }
-#endif
-  for (std::size_t r = 0; r < rows; ++r) one(r);
+  for_each_item(rows, threads, true, one);
 }
 
 }  // namespace

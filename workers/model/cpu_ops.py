@@ -74,11 +74,12 @@ def linear(
                                  or residual.shape != (*x.shape[:-1], n)):  # fmt: skip
         return _plain_linear(x, weight, bias, residual)
     x2 = x.reshape(rows, k).contiguous()
-    res = 0 if residual is None else residual.contiguous()
+    if residual is not None:
+        residual = residual.contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16)
     kernels.linear_bf16(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
                         rows, n, k, threads=torch.get_num_threads(),
-                        residual=0 if isinstance(res, int) else res.data_ptr())  # fmt: skip
+                        residual=0 if residual is None else residual.data_ptr())  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 
@@ -87,6 +88,11 @@ def _plain_linear(
 ) -> torch.Tensor:
     out = F.linear(x, weight, bias)
     return out if residual is None else residual + out
+
+
+def _small_kernel_input(x: torch.Tensor) -> bool:
+    """What every kernel but the projections asks of its main tensor: on the CPU, float32 or bf16, no autograd."""
+    return x.device.type == "cpu" and x.dtype in _ATTENTION_DTYPES and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 def native_attention_available() -> bool:
@@ -138,11 +144,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     kernels = _ATTENTION
     if (
         kernels is None
-        or x.device.type != "cpu"
-        or x.dtype not in _ATTENTION_DTYPES
+        or not _small_kernel_input(x)
         or weight.dtype is not x.dtype
         or not weight.is_contiguous()
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or (torch.is_grad_enabled() and weight.requires_grad)
     ):
         return None
     dim = x.shape[-1]
@@ -163,13 +168,11 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bo
     kernels = _ATTENTION
     if (
         kernels is None
-        or x.device.type != "cpu"
-        or x.dtype not in _ATTENTION_DTYPES
+        or not _small_kernel_input(x)
         or x.dim() != 3
         or x.stride(2) != 1
         or x.stride(1) != x.shape[2]
         or x.shape[2] % 2
-        or (torch.is_grad_enabled() and x.requires_grad)
         or cos_sin.dtype is not torch.float32
         or cos_sin.device.type != "cpu"
         or not cos_sin.is_contiguous()
@@ -192,11 +195,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     kernels = _ATTENTION
     if (
         kernels is None
-        or gate_up.device.type != "cpu"
-        or gate_up.dtype not in _ATTENTION_DTYPES
+        or not _small_kernel_input(gate_up)
         or gate_up.dim() == 0
         or gate_up.shape[-1] % 2
-        or (torch.is_grad_enabled() and gate_up.requires_grad)
     ):
         return None
     dim = gate_up.shape[-1] // 2
@@ -252,11 +253,9 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     kernels = _ATTENTION
     if (
         kernels is None
-        or logits.device.type != "cpu"
-        or logits.dtype not in _ATTENTION_DTYPES
+        or not _small_kernel_input(logits)
         or logits.dim() != 2
         or logits.shape[1] == 0
-        or (torch.is_grad_enabled() and logits.requires_grad)
     ):
         return None
     logits = logits.contiguous()
