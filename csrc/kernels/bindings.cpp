@@ -3,11 +3,15 @@
 // The module does not link libtorch: the Python side (workers/model/cpu_ops.py) checks dtype, device, shape and
 // contiguity and passes data_ptr() values; the tensors stay alive for the call, which releases the GIL.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <vector>
 
 #include "kernels/cpu_attention.h"
+#include "kernels/cpu_decoder.h"
 #include "kernels/cpu_elementwise.h"
 #include "kernels/cpu_linear.h"
 #include "kernels/cpu_norm.h"
@@ -131,6 +135,49 @@ void argmax_logprob(bool bf16, std::uintptr_t logits, std::uintptr_t ids, std::u
   }
 }
 
+// A decoder's borrowed memory by address: per layer [input_norm, qkv_weight, qkv_bias (0 = none), o_weight,
+// post_norm, gate_up_weight, down_weight, k_cache, v_cache]; the Python side keeps the tensors alive.
+std::unique_ptr<ringserve::kernels::DecoderBf16> make_decoder(
+    std::size_t hidden, std::size_t num_heads, std::size_t num_kv_heads, std::size_t head_dim,
+    std::size_t intermediate, std::size_t num_blocks, std::size_t block_size, std::size_t max_position, float rms_eps,
+    float attention_scale, const std::vector<std::vector<std::uintptr_t>>& layers, std::uintptr_t final_norm) {
+  namespace k = ringserve::kernels;
+  const k::DecoderDims d{hidden,     num_heads,    num_kv_heads, head_dim, intermediate,
+                         num_blocks, block_size,   max_position, rms_eps,  attention_scale};
+  const std::size_t qkv = d.qkv_features();
+  std::vector<k::DecoderLayerBf16> spans;
+  spans.reserve(layers.size());
+  for (const auto& a : layers) {
+    if (a.size() != 9) throw py::value_error("each decoder layer needs 9 addresses");
+    spans.push_back({view<const bf16_bits>(a[0], hidden), view<const bf16_bits>(a[1], qkv * hidden),
+                     a[2] == 0 ? std::span<const bf16_bits>{} : view<const bf16_bits>(a[2], qkv),
+                     view<const bf16_bits>(a[3], hidden * num_heads * head_dim), view<const bf16_bits>(a[4], hidden),
+                     view<const bf16_bits>(a[5], 2 * intermediate * hidden),
+                     view<const bf16_bits>(a[6], hidden * intermediate), view<bf16_bits>(a[7], d.cache_values()),
+                     view<bf16_bits>(a[8], d.cache_values())});
+  }
+  return std::make_unique<k::DecoderBf16>(d, std::move(spans), view<const bf16_bits>(final_norm, hidden));
+}
+
+void decoder_decode(ringserve::kernels::DecoderBf16& decoder, std::uintptr_t hidden, std::uintptr_t normed,
+                    std::uintptr_t positions, std::uintptr_t slots, std::uintptr_t cos_sin,
+                    std::uintptr_t block_tables, std::uintptr_t seq_lens, std::size_t rows, std::size_t table_stride,
+                    int threads) {
+  const auto& d = decoder.dims();
+  const ringserve::kernels::DecodeStepBf16 step{
+      rows,
+      view<bf16_bits>(hidden, rows * d.hidden),
+      view<bf16_bits>(normed, rows * d.hidden),
+      view<const int64_t>(positions, rows),
+      view<const int64_t>(slots, rows),
+      view<const float>(cos_sin, 2 * d.max_position * d.head_dim),
+      view<const int32_t>(block_tables, rows * table_stride),
+      view<const int32_t>(seq_lens, rows),
+      table_stride};
+  py::gil_scoped_release release;
+  decoder.decode(step, threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -171,4 +218,19 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("rows"), py::arg("vocab"), py::arg("threads") = 1,
         "Greedy tokens of logits [rows, vocab] (contiguous float32 or bfloat16 memory given by address): writes the "
         "first index of each row's maximum to ids (int64 [rows]) and its log-softmax value to logprobs (float32).");
+  py::class_<ringserve::kernels::DecoderBf16>(m, "DecoderBf16",
+                                               "A llama decoder's layers and final norm for decode steps, as one call "
+                                               "(bfloat16; weights and KV caches borrowed by address).")
+      .def(py::init(&make_decoder), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("max_position"), py::arg("rms_eps"), py::arg("attention_scale"), py::arg("layers"),
+           py::arg("final_norm"))
+      .def_property_readonly("num_layers", &ringserve::kernels::DecoderBf16::num_layers)
+      .def("decode", &decoder_decode, py::arg("hidden"), py::arg("normed"), py::arg("positions"), py::arg("slots"),
+           py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("rows"), py::arg("table_stride"),
+           py::arg("threads") = 1,
+           "One decode step of `rows` sequences (one new token each): hidden [rows, hidden] (bf16) holds the "
+           "embeddings in and the last layer's output out, normed gets its final RMSNorm; positions and slots are "
+           "int64 [rows], cos_sin the float32 RoPE table, block_tables int32 [rows, table_stride], seq_lens int32 "
+           "[rows]. Raises ValueError on anything out of range, before writing.");
 }

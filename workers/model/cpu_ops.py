@@ -99,6 +99,16 @@ def native_attention_available() -> bool:
     return _ATTENTION is not None
 
 
+# The whole decode step's layers as one native call (see csrc/kernels/cpu_decoder.h): it composes the kernels above,
+# so it needs both the projection and the attention kernels; RINGSERVE_NATIVE_DECODE=0 keeps the layer-by-layer path.
+_DECODER = _KERNELS if _ATTENTION is not None and os.environ.get("RINGSERVE_NATIVE_DECODE", "1") != "0" else None
+
+
+def native_decoder_module() -> Any | None:
+    """The kernels module when it may run whole decode steps (`DecoderBf16`), else None."""
+    return _DECODER
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionBackend, get_attention_backend, get_attention_metadata
-from ringserve.workers.model.cpu_ops import Linear, linear
+from ringserve.workers.model.cpu_ops import Linear, linear, native_decoder_module
 from ringserve.workers.model.cpu_ops import rms_norm as cpu_rms_norm
 from ringserve.workers.model.cpu_ops import rope_ as cpu_rope_
 from ringserve.workers.model.cpu_ops import silu_mul as cpu_silu_mul
@@ -358,6 +358,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Decode steps on CPU in bf16 run every layer in one native call (NativeDecoder) unless this is False. The
+        # decoder borrows the weights' and caches' memory: it is rebuilt after fuse_projections / bind_kv_cache, and
+        # weights must not be replaced in between.
+        self.native_decode = True
+        self._native_decoder: NativeDecoder | bool | None = None  # None: not built yet; False: cannot be built
 
     def fuse_projections(self) -> None:
         """Concatenates q/k/v and gate/up weights for inference (call once, after the weights are loaded), then
@@ -366,6 +371,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         self._place_weights_on_huge_pages()
+        self._native_decoder = None
 
     @torch.no_grad()
     def _place_weights_on_huge_pages(self) -> None:
@@ -390,6 +396,7 @@ class LlamaForCausalLM(nn.Module):
         backend = backend or get_attention_backend("auto", kv_cache.k[0].device)
         for layer, k, v in zip(self.model.layers, kv_cache.k, kv_cache.v, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache, layer.self_attn.backend = k, v, backend
+        self._native_decoder = None
 
     def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int) -> torch.Tensor:
         """Logits of every row from the first `num_layers` layers, the final norm and the LM head (a self-draft)."""
@@ -401,13 +408,107 @@ class LlamaForCausalLM(nn.Module):
             self.model.rotary.end_step()
         return self.lm_head(self.model.norm(x)).float()
 
+    def _decode_natively(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The final-normed hidden states of a decode step by the native decoder, or None where it does not apply
+        (a prefill row, a speculative tree, another dtype or device, tensor parallelism, the kernels missing)."""
+        md = get_attention_metadata()
+        query_lens = md.query_lens_cpu
+        if md.tree_masks or len(query_lens) != input_ids.shape[0] or not query_lens or max(query_lens) != 1:
+            return None
+        if input_ids.device.type != "cpu":
+            return None
+        decoder = self._native_decoder
+        if decoder is None:
+            module = native_decoder_module()
+            decoder = NativeDecoder(self, module) if module is not None and NativeDecoder.supports(self) else False
+            self._native_decoder = decoder
+        if decoder is False:
+            return None
+        for index in (md.slot_mapping, md.block_tables, md.seq_lens):
+            if index.device.type != "cpu" or not index.is_contiguous():
+                return None
+        if md.slot_mapping.dtype is not torch.int64 or md.block_tables.dtype is not torch.int32 or (
+                md.seq_lens.dtype is not torch.int32):  # fmt: skip
+            return None
+        return decoder.decode(input_ids, positions, md)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
         """Packed token ids and positions [num_tokens] -> logits for the metadata's logits rows: float32, or with
         `float_logits=False` in the weights' dtype (what the sampler's greedy pass reads without a float32 copy;
         widening bf16 to float32 later is exact)."""
-        hidden = self.model(input_ids, positions)
+        hidden = self._decode_natively(input_ids, positions) if self.native_decode else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions)
         rows = get_attention_metadata().logits_indices
         if rows is not None:
             hidden = hidden[rows]
         logits = self.lm_head(hidden)
         return logits.float() if float_logits else logits
+
+
+class NativeDecoder:
+    """Every layer and the final norm of a decode step (one new token per sequence) in one call of the native
+    decoder (csrc/kernels/cpu_decoder.h): the same kernels, order and roundings as the layer-by-layer path, so the
+    same bits, without a dozen Python-dispatched operators per layer. Holds the tensors whose memory it borrows."""
+
+    def __init__(self, model: LlamaForCausalLM, module: Any) -> None:
+        cfg = model.config
+        layers = model.model.layers
+        k0 = layers[0].self_attn.k_cache
+        assert k0 is not None
+        self._tensors: list[torch.Tensor] = []
+        addresses = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = (layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
+                     layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, attn.k_cache,
+                     attn.v_cache)  # fmt: skip
+            addresses.append([0 if t is None else t.data_ptr() for t in parts])
+            self._tensors += [t for t in parts if t is not None]
+        self._tensors.append(model.model.norm.weight)
+        self._decoder = module.DecoderBf16(
+            hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size, num_blocks=k0.shape[0], block_size=k0.shape[1],
+            max_position=cfg.max_position, rms_eps=cfg.rms_eps, attention_scale=layers[0].self_attn.scale,
+            layers=addresses, final_norm=model.model.norm.weight.data_ptr(),
+        )  # fmt: skip
+        self._embed = model.model.embed_tokens
+        self._rotary = model.model.rotary
+
+    @staticmethod
+    def supports(model: LlamaForCausalLM) -> bool:
+        """bf16 weights and caches on the CPU, fused projections, no hooks (tensor parallelism adds collectives as
+        forward hooks), even widths (the native projection's layout for batches of three or more rows)."""
+        cfg = model.config
+        if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+            return False
+        if type(model.model.embed_tokens) is not nn.Embedding or cfg.hidden_size % 2 or cfg.intermediate_size % 2:
+            return False
+        if (cfg.num_heads * cfg.head_dim) % 2:
+            return False
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors = (layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
+                       layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, attn.k_cache,
+                       attn.v_cache)  # fmt: skip
+            if attn.qkv_weight is None or mlp.gate_up_weight is None or attn.k_cache is None or attn.v_cache is None:
+                return False
+            if attn.k_cache.shape != attn.v_cache.shape or attn.k_cache.dim() != 4:
+                return False
+            for t in tensors:
+                if t is not None and (t.dtype is not torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()):
+                    return False
+        norm = model.model.norm.weight
+        return norm.dtype is torch.bfloat16 and norm.device.type == "cpu"
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        """The final-normed hidden states [rows, hidden] of a decode step."""
+        x = self._embed(input_ids).contiguous()
+        normed = torch.empty_like(x)
+        pos = positions.long().contiguous()  # no copy when it already is
+        slots, tables, seq_lens = metadata.slot_mapping, metadata.block_tables, metadata.seq_lens
+        cos_sin = self._rotary.cos_sin(x.device)
+        self._decoder.decode(x.data_ptr(), normed.data_ptr(), pos.data_ptr(), slots.data_ptr(), cos_sin.data_ptr(),
+                             tables.data_ptr(), seq_lens.data_ptr(), x.shape[0], tables.shape[1],
+                             threads=torch.get_num_threads())  # fmt: skip
+        return normed

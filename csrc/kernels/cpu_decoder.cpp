@@ -1,0 +1,150 @@
+#include "kernels/cpu_decoder.h"
+
+#include <string>
+#include <utility>
+
+#include "kernels/cpu_elementwise.h"
+#include "kernels/cpu_norm.h"
+
+namespace ringserve::kernels {
+
+namespace {
+
+constexpr const char* kOp = "decoder_bf16";
+
+void check(bool ok, const std::string& what) { require(ok, kOp, what); }
+
+void check_size(const std::string& layer, const char* what, std::size_t got, std::size_t want) {
+  require(got == want, kOp, layer + what + " holds " + std::to_string(got) + " values, expected " +
+                                std::to_string(want));
+}
+
+template <class T>
+std::span<T> first(std::vector<T>& v, std::size_t n) {
+  return std::span<T>(v).first(n);
+}
+
+}  // namespace
+
+DecoderBf16::DecoderBf16(const DecoderDims& dims, std::vector<DecoderLayerBf16> layers,
+                         std::span<const bf16_bits> final_norm)
+    : dims_(dims), layers_(std::move(layers)), final_norm_(final_norm) {
+  const DecoderDims& d = dims_;
+  check(d.hidden > 0 && d.num_heads > 0 && d.num_kv_heads > 0 && d.head_dim > 0 && d.intermediate > 0,
+        "every dimension must be positive");
+  check(d.num_heads % d.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  check(d.head_dim % 2 == 0, "head_dim must be even (RoPE pairs)");
+  check(d.block_size > 0 && d.num_blocks > 0 && d.max_position > 0, "the cache and RoPE table must not be empty");
+  const std::size_t qkv = d.qkv_features();
+  const std::size_t attention = d.num_heads * d.head_dim;
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const DecoderLayerBf16& l = layers_[i];
+    const std::string name = "layer " + std::to_string(i) + " ";
+    check_size(name, "input_norm", l.input_norm.size(), d.hidden);
+    check_size(name, "qkv_weight", l.qkv_weight.size(), qkv * d.hidden);
+    if (!l.qkv_bias.empty()) check_size(name, "qkv_bias", l.qkv_bias.size(), qkv);
+    check_size(name, "o_weight", l.o_weight.size(), d.hidden * attention);
+    check_size(name, "post_norm", l.post_norm.size(), d.hidden);
+    check_size(name, "gate_up_weight", l.gate_up_weight.size(), 2 * d.intermediate * d.hidden);
+    check_size(name, "down_weight", l.down_weight.size(), d.hidden * d.intermediate);
+    check_size(name, "k_cache", l.k_cache.size(), d.cache_values());
+    check_size(name, "v_cache", l.v_cache.size(), d.cache_values());
+  }
+  check_size("", "final_norm", final_norm_.size(), d.hidden);
+}
+
+void DecoderBf16::check_step(const DecodeStepBf16& step) const {
+  const DecoderDims& d = dims_;
+  const std::size_t rows = step.rows;
+  check_size("", "hidden", step.hidden.size(), rows * d.hidden);
+  check_size("", "normed", step.normed.size(), rows * d.hidden);
+  check_size("", "positions", step.positions.size(), rows);
+  check_size("", "slots", step.slots.size(), rows);
+  check_size("", "cos_sin", step.cos_sin.size(), 2 * d.max_position * d.head_dim);
+  check_size("", "block_tables", step.block_tables.size(), rows * step.table_stride);
+  check_size("", "seq_lens", step.seq_lens.size(), rows);
+  const std::size_t cache_slots = d.num_blocks * d.block_size;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const int64_t position = step.positions[r];
+    check(position >= 0 && static_cast<std::size_t>(position) < d.max_position,
+          "position " + std::to_string(position) + " outside the RoPE table");
+    const int64_t slot = step.slots[r];
+    check(slot >= 0 && static_cast<std::size_t>(slot) < cache_slots,
+          "slot " + std::to_string(slot) + " outside the cache");
+    const int32_t len = step.seq_lens[r];
+    check(len >= 1 && static_cast<std::size_t>(len) <= step.table_stride * d.block_size,
+          "sequence length " + std::to_string(len) + " does not fit its block table");
+    const std::size_t blocks = (static_cast<std::size_t>(len) + d.block_size - 1) / d.block_size;
+    for (std::size_t b = 0; b < blocks; ++b) {
+      const int32_t block = step.block_tables[r * step.table_stride + b];
+      check(block >= 0 && static_cast<std::size_t>(block) < d.num_blocks,
+            "block id " + std::to_string(block) + " out of range");
+    }
+  }
+}
+
+void DecoderBf16::grow_scratch(std::size_t rows) {
+  const DecoderDims& d = dims_;
+  if (normed_.size() >= rows * d.hidden) return;
+  normed_.resize(rows * d.hidden);
+  qkv_.resize(rows * d.qkv_features());
+  attention_.resize(rows * d.num_heads * d.head_dim);
+  gate_up_.resize(rows * 2 * d.intermediate);
+  activated_.resize(rows * d.intermediate);
+  query_starts_.resize(rows + 1);
+  sequence_ids_.resize(rows);
+  for (std::size_t r = 0; r <= rows; ++r) query_starts_[r] = static_cast<int32_t>(r);
+  for (std::size_t r = 0; r < rows; ++r) sequence_ids_[r] = static_cast<int32_t>(r);
+}
+
+void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
+  check_step(step);
+  const std::size_t rows = step.rows;
+  if (rows == 0) return;
+  grow_scratch(rows);
+  const DecoderDims& d = dims_;
+  const std::size_t qkv_n = d.qkv_features();
+  const std::size_t attention_n = d.num_heads * d.head_dim;
+  const std::size_t kv_n = d.num_kv_heads * d.head_dim;
+  const std::size_t table = d.max_position * d.head_dim;
+
+  const std::span<bf16_bits> x = step.hidden;
+  const std::span<bf16_bits> normed = first(normed_, rows * d.hidden);
+  const std::span<bf16_bits> qkv = first(qkv_, rows * qkv_n);
+  const std::span<bf16_bits> attention = first(attention_, rows * attention_n);
+  const std::span<bf16_bits> gate_up = first(gate_up_, rows * 2 * d.intermediate);
+  const std::span<bf16_bits> activated = first(activated_, rows * d.intermediate);
+
+  const RopeShape rope{rows, qkv_n, d.num_heads + d.num_kv_heads, d.head_dim, d.max_position};
+  const std::span<const bf16_bits> all_qkv = qkv;
+  // Keys and values sit inside each fused QKV row: after the query heads, then after the key heads.
+  const KvWriteShape kv_write{rows, kv_n * sizeof(bf16_bits), qkv_n * sizeof(bf16_bits), qkv_n * sizeof(bf16_bits)};
+  const std::size_t kv_span = (rows - 1) * qkv_n + kv_n;
+  const auto keys = std::as_bytes(all_qkv.subspan(attention_n, kv_span));
+  const auto values = std::as_bytes(all_qkv.subspan(attention_n + kv_n, kv_span));
+  const PagedDecodeShape attend{rows, qkv_n, d.num_heads, d.num_kv_heads, d.head_dim, d.num_blocks, d.block_size,
+                                rows, step.table_stride};
+  const PagedDecodeIndex index{step.block_tables, step.seq_lens, first(query_starts_, rows + 1),
+                               first(sequence_ids_, rows)};
+  const std::span<const bf16_bits> queries = all_qkv.first((rows - 1) * qkv_n + attention_n);
+
+  for (const DecoderLayerBf16& layer : layers_) {
+    rms_norm_bf16(rows, d.hidden, x, layer.input_norm, normed, d.rms_eps, threads);
+    linear_bf16({rows, qkv_n, d.hidden}, normed, layer.qkv_weight, layer.qkv_bias, qkv, false, threads);
+    rope_bf16(rope, qkv.first((rows - 1) * qkv_n + (d.num_heads + d.num_kv_heads) * d.head_dim), step.positions,
+              step.cos_sin.first(table), step.cos_sin.subspan(table));
+    write_kv(kv_write, std::as_writable_bytes(layer.k_cache), std::as_writable_bytes(layer.v_cache), keys, values,
+             step.slots);
+    paged_decode_attention_bf16(attend, index, queries, layer.k_cache, layer.v_cache, attention, d.attention_scale,
+                                threads);
+    // The residual add is folded into the projection (y may alias the residual).
+    linear_bf16({rows, d.hidden, attention_n}, attention, layer.o_weight, {}, x, false, threads, x);
+    rms_norm_bf16(rows, d.hidden, x, layer.post_norm, normed, d.rms_eps, threads);
+    linear_bf16({rows, 2 * d.intermediate, d.hidden}, normed, layer.gate_up_weight, {}, gate_up, false, threads);
+    silu_mul_bf16(rows, d.intermediate, gate_up, activated, threads);
+    linear_bf16({rows, d.hidden, d.intermediate}, activated, layer.down_weight, {}, x, false, threads, x);
+  }
+  rms_norm_bf16(rows, d.hidden, x, final_norm_, step.normed, d.rms_eps, threads);
+}
+
+}  // namespace ringserve::kernels
