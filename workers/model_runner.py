@@ -7,6 +7,8 @@ gathers.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -137,6 +139,18 @@ def kv_blocks_for_memory(config: LlamaConfig, block_size: int, dtype: torch.dtyp
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_gib={memory_gib} holds no KV block of {block_size} tokens; raise it")
     return blocks
+
+
+def freeze_long_lived_objects() -> None:
+    """Moves every object alive now (modules, tensors, imported code) out of the garbage collector's generations, so
+    the collections that the step loop's allocations trigger walk only what the steps allocate: a worker calls this
+    once its model and runner are built, before serving (at 135M parameters the full collections of an unfrozen heap
+    cost about a tenth of a single-stream decode step)."""
+    gc.collect()
+    gc.freeze()
+    # Frozen objects are never collected: hand them back at exit, so extension modules that check for leaked
+    # instances at teardown (nanobind's) find them released.
+    atexit.register(gc.unfreeze)
 
 
 class ModelRunner:

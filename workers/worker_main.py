@@ -21,7 +21,7 @@ import torch
 from ringserve.backend.spec_tree import DraftTree
 from ringserve.workers.attention import ATTENTION_BACKENDS
 from ringserve.workers.loader import load_model, parse_dtype
-from ringserve.workers.model_runner import ModelRunner
+from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects
 from ringserve.workers.parallel import init_distributed
 from ringserve.workers.speculative import make_proposer
 
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+        freeze_long_lived_objects()
         if args.world_size > 1:
             torch.distributed.barrier()  # the engine waits for one WorkerReady: it must mean every rank loaded
         if writer is not None:

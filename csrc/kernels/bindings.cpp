@@ -218,7 +218,7 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("rows"), py::arg("vocab"), py::arg("threads") = 1,
         "Greedy tokens of logits [rows, vocab] (contiguous float32 or bfloat16 memory given by address): writes the "
         "first index of each row's maximum to ids (int64 [rows]) and its log-softmax value to logprobs (float32).");
-  py::class_<ringserve::kernels::DecoderBf16>(m, "DecoderBf16",
+  py::class_<ringserve::kernels::DecoderBf16>(m, "DecoderBf16", py::module_local(),
                                                "A llama decoder's layers and final norm for decode steps, as one call "
                                                "(bfloat16; weights and KV caches borrowed by address).")
       .def(py::init(&make_decoder), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
