@@ -14,6 +14,9 @@ step plans shaped like the engine's; no gRPC, rings or engine process, so the fi
 - single_stream_vs_bound: single-stream tokens/s over the bound. The machine's memory bandwidth drifts by a third
   from minute to minute, so each round measures the single stream and then the copy bandwidth right after it, and
   this is the median of the rounds' ratios (bandwidth_gb_s is the median bandwidth).
+- read_bandwidth_gb_s, single_stream_vs_read_bound: the same with the bytes a read-only stream (a sum over a large
+  tensor) gets per second, measured in the same rounds. A copy's figure counts its writes too; on some machines a
+  read-only stream reaches well below it, and this says how close decoding comes to what reading alone allows.
 """
 
 from __future__ import annotations
@@ -112,6 +115,19 @@ def copy_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best / 1e9  # read + write
 
 
+def read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes read per second by a reduction over a tensor far larger than the caches (the access a decode step's
+    weight reads make; no writes)."""
+    src = torch.ones(megabytes * (1 << 20) // 4)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * 4 / best / 1e9
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() lists a tied weight once
 
@@ -153,12 +169,14 @@ def main() -> None:
     run_offline(runner, prompts[:2, :8], 2, block_size)  # warm-up (allocator, kernels)
     offline = run_offline(runner, prompts, args.output_len, block_size)
     wbytes = weight_bytes(model)
-    singles, bandwidths = [], []
-    for _ in tqdm(range(args.rounds), desc="single stream + copy bandwidth rounds", file=sys.stderr):
+    singles, bandwidths, reads = [], [], []
+    for _ in tqdm(range(args.rounds), desc="single stream + bandwidth rounds", file=sys.stderr):
         singles.append(run_single_stream(runner, prompts[0], args.single_stream_len, block_size))
         bandwidths.append(copy_bandwidth_gb_s())
+        reads.append(read_bandwidth_gb_s())
     single, bandwidth = float(np.median(singles)), float(np.median(bandwidths))
     vs_bound = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, bandwidths, strict=True)]))
+    vs_read = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, reads, strict=True)]))
     del runner, model
     hf = float("nan") if args.skip_hf else run_hf(model_path, dtype, prompts, args.output_len)
     result = {
@@ -179,6 +197,8 @@ def main() -> None:
         "single_stream_vs_bound": round(vs_bound, 3),
         "single_stream_rounds": [round(v, 2) for v in singles],
         "bandwidth_rounds_gb_s": [round(v, 2) for v in bandwidths],
+        "read_bandwidth_gb_s": round(float(np.median(reads)), 2),
+        "single_stream_vs_read_bound": round(vs_read, 3),
     }
     print(f"copy bandwidth {bandwidth:.2f} GB/s, weights {wbytes / 1e6:.1f} MB per decode step", file=sys.stderr)
     print(json.dumps(result))
