@@ -66,8 +66,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--model", EMBEDDED_MODEL_NAME, str,
          "a .gguf file, a Hugging Face folder, or the embedded model's name (default %(default)s)")
     flag("--served-model-name", "", str, "name clients use in GenerateRequest.model (default: from --model)")
-    flag("--dtype", "auto", str, "weights and activations dtype (default %(default)s = float32 on CPU)",
-         choices=["auto", "float32", "bfloat16", "float16"])
+    flag("--dtype", "auto", str, "weights and activations dtype (default %(default)s = bfloat16 where the CPU has "
+         "AVX512-BF16 or an NVIDIA GPU is present, else float32)", choices=["auto", "float32", "bfloat16", "float16"])
     flag("--tensor-parallel-size", 1, int, "worker processes the model is split across (default %(default)s)")
     flag("--max-num-seqs", 256, int, "most sequences running in one step (default %(default)s)")
     flag("--max-num-batched-tokens", 2048, int, "token budget of one engine step (default %(default)s)")
@@ -220,6 +220,28 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         cmd += ["--kv-transfer", transfer, "--kv-info-dir", args.kv_info_dir,
                 "--model-id", model_identity(str(source.path), source.name, dtype)]  # fmt: skip
     return cmd
+
+
+def native_bf16_cpu() -> bool:
+    """True when this CPU runs the workers' native bf16 kernels (AVX512-BF16), which make bf16 the fast CPU dtype."""
+    try:
+        from ringserve import _kernels
+    except ImportError:
+        return False
+    return bool(_kernels.has_avx512_bf16())
+
+
+def nvidia_gpu_present() -> bool:
+    """An NVIDIA driver is loaded (the workers then run on CUDA), found without importing torch here."""
+    return Path("/proc/driver/nvidia/version").exists()
+
+
+def resolve_dtype(choice: str) -> str:
+    """--dtype auto: bfloat16 where it is the fast exact-enough choice (a GPU, or a CPU with the native bf16
+    kernels), else float32 (bf16 arithmetic without AVX512-BF16 is emulated and slower than float32)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if nvidia_gpu_present() or native_bf16_cpu() else "float32"
 
 
 def kv_transfer_backend(args: argparse.Namespace) -> str:
@@ -412,7 +434,7 @@ class ModelLauncher:
             except (ModelNotFoundError, OSError, ValueError) as exc:
                 raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, f"url: {exc}") from None
         source, tokenizer = metadata.source, metadata.tokenizer
-        dtype = "float32" if settings.dtype == "auto" else settings.dtype
+        dtype = resolve_dtype(settings.dtype)
         max_model_len = min(settings.max_model_len or metadata.context_length, metadata.context_length)
 
         def command(request_ring: str, event_ring: str) -> list[str]:

@@ -60,6 +60,7 @@ struct DecodeStepBf16 {
   std::size_t table_stride = 0;
 };
 
+// One call at a time: the working memory is the object's own (a worker runs its steps on one thread).
 class DecoderBf16 {
  public:
   // Throws std::invalid_argument when a span's size does not match the dimensions.

@@ -83,3 +83,17 @@ def test_bad_environment_value_is_reported(monkeypatch: pytest.MonkeyPatch, caps
     monkeypatch.setenv("RINGSERVE_MAX_TOKENS", "many")
     assert cli.main(["generate", "hi"]) == 2
     assert "RINGSERVE_MAX_TOKENS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("gpu", "cpu_bf16", "expected"), [
+    (False, False, "float32"), (False, True, "bfloat16"), (True, False, "bfloat16"), (True, True, "bfloat16"),
+])  # fmt: skip
+def test_dtype_auto_is_bf16_where_bf16_is_fast(monkeypatch: pytest.MonkeyPatch, gpu: bool, cpu_bf16: bool,
+                                               expected: str) -> None:  # fmt: skip
+    from ringserve.frontend import launcher
+
+    monkeypatch.setattr(launcher, "nvidia_gpu_present", lambda: gpu)
+    monkeypatch.setattr(launcher, "native_bf16_cpu", lambda: cpu_bf16)
+    assert launcher.resolve_dtype("auto") == expected
+    for explicit in ("float32", "bfloat16", "float16"):
+        assert launcher.resolve_dtype(explicit) == explicit

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 from ringserve.v1 import generation_pb2 as pb
-from server_harness import RunningServer
+from server_harness import RunningServer, start_server
 
 PROMPTS = [
     "The capital of France is",
@@ -150,3 +150,43 @@ def test_chat_messages_and_sampling_with_seed_are_reproducible(server: RunningSe
     second = collect(stub, pb.GenerateRequest(messages=msgs, sampling=params))
     assert first[0] == second[0] and len(first[0]) > 0
     assert first[2][-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+
+
+def layer_by_layer_greedy(model_path: Path, dtype: torch.dtype, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy tokens of the workers' code run in this process (ModelRunner, no engine or rings), every step through
+    the layer-by-layer Python path (no one-call native decode)."""
+    import numpy as np
+    from ringserve.workers.loader import load_model
+    from ringserve.workers.model_runner import ModelRunner, NewRequest, StepPlan
+
+    model = load_model(model_path, dtype)
+    model.native_decode = False
+    runner = ModelRunner(model, block_size=16, num_kv_blocks=16)
+    one = np.zeros(1, np.int32)
+    prompt = np.asarray(prompt_ids, np.int32)
+    request = NewRequest(0, prompt, np.arange(16, dtype=np.int32), num_prompt_tokens=len(prompt))
+    out = runner.execute(StepPlan(0, [request], [], one, one, np.array([len(prompt)], np.int32), np.ones(1, bool)))
+    ids = [int(out.token_ids[0])]
+    for k in range(1, n):
+        out = runner.execute(StepPlan(k, [], [], one, np.array([len(prompt) + k - 1], np.int32),
+                                      np.ones(1, np.int32), np.ones(1, bool)))  # fmt: skip
+        ids.append(int(out.token_ids[0]))
+    return ids
+
+
+def test_default_dtype_is_bf16_on_avx512_bf16_cpus_and_decodes_as_the_workers_do(
+    model_path: Path, hf_model, tmp_path: Path
+) -> None:
+    from ringserve.workers.model import cpu_ops
+
+    if cpu_ops.native_decoder_module() is None:
+        pytest.skip("this CPU has no AVX512-BF16: --dtype auto is float32 here")
+    _, tokenizer = hf_model
+    with start_server(model_path, tmp_path, "--dtype", "auto", "--num-kv-blocks", "64") as srv:
+        stub = srv.stub()
+        assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30).dtype == "bfloat16"
+        for prompt in PROMPTS[:2]:
+            ids, _, _ = collect(stub, greedy_request(prompt, 24))
+            # The server's decode steps run through the native one-call decoder in its worker process.
+            assert ids == layer_by_layer_greedy(model_path, torch.bfloat16, tokenizer(prompt).input_ids, 24), prompt
+        assert srv.stop() == 0

@@ -459,10 +459,7 @@ class NativeDecoder:
         self._tensors: list[torch.Tensor] = []
         addresses = []
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            parts = (layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
-                     layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, attn.k_cache,
-                     attn.v_cache)  # fmt: skip
+            parts = self._layer_tensors(layer)
             addresses.append([0 if t is None else t.data_ptr() for t in parts])
             self._tensors += [t for t in parts if t is not None]
         self._tensors.append(model.model.norm.weight)
@@ -474,6 +471,14 @@ class NativeDecoder:
         )  # fmt: skip
         self._embed = model.model.embed_tokens
         self._rotary = model.model.rotary
+
+    @staticmethod
+    def _layer_tensors(layer: LlamaDecoderLayer) -> tuple[torch.Tensor | None, ...]:
+        """The layer's memory in the order DecoderBf16 takes it (qkv_bias None when the model has none)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        return (layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
+                layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, attn.k_cache,
+                attn.v_cache)  # fmt: skip
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
@@ -488,14 +493,11 @@ class NativeDecoder:
             return False
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            tensors = (layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
-                       layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight, attn.k_cache,
-                       attn.v_cache)  # fmt: skip
             if attn.qkv_weight is None or mlp.gate_up_weight is None or attn.k_cache is None or attn.v_cache is None:
                 return False
             if attn.k_cache.shape != attn.v_cache.shape or attn.k_cache.dim() != 4:
                 return False
-            for t in tensors:
+            for t in NativeDecoder._layer_tensors(layer):
                 if t is not None and (t.dtype is not torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()):
                     return False
         norm = model.model.norm.weight
