@@ -103,29 +103,28 @@ def run_hf(model_path: Path, dtype: torch.dtype, prompts: np.ndarray, gen: int) 
     return prompts.shape[0] * gen / elapsed
 
 
-def copy_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
-    src = torch.ones(megabytes * (1 << 20) // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+def _best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls, after one untimed call (first-touch page faults)."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        dst.copy_(src)
+        fn()
         best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best / 1e9  # read + write
+    return best
+
+
+def copy_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
+    src = torch.ones(megabytes * (1 << 20) // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), repeats) / 1e9  # read + write
 
 
 def read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes read per second by a reduction over a tensor far larger than the caches (the access a decode step's
     weight reads make; no writes)."""
     src = torch.ones(megabytes * (1 << 20) // 4)
-    src.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - start)
-    return src.numel() * 4 / best / 1e9
+    return src.numel() * 4 / _best_seconds(src.sum, repeats) / 1e9
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

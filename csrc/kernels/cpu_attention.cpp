@@ -409,6 +409,13 @@ void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::siz
   require_size(kOp, "out", out_size, s.num_q_rows * s.num_heads * s.head_dim);
   require_size(kOp, "k_cache", k_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
   require_size(kOp, "v_cache", v_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
+  check_paged_decode_index(s, index);
+}
+
+}  // namespace
+
+void check_paged_decode_index(const PagedDecodeShape& s, const PagedDecodeIndex& index) {
+  check(s.block_size > 0, "block_size must be positive");
   require_size(kOp, "block_tables", index.block_tables.size(), s.num_seqs * s.table_stride);
   require_size(kOp, "seq_lens", index.seq_lens.size(), s.num_seqs);
   require_size(kOp, "cu_seqlens_q", index.cu_seqlens_q.size(), s.num_seqs + 1);
@@ -428,6 +435,8 @@ void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::siz
     }
   }
 }
+
+namespace {
 
 template <class T>
 void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const T> q,

@@ -40,6 +40,10 @@ struct PagedDecodeIndex {
 // before anything is written). With `threads` >= 2 and enough work, the sequences are spread over the OpenMP threads
 // (torch's, when loaded after torch; see cpu_linear.cpp). Each sequence's K and V token rows are read in order, once,
 // for all heads, prefetching the next block's row (blocks are scattered in the cache).
+// Throws std::invalid_argument unless every decode sequence in `index` has a query row, a length its block table
+// holds, and block ids inside the cache (what the kernels below check before reading anything).
+void check_paged_decode_index(const PagedDecodeShape& shape, const PagedDecodeIndex& index);
+
 void paged_decode_attention_f32(const PagedDecodeShape& shape, const PagedDecodeIndex& index,
                                 std::span<const float> q, std::span<const float> k_cache,
                                 std::span<const float> v_cache, std::span<float> out, float scale, int threads = 1);

@@ -61,8 +61,6 @@ void DecoderBf16::check_step(const DecodeStepBf16& step) const {
   check_size("", "positions", step.positions.size(), rows);
   check_size("", "slots", step.slots.size(), rows);
   check_size("", "cos_sin", step.cos_sin.size(), 2 * d.max_position * d.head_dim);
-  check_size("", "block_tables", step.block_tables.size(), rows * step.table_stride);
-  check_size("", "seq_lens", step.seq_lens.size(), rows);
   const std::size_t cache_slots = d.num_blocks * d.block_size;
   for (std::size_t r = 0; r < rows; ++r) {
     const int64_t position = step.positions[r];
@@ -71,15 +69,6 @@ void DecoderBf16::check_step(const DecodeStepBf16& step) const {
     const int64_t slot = step.slots[r];
     check(slot >= 0 && static_cast<std::size_t>(slot) < cache_slots,
           "slot " + std::to_string(slot) + " outside the cache");
-    const int32_t len = step.seq_lens[r];
-    check(len >= 1 && static_cast<std::size_t>(len) <= step.table_stride * d.block_size,
-          "sequence length " + std::to_string(len) + " does not fit its block table");
-    const std::size_t blocks = (static_cast<std::size_t>(len) + d.block_size - 1) / d.block_size;
-    for (std::size_t b = 0; b < blocks; ++b) {
-      const int32_t block = step.block_tables[r * step.table_stride + b];
-      check(block >= 0 && static_cast<std::size_t>(block) < d.num_blocks,
-            "block id " + std::to_string(block) + " out of range");
-    }
   }
 }
 
@@ -127,6 +116,7 @@ void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
   const PagedDecodeIndex index{step.block_tables, step.seq_lens, first(query_starts_, rows + 1),
                                first(sequence_ids_, rows)};
   const std::span<const bf16_bits> queries = all_qkv.first((rows - 1) * qkv_n + attention_n);
+  check_paged_decode_index(attend, index);  // lengths and block ids, before the first layer writes its KV
 
   for (const DecoderLayerBf16& layer : layers_) {
     rms_norm_bf16(rows, d.hidden, x, layer.input_norm, normed, d.rms_eps, threads);
