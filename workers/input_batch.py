@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from ringserve.workers.attention import AttentionMetadata
-from ringserve.workers.sampler import SamplingBatch
+from ringserve.workers.sampler import GREEDY_TEMPERATURE, SamplingBatch
 
 # Per-slot scalar sampling parameters: (attribute on NewRequestData (layout v2), dtype, neutral value).
 _PARAMS: tuple[tuple[str, type, float], ...] = (
@@ -69,6 +69,10 @@ class InputBatch:
         self.num_blocks = np.zeros(slots, np.int64)
         self.suppress = np.full((slots, 1), -1, np.int64)
         self.params = {name: np.full(slots, default, dtype) for name, dtype, default in _PARAMS}
+        # Per slot: greedy with no penalty and no top logprobs, and the token count from which min_tokens no longer
+        # suppresses anything: together they say when the sampler's greedy pass alone gives its token.
+        self.greedy_plain = np.zeros(slots, np.bool_)
+        self.suppress_until = np.zeros(slots, np.int64)
 
     # ---- capacity --------------------------------------------------------------------------------------------
 
@@ -83,6 +87,8 @@ class InputBatch:
             self.num_prompt_tokens = _grown(self.num_prompt_tokens, (s,), 0)
             self.num_blocks = _grown(self.num_blocks, (s,), 0)
             self.params = {n: _grown(a, (s,), a[0] * 0) for n, a in self.params.items()}
+            self.greedy_plain = _grown(self.greedy_plain, (s,), False)
+            self.suppress_until = _grown(self.suppress_until, (s,), 0)
         if (s, t) != self.token_ids.shape:
             self.token_ids = _grown(self.token_ids, (s, t), 0)
         if (s, b) != self.block_table.shape:
@@ -119,6 +125,15 @@ class InputBatch:
             if name == "seed" and value >= 1 << 63:  # a u64 seed: keep its bits as int64 (the sampler hashes bits)
                 value -= 1 << 64
             self.params[name][slot] = value
+        p = self.params
+        self.greedy_plain[slot] = (
+            p["temperature"][slot] <= GREEDY_TEMPERATURE
+            and p["repetition_penalty"][slot] == 1.0
+            and p["frequency_penalty"][slot] == 0.0
+            and p["presence_penalty"][slot] == 0.0
+            and p["num_logprobs"][slot] == 0
+        )
+        self.suppress_until[slot] = self.num_prompt_tokens[slot] + p["min_tokens"][slot]
 
     def append_blocks(self, slot: int, block_ids: Any) -> None:
         if not (0 <= slot < len(self.occupied) and self.occupied[slot]):
@@ -176,10 +191,14 @@ class InputBatch:
         lens = lens + drafts
         bs = self.block_size
         ends = starts + lens
-        cu = np.zeros(len(lens) + 1, np.int64)
-        np.cumsum(lens, out=cu[1:])
-        row_slot = np.repeat(slots, lens)
-        positions = np.repeat(starts, lens) + (np.arange(cu[-1]) - np.repeat(cu[:-1], lens))
+        if num_drafts is None and bool((lens == 1).all()):  # a decode step: one row per chunk, at its start
+            cu = np.arange(len(lens) + 1, dtype=np.int64)
+            row_slot, positions = slots, starts
+        else:
+            cu = np.zeros(len(lens) + 1, np.int64)
+            np.cumsum(lens, out=cu[1:])
+            row_slot = np.repeat(slots, lens)
+            positions = np.repeat(starts, lens) + (np.arange(cu[-1]) - np.repeat(cu[:-1], lens))
         input_ids = self.token_ids[row_slot, positions]
         slot_mapping = self.block_table[row_slot, positions // bs].astype(np.int64) * bs + positions % bs
         table_width = max(1, int(-(-ends.max() // bs)))
@@ -196,7 +215,8 @@ class InputBatch:
             cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(np.ascontiguousarray(self.block_table[slots, :table_width])).to(dev),
-            logits_indices=torch.from_numpy(logits_rows).to(dev),
+            # Rows are strictly increasing, so as many as there are tokens means every row (None: no gather).
+            logits_indices=None if len(logits_rows) == cu[-1] else torch.from_numpy(logits_rows).to(dev),
             query_lens_cpu=lens.tolist(),
             seq_lens_cpu=ends.tolist(),
             block_size=bs,
@@ -230,6 +250,12 @@ class InputBatch:
         if ends.max() > self.max_position:
             i = int(np.argmax(ends))
             raise ValueError(f"slot {slots[i]}: position {ends[i] - 1} exceeds max_position {self.max_position}")
+
+    def plain_greedy(self, slots: np.ndarray) -> bool:
+        """True when every slot's next token is the argmax of its logits with nothing to adjust (see
+        Sampler.greedy): then no SamplingBatch is needed."""
+        unsuppressed = self.num_tokens[slots] >= self.suppress_until[slots]
+        return bool(self.greedy_plain[slots].all()) and bool(unsuppressed.all())
 
     def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
         """Sampling parameters of `slots` (rows in that order); penalty history only when a row needs it."""

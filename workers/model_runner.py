@@ -227,7 +227,10 @@ class ModelRunner:
             self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
         if not len(step.sampled_slots):
             return StepOutput(plan.step_id, *_empty_result())
-        out = self.sampler.sample(logits, self.batch.sampling_batch(step.sampled_slots))
+        if self.batch.plain_greedy(step.sampled_slots):
+            out = self.sampler.greedy(logits)
+        else:
+            out = self.sampler.sample(logits, self.batch.sampling_batch(step.sampled_slots))
         tokens = out.token_ids.cpu().numpy()
         self.batch.append_sampled(step.sampled_slots, tokens)
         return StepOutput(

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from ringserve.workers.model.cpu_ops import greedy_tokens
 
-_GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
+GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
 _U32 = 0xFFFFFFFF
 
 
@@ -92,15 +92,12 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        sampled_rows = batch.temperature > _GREEDY_TEMPERATURE
+        sampled_rows = batch.temperature > GREEDY_TEMPERATURE
         any_sampled = bool(sampled_rows.any())
         wants_top = batch.num_logprobs is not None and bool((batch.num_logprobs > 0).any())
         plain = batch.token_ids is None and (batch.suppress_active is None or not bool(batch.suppress_active.any()))
         if plain and not any_sampled and not wants_top:
-            # Greedy rows with nothing to adjust: the argmax and its log-probability in one native pass (CPU).
-            native = greedy_tokens(logits)
-            if native is not None:
-                return SamplerOutput(native[0], native[1], None, None)
+            return self.greedy(logits)
         raw = logits.float()
         logits = apply_suppression(apply_penalties(raw, batch), batch)
         tokens = logits.argmax(dim=-1)
@@ -113,6 +110,19 @@ class Sampler:
             top_ids, top_lps = top_logprobs(raw_logprobs, batch.num_logprobs)
             return SamplerOutput(tokens, logprobs, top_ids, top_lps)
         # Only the sampled tokens' log-probabilities: no [rows, vocab] log-softmax.
+        logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
+        return SamplerOutput(tokens, logprobs, None, None)
+
+    @torch.inference_mode()
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """What sample() gives rows that are greedy with nothing to adjust (no penalty, no active min_tokens
+        suppression, no top logprobs), without a SamplingBatch: the argmax and its log-probability, in one native
+        pass on CPU."""
+        native = greedy_tokens(logits)
+        if native is not None:
+            return SamplerOutput(native[0], native[1], None, None)
+        raw = logits.float()
+        tokens = raw.argmax(dim=-1)
         logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
         return SamplerOutput(tokens, logprobs, None, None)
 

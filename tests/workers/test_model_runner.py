@@ -194,6 +194,44 @@ def test_min_tokens_keeps_suppressed_ids_out_until_reached(tiny):
     assert int(out.token_ids[0]) != greedy_first
 
 
+@pytest.mark.parametrize(
+    ("knob", "fast"),
+    [
+        ({}, True),
+        ({"temperature": 1e-6}, True),
+        ({"min_tokens": 1, "suppress_token_ids": ids(7)}, False),  # suppression active at the first token only
+        ({"repetition_penalty": 1.3}, False),
+        ({"presence_penalty": 0.5}, False),
+        ({"num_logprobs": 2}, False),
+        ({"temperature": 0.8, "seed": 3, "has_seed": True}, False),
+    ],
+)
+def test_plain_greedy_rows_skip_the_sampling_batch_and_match_the_full_sampler(tiny, monkeypatch, knob, fast):
+    """A step whose rows are all greedy with nothing to adjust takes Sampler.greedy (no SamplingBatch is built);
+    any knob that changes the token or the output sends the step through Sampler.sample; both give the tokens and
+    log-probabilities the full sampler gives."""
+    _, folder = tiny
+    runner = make_runner(folder)
+    full = make_runner(folder)
+    built = []
+    real = runner.batch.sampling_batch
+    monkeypatch.setattr(runner.batch, "sampling_batch", lambda slots: built.append(slots.tolist()) or real(slots))
+    full.batch.plain_greedy = lambda slots: False  # always the full sampler
+    reqs = [NewRequest(0, ids(5, 9, 200), ids(0)), NewRequest(1, ids(3, 4), ids(1), **knob)]
+    first = plan(0, [(0, 0, 3, True), (1, 0, 2, True)], new_requests=reqs)
+    second = plan(1, [(0, 3, 1, True), (1, 2, 1, True)])
+    steps = [(runner.execute(p), full.execute(p)) for p in (first, second)]
+    for got, want in steps:
+        assert got.token_ids.tolist() == want.token_ids.tolist()
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+    if fast:
+        assert built == []
+    elif "min_tokens" in knob:
+        assert built == [[0, 1]]  # min_tokens=1 is reached after the first token: the second step is plain again
+    else:
+        assert built == [[0, 1], [0, 1]]
+
+
 def test_top_logprobs_come_back_for_rows_that_ask(tiny):
     _, folder = tiny
     runner = make_runner(folder)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from ringserve.workers.sampler import (
-    _GREEDY_TEMPERATURE,
+    GREEDY_TEMPERATURE,
     Sampler,
     SamplingBatch,
     _select,
@@ -76,7 +76,7 @@ def verify_drafts(
 
     chosen = target.argmax(dim=-1)  # [rows, k + 1]: greedy rows' tokens
     accepted = _leading(chosen[:, :k] == draft_ids[:, :k], valid)
-    sampled = batch.temperature > _GREEDY_TEMPERATURE
+    sampled = batch.temperature > GREEDY_TEMPERATURE
     point_mass = draft_probs is None or all(q is None for q in draft_probs)
     if bool(sampled.any()):
         srows = sampled.nonzero().squeeze(1)

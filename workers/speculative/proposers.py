@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaForCausalLM
-from ringserve.workers.sampler import _GREEDY_TEMPERATURE, SamplingBatch, _select, sampling_distribution
+from ringserve.workers.sampler import GREEDY_TEMPERATURE, SamplingBatch, _select, sampling_distribution
 from ringserve.workers.speculative.tree import DraftTree, draft_tree
 
 
@@ -152,7 +152,7 @@ class _ModelDrafter:
         last = batch.num_tokens[slots] - 1  # the position of each request's newest token (computed this step)
         tokens = torch.from_numpy(batch.token_ids[slots, last]).to(dev)
         drafted = torch.zeros(n, steps, dtype=torch.int64, device=dev)
-        sampled = sampling.temperature > _GREEDY_TEMPERATURE
+        sampled = sampling.temperature > GREEDY_TEMPERATURE
         probs: torch.Tensor | None = None
         for j in range(steps):
             # Only rows still drafting: a row's KV slots exist (reserved by the engine) up to its own lookahead.

@@ -28,7 +28,7 @@ import torch
 from ringserve.backend.spec_tree import DraftTree
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.input_batch import InputBatch
-from ringserve.workers.sampler import _GREEDY_TEMPERATURE, Sampler, SamplingBatch, _select, sampling_distribution
+from ringserve.workers.sampler import GREEDY_TEMPERATURE, Sampler, SamplingBatch, _select, sampling_distribution
 
 __all__ = ["DraftTree", "chunk_tree_mask", "compact_accepted_kv", "draft_tree", "tree_mask", "verify_tree"]
 
@@ -143,7 +143,7 @@ def verify_tree(
     target = logits.float()
     raw_logprobs = torch.log_softmax(target, dim=-1)
     draws = target.argmax(dim=-1)
-    sampled = batch.temperature > _GREEDY_TEMPERATURE
+    sampled = batch.temperature > GREEDY_TEMPERATURE
     if bool(sampled.any()):
         owner_t = torch.from_numpy(owner).to(device)
         srows = sampled[owner_t].nonzero().squeeze(1)
