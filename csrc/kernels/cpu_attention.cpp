@@ -252,7 +252,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void score_block_bf16(
 // added, which leaves the 16 scores in one register.
 template <class T, std::size_t kVectors>
 __attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, std::size_t seq,
-                                                             std::ptrdiff_t next_seq) {
+                                                             std::ptrdiff_t next_seq, bool fed) {
   constexpr std::size_t kHd = kLanes * kVectors;
   constexpr std::size_t kChunk = 16 / kVectors;
   const auto& s = job.shape;
@@ -319,9 +319,10 @@ __attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, s
           }
         }
       };
-      if (kv == 0 && h0 == 0) {
+      if (kv == 0 && h0 == 0 && !fed) {
         // The first pass over K also fetches each position's V row (every KV head), which the first pass over V
-        // reads next: both streams are then in flight together.
+        // reads next: both streams are then in flight together. A sequence the previous one's feeder brought in
+        // skips this and the next-block prefetch: its rows are in cache already.
         const std::size_t row_bytes = s.num_kv_heads * kHd * sizeof(T);
         for_each_position<true>(job, seq, len, kv, job.k_cache,
                                 [&](std::size_t pos, std::size_t offset) __attribute__((target("avx512f"))) {
@@ -379,7 +380,7 @@ __attribute__((target("avx512f"))) void attend_avx512_fixed(const Job<T>& job, s
         feeder.feed(per_position);
         weigh(pos, offset);
       };
-      if (kv == 0 && h0 == 0) {
+      if (kv == 0 && h0 == 0 && !fed) {
         for_each_position<true>(job, seq, len, kv, job.v_cache, weigh_and_feed);
       } else {
         for_each_position<false>(job, seq, len, kv, job.v_cache, weigh_and_feed);
@@ -446,14 +447,13 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   const Job<T> job{shape, index, q.data(), k_cache.data(), v_cache.data(), out.data(), scale};
   const bool vector = has_avx512f() && shape.head_dim % kLanes == 0;
   const std::size_t items = index.seq_ids.size();
-  auto attend = [&](std::size_t item) {
+  // `fed`: the previous sequence's feeder already brought this one's rows in; `next`: the sequence to feed.
+  auto attend = [&](std::size_t item, bool fed, std::ptrdiff_t next) {
     const auto seq = static_cast<std::size_t>(index.seq_ids[item]);
-    // The sequence this thread most likely attends to next (a static schedule gives each thread a contiguous range).
-    const std::ptrdiff_t next = item + 1 < items ? index.seq_ids[item + 1] : -1;
     if (vector && shape.head_dim == 64) {
-      attend_avx512_fixed<T, 4>(job, seq, next);
+      attend_avx512_fixed<T, 4>(job, seq, next, fed);
     } else if (vector && shape.head_dim == 128) {
-      attend_avx512_fixed<T, 8>(job, seq, next);
+      attend_avx512_fixed<T, 8>(job, seq, next, fed);
     } else if (vector) {
       attend_avx512(job, seq);
     } else {
@@ -462,7 +462,24 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   };
   std::size_t work = 0;
   for (const int32_t seq : index.seq_ids) work += static_cast<std::size_t>(index.seq_lens[seq]);
-  for_each_item(items, threads, work * shape.num_heads >= kParallelWork, attend);
+  const bool split = threads >= 2 && work * shape.num_heads >= kParallelWork;
+  const std::size_t parts = split ? std::min(static_cast<std::size_t>(threads), items) : 1;
+  // Each part is one contiguous run of sequences with about the same number of context positions, walked in order,
+  // so each sequence feeds the next one of the same thread.
+  thread_local std::vector<std::size_t> bounds;
+  bounds.assign(parts + 1, items);
+  bounds[0] = 0;
+  for (std::size_t item = 0, part = 1, seen = 0; item < items && part < parts; ++item) {
+    seen += static_cast<std::size_t>(index.seq_lens[index.seq_ids[item]]);
+    while (part < parts && seen * parts >= work * part) bounds[part++] = item + 1;
+  }
+  const std::size_t* const cut = bounds.data();  // the caller's: in the parallel region `bounds` is each thread's own
+  for_each_item(parts, threads, split, [&](std::size_t part) {
+    const std::size_t begin = cut[part], end = cut[part + 1];
+    for (std::size_t item = begin; item < end; ++item) {
+      attend(item, item != begin, item + 1 < end ? index.seq_ids[item + 1] : -1);
+    }
+  });
 }
 
 }  // namespace

@@ -124,7 +124,7 @@ void check_case(const Case& c, int threads) {
 }  // namespace
 
 TEST(float32_and_bf16_match_the_reference) {
-  for (int threads : {1, 2}) {
+  for (int threads : {1, 2, 3}) {
     check_case({9, 3, 64, 16, {1, 5, 17, 40, 100, 3, 33}}, threads);  // SmolLM2's heads, AVX-512 path
     check_case({4, 4, 32, 8, {16, 2, 31, 9}}, threads);                 // no grouping
     check_case({6, 2, 24, 16, {50, 7, 18}}, threads);                   // head_dim off the vector path
@@ -133,6 +133,8 @@ TEST(float32_and_bf16_match_the_reference) {
     check_case({8, 1, 64, 16, {16, 17, 47}}, threads);                   // a group of 8: two chunks of 4 heads
     check_case({6, 2, 128, 16, {1, 15, 16, 33, 70}}, threads);           // head_dim 128: chunks of 2 heads, one short
     check_case({4, 4, 128, 4, {5, 64}}, threads);                        // head_dim 128 without grouping
+    // Split by context positions, not sequence count: the long first sequence is one part of its own.
+    check_case({9, 3, 64, 16, {2000, 3, 5, 900, 1, 1, 1, 40}}, threads);
   }
 }
 
