@@ -9,6 +9,9 @@ step plans shaped like the engine's; no gRPC, rings or engine process, so the fi
 - single_stream_tok_s: one request decoding alone; decode tokens / decode time (median of --rounds rounds).
 - hf_offline_tok_s: transformers `generate` on the same prompts as one static batch, same dtype, greedy,
   min_new_tokens = max_new_tokens = G.
+- ratio_vs_hf: offline over hf_offline. Both run in --offline-rounds alternating rounds (ours, then transformers) in
+  one process, both models loaded once; the figure is the median of the rounds' ratios, and offline_tok_s /
+  hf_offline_tok_s are the medians of the rounds (offline_rounds_tok_s, hf_rounds_tok_s, ratio_rounds list them).
 - bandwidth_gb_s: measured tensor copy bandwidth (bytes read + written / s); bandwidth_bound_tok_s: that divided
   by the weight bytes one decode step must read (every weight once; a tied embedding counts once).
 - single_stream_vs_bound: single-stream tokens/s over the bound. The machine's memory bandwidth drifts by a third
@@ -83,14 +86,17 @@ def run_single_stream(runner, prompt: np.ndarray, gen: int, block_size: int) -> 
     return (gen - 1) / elapsed
 
 
-def run_hf(model_path: Path, dtype: torch.dtype, prompts: np.ndarray, gen: int) -> float:
+def load_hf(model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     if model_path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
-    hf.eval()
+    return hf.eval()
+
+
+def run_hf(hf: torch.nn.Module, prompts: np.ndarray, gen: int) -> float:
     ids = torch.from_numpy(prompts.astype(np.int64))
     mask = torch.ones_like(ids)
     kwargs = dict(max_new_tokens=gen, min_new_tokens=gen, do_sample=False, pad_token_id=0)
@@ -141,12 +147,14 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--single-stream-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="single-stream + bandwidth rounds (quick: 2)")
+    p.add_argument("--offline-rounds", type=int, default=3, help="offline + transformers rounds (quick: 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens; finishes in well under a minute")
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     args = p.parse_args()
     if args.quick:
         args.num_prompts, args.output_len, args.single_stream_len, args.rounds = 8, 16, 16, 2
+        args.offline_rounds = 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -166,7 +174,16 @@ def main() -> None:
     # Ids below 10 are special tokens in most vocabularies; keep prompts to ordinary ones.
     prompts = rng.integers(10, model.config.vocab_size, size=(args.num_prompts, args.prompt_len))
     run_offline(runner, prompts[:2, :8], 2, block_size)  # warm-up (allocator, kernels)
-    offline = run_offline(runner, prompts, args.output_len, block_size)
+    hf_model = None if args.skip_hf else load_hf(model_path, dtype)
+    offlines, hfs = [], []
+    for _ in tqdm(range(args.offline_rounds), desc="offline + transformers rounds", file=sys.stderr):
+        offlines.append(run_offline(runner, prompts, args.output_len, block_size))
+        if hf_model is not None:
+            hfs.append(run_hf(hf_model, prompts, args.output_len))
+    del hf_model
+    offline = float(np.median(offlines))
+    hf = float(np.median(hfs)) if hfs else float("nan")
+    ratios = [o / h for o, h in zip(offlines, hfs, strict=True)] if hfs else []
     wbytes = weight_bytes(model)
     singles, bandwidths, reads = [], [], []
     for _ in tqdm(range(args.rounds), desc="single stream + bandwidth rounds", file=sys.stderr):
@@ -177,7 +194,6 @@ def main() -> None:
     vs_bound = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, bandwidths, strict=True)]))
     vs_read = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, reads, strict=True)]))
     del runner, model
-    hf = float("nan") if args.skip_hf else run_hf(model_path, dtype, prompts, args.output_len)
     result = {
         "model": model_path.name,
         "dtype": args.dtype,
@@ -189,7 +205,10 @@ def main() -> None:
         "offline_tok_s": round(offline, 2),
         "single_stream_tok_s": round(single, 2),
         "hf_offline_tok_s": round(hf, 2),
-        "ratio_vs_hf": round(offline / hf, 3) if hf == hf else None,
+        "ratio_vs_hf": round(float(np.median(ratios)), 3) if ratios else None,
+        "offline_rounds_tok_s": [round(v, 2) for v in offlines],
+        "hf_rounds_tok_s": [round(v, 2) for v in hfs],
+        "ratio_rounds": [round(v, 3) for v in ratios],
         "weight_bytes": wbytes,
         "bandwidth_gb_s": round(bandwidth, 2),
         "bandwidth_bound_tok_s": round(bandwidth * 1e9 / wbytes, 2),

@@ -84,7 +84,8 @@ void rms_norm(bool bf16, std::uintptr_t x, std::uintptr_t weight, std::uintptr_t
 }
 
 void rope(bool bf16, std::uintptr_t x, std::size_t rows, std::size_t row_stride, std::size_t heads,
-          std::size_t head_dim, std::uintptr_t positions, std::uintptr_t cos_sin, std::size_t max_position) {
+          std::size_t head_dim, std::uintptr_t positions, std::uintptr_t cos_sin, std::size_t max_position,
+          int threads) {
   namespace k = ringserve::kernels;
   const k::RopeShape shape{rows, row_stride, heads, head_dim, max_position};
   const std::size_t span = rows == 0 ? 0 : (rows - 1) * row_stride + heads * head_dim;
@@ -93,9 +94,9 @@ void rope(bool bf16, std::uintptr_t x, std::size_t rows, std::size_t row_stride,
   const auto pos = view<const int64_t>(positions, rows);
   py::gil_scoped_release release;
   if (bf16) {
-    k::rope_bf16(shape, view<bf16_bits>(x, span), pos, cos.first(table), cos.subspan(table));
+    k::rope_bf16(shape, view<bf16_bits>(x, span), pos, cos.first(table), cos.subspan(table), threads);
   } else {
-    k::rope_f32(shape, view<float>(x, span), pos, cos.first(table), cos.subspan(table));
+    k::rope_f32(shape, view<float>(x, span), pos, cos.first(table), cos.subspan(table), threads);
   }
 }
 
@@ -201,10 +202,10 @@ PYBIND11_MODULE(_kernels, m) {
         "out[rows, dim] = weight * (x * rsqrt(mean(x^2) + eps)) as Hugging Face's LlamaRMSNorm computes it, on "
         "contiguous float32 or bfloat16 memory given by address; threads >= 2 splits a large call's rows.");
   m.def("rope", &rope, py::arg("bf16"), py::arg("x"), py::arg("rows"), py::arg("row_stride"), py::arg("heads"),
-        py::arg("head_dim"), py::arg("positions"), py::arg("cos_sin"), py::arg("max_position"),
+        py::arg("head_dim"), py::arg("positions"), py::arg("cos_sin"), py::arg("max_position"), py::arg("threads") = 1,
         "Hugging Face rotate_half RoPE in place on x [rows (row_stride apart), heads, head_dim] (float32 or bfloat16) "
-        "by int64 positions and a float32 [2, max_position, head_dim] cos/sin table. Raises ValueError on a position "
-        "outside the table, writing nothing.");
+        "by int64 positions and a float32 [2, max_position, head_dim] cos/sin table; threads >= 2 splits a large "
+        "call's rows. Raises ValueError on a position outside the table, writing nothing.");
   m.def("silu_mul", &silu_mul, py::arg("bf16"), py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("dim"),
         py::arg("threads") = 1,
         "out[rows, dim] = silu(gate) * up for gate_up [rows, 2 * dim] (gate then up), contiguous float32 or bfloat16 "

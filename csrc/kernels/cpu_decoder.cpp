@@ -122,7 +122,7 @@ void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
     rms_norm_bf16(rows, d.hidden, x, layer.input_norm, normed, d.rms_eps, threads);
     linear_bf16({rows, qkv_n, d.hidden}, normed, layer.qkv_weight, layer.qkv_bias, qkv, false, threads);
     rope_bf16(rope, qkv.first((rows - 1) * qkv_n + (d.num_heads + d.num_kv_heads) * d.head_dim), step.positions,
-              step.cos_sin.first(table), step.cos_sin.subspan(table));
+              step.cos_sin.first(table), step.cos_sin.subspan(table), threads);
     write_kv(kv_write, std::as_writable_bytes(layer.k_cache), std::as_writable_bytes(layer.v_cache), keys, values,
              step.slots);
     paged_decode_attention_bf16(attend, index, queries, layer.k_cache, layer.v_cache, attention, d.attention_scale,

@@ -30,9 +30,41 @@ __attribute__((target("avx512f"))) void rope_head_avx512(T* v, const float* c, c
   }
 }
 
+// One token's heads, which share its cos / sin row: the row is rounded to the storage type once, into registers,
+// then applied to every head (the same roundings as rope_head_avx512, without redoing them per head).
+template <class T>
+__attribute__((target("avx512f"))) void rope_token_avx512(T* x, std::size_t heads, std::size_t head_dim,
+                                                          const float* c, const float* sn) {
+  constexpr std::size_t kMaxVectors = 4;  // half a head of up to 64 pairs (head_dim 128) stays in registers
+  const std::size_t half = head_dim / 2, vectors = half / 16;
+  if (vectors > kMaxVectors) {
+    for (std::size_t h = 0; h < heads; ++h) rope_head_avx512(x + h * head_dim, c, sn, half);
+    return;
+  }
+  __m512 c1[kMaxVectors], c2[kMaxVectors], s1[kMaxVectors], s2[kMaxVectors];
+  for (std::size_t v = 0; v < vectors; ++v) {
+    c1[v] = round16(_mm512_loadu_ps(c + v * 16), T{});
+    c2[v] = round16(_mm512_loadu_ps(c + half + v * 16), T{});
+    s1[v] = round16(_mm512_loadu_ps(sn + v * 16), T{});
+    s2[v] = round16(_mm512_loadu_ps(sn + half + v * 16), T{});
+  }
+  for (std::size_t h = 0; h < heads; ++h) {
+    T* head = x + h * head_dim;
+    for (std::size_t v = 0; v < vectors; ++v) {
+      const __m512 x1 = load16(head + v * 16);
+      const __m512 x2 = load16(head + half + v * 16);
+      const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+      store16(head + v * 16,
+              _mm512_add_ps(round16(_mm512_mul_ps(x1, c1[v]), T{}), round16(_mm512_mul_ps(neg_x2, s1[v]), T{})));
+      store16(head + half + v * 16,
+              _mm512_add_ps(round16(_mm512_mul_ps(x2, c2[v]), T{}), round16(_mm512_mul_ps(x1, s2[v]), T{})));
+    }
+  }
+}
+
 template <class T>
 void rope(const RopeShape& s, std::span<T> x, std::span<const int64_t> positions, std::span<const float> cos,
-          std::span<const float> sin) {
+          std::span<const float> sin, int threads) {
   constexpr const char* op = "rope";
   require(s.head_dim > 0 && s.head_dim % 2 == 0, op, "head_dim must be even and positive");
   require(s.row_stride >= s.heads * s.head_dim, op, "row_stride is shorter than a row");
@@ -46,16 +78,17 @@ void rope(const RopeShape& s, std::span<T> x, std::span<const int64_t> positions
   }
   const std::size_t half = s.head_dim / 2;
   const bool vector = std::is_same_v<T, bf16_bits> && half % 16 == 0 && has_avx512f();
-  for (std::size_t r = 0; r < s.rows; ++r) {
+  const auto token = [&](std::size_t r) {
     const std::size_t table = static_cast<std::size_t>(positions[r]) * s.head_dim;
     const float* c = cos.data() + table;
     const float* sn = sin.data() + table;
+    T* row = x.data() + r * s.row_stride;
+    if (vector) {
+      rope_token_avx512(row, s.heads, s.head_dim, c, sn);
+      return;
+    }
     for (std::size_t h = 0; h < s.heads; ++h) {
-      T* v = x.data() + r * s.row_stride + h * s.head_dim;
-      if (vector) {
-        rope_head_avx512(v, c, sn, half);
-        continue;
-      }
+      T* v = row + h * s.head_dim;
       for (std::size_t i = 0; i < half; ++i) {
         const float x1 = load_scalar(v[i]);
         const float x2 = load_scalar(v[i + half]);
@@ -67,7 +100,8 @@ void rope(const RopeShape& s, std::span<T> x, std::span<const int64_t> positions
         store_scalar(v + i + half, round_to(x2 * c2, T{}) + round_to(x1 * s2, T{}));
       }
     }
-  }
+  };
+  for_each_item(s.rows, threads, s.rows * s.heads * s.head_dim >= kParallelValues, token);
 }
 
 template <class T>
@@ -114,13 +148,13 @@ void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std
 }  // namespace
 
 void rope_f32(const RopeShape& shape, std::span<float> x, std::span<const int64_t> positions,
-              std::span<const float> cos, std::span<const float> sin) {
-  rope(shape, x, positions, cos, sin);
+              std::span<const float> cos, std::span<const float> sin, int threads) {
+  rope(shape, x, positions, cos, sin, threads);
 }
 
 void rope_bf16(const RopeShape& shape, std::span<bf16_bits> x, std::span<const int64_t> positions,
-               std::span<const float> cos, std::span<const float> sin) {
-  rope(shape, x, positions, cos, sin);
+               std::span<const float> cos, std::span<const float> sin, int threads) {
+  rope(shape, x, positions, cos, sin, threads);
 }
 
 void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out,

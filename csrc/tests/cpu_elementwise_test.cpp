@@ -83,6 +83,41 @@ TEST(rope_in_bf16_rounds_each_product_and_the_sum) {
   }
 }
 
+TEST(rope_in_bf16_on_many_heads_and_rows_rounds_like_one_head_at_a_time_on_any_thread_count) {
+  // Every head of a token shares its cos / sin row (rounded once per token on the AVX-512 path); head_dim 256 takes
+  // the per-head path. 40 rows x 12 heads x 64 values is enough work to split over threads.
+  for (const std::size_t dim : {32UL, 64UL, 128UL, 256UL}) {
+    for (const int threads : {1, 2, 3}) {
+      std::vector<float> cos, sin;
+      tables(cos, sin, dim);
+      const std::size_t rows = 40, heads = 12, stride = heads * dim + 8;  // a gap after each row stays untouched
+      const RopeShape shape{.rows = rows, .row_stride = stride, .heads = heads, .head_dim = dim, .max_position = kMaxPos};
+      std::vector<bf16_bits> x(rows * stride);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = float_to_bf16(0.01F * static_cast<float>(i % 997) - 4.0F);
+      const std::vector<bf16_bits> before = x;
+      std::vector<int64_t> positions(rows);
+      for (std::size_t r = 0; r < rows; ++r) positions[r] = static_cast<int64_t>((r * 7) % kMaxPos);
+      rope_bf16(shape, x, positions, cos, sin, threads);
+      auto rd = [](float v) { return bf16_to_float(float_to_bf16(v)); };
+      const std::size_t half = dim / 2;
+      for (std::size_t r = 0; r < rows; ++r) {
+        for (std::size_t h = 0; h < heads; ++h) {
+          const std::size_t base = r * stride + h * dim;
+          for (std::size_t i = 0; i < half; ++i) {
+            const float a = bf16_to_float(before[base + i]);
+            const float b = bf16_to_float(before[base + i + half]);
+            const std::size_t t = static_cast<std::size_t>(positions[r]) * dim + i;
+            const float c1 = rd(cos[t]), s1 = rd(sin[t]), c2 = rd(cos[t + half]), s2 = rd(sin[t + half]);
+            CHECK(x[base + i] == float_to_bf16(rd(a * c1) + rd(-b * s1)));
+            CHECK(x[base + i + half] == float_to_bf16(rd(b * c2) + rd(a * s2)));
+          }
+        }
+        for (std::size_t g = heads * dim; g < stride; ++g) CHECK(x[r * stride + g] == before[r * stride + g]);
+      }
+    }
+  }
+}
+
 TEST(rope_refuses_a_bad_position_or_shape_before_writing) {
   std::vector<float> cos, sin;
   tables(cos, sin);

@@ -195,7 +195,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bo
         return False
     pos = positions if positions.dtype is torch.int64 and positions.is_contiguous() else positions.long().contiguous()
     kernels.rope(x.dtype is torch.bfloat16, x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2],
-                 pos.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1])  # fmt: skip
+                 pos.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1], threads=torch.get_num_threads())  # fmt: skip
     return True
 
 
