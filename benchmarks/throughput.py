@@ -146,15 +146,17 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--single-stream-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5, help="single-stream + bandwidth rounds (quick: 2)")
-    p.add_argument("--offline-rounds", type=int, default=3, help="offline + transformers rounds (quick: 1)")
+    p.add_argument("--rounds", type=int, default=None, help="single-stream + bandwidth rounds (default 5, quick 2)")
+    p.add_argument("--offline-rounds", type=int, default=None,
+                   help="offline + transformers rounds (default 3, quick 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens; finishes in well under a minute")
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     args = p.parse_args()
     if args.quick:
-        args.num_prompts, args.output_len, args.single_stream_len, args.rounds = 8, 16, 16, 2
-        args.offline_rounds = 1
+        args.num_prompts, args.output_len, args.single_stream_len = 8, 16, 16
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.offline_rounds = args.offline_rounds or (1 if args.quick else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
 
