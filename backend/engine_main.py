@@ -17,7 +17,7 @@ import threading
 from types import FrameType
 
 from ringserve import _core
-from ringserve.backend.process import die_with_parent, stop_child
+from ringserve.backend.process import die_with_parent, stop_child, worker_environment
 from ringserve.backend.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
 from ringserve.backend.spec_tree import DraftTree
 
@@ -106,7 +106,7 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
 
 def worker_env(master_port: int) -> dict[str, str]:
     """torch.distributed rendezvous of the tensor-parallel ranks, on loopback (all ranks share this host)."""
-    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+    return {**worker_environment(dict(os.environ)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
 
 
 def free_port() -> int:

@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from ringserve import _core
+from ringserve.backend.process import anon_huge_pages_kb, malloc_huge_pages_requested, reexec_as_engine_process
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,000 steps per size, one round (< 60 s)")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per size (default 1,000 quick, 3,000 full)")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="4 KiB-page malloc, not the engine process's huge-page malloc (for comparison)")
     args = parser.parse_args()
+    if args.no_huge_pages:
+        os.environ["RINGSERVE_ENGINE_HUGE_PAGES"] = "0"
+    reexec_as_engine_process()  # the engine process's malloc settings (backend/process.py engine_environment)
     steps = args.steps or (1000 if args.quick else 3000)
     sizes = (1, 256) if args.quick else (1, 64, 256, 1024)
     rounds = 1 if args.quick else 3
@@ -31,6 +38,8 @@ def main() -> None:
         print(f"running={n:5d}  {us[str(n)]:8.2f} us/step  {1e6 / best:10.0f} steps/s")
     print(json.dumps({
         "benchmark": "engine_loop",
+        "malloc_huge_pages": malloc_huge_pages_requested(),
+        "anon_huge_pages_kb": anon_huge_pages_kb(),
         "prompt_len": 128,
         "steps": steps,
         "us_per_step": us,

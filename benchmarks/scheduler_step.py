@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 from ringserve import _core
+from ringserve.backend.process import anon_huge_pages_kb, malloc_huge_pages_requested, reexec_as_engine_process
 
 RUNNING = (64, 256, 1024)
 
@@ -36,7 +38,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1,000 steps per size, one round (< 60 s)")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per size (default 1,000 quick, 5,000 full)")
     parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds, best median per size (default 1/3)")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="4 KiB-page malloc, not the engine process's huge-page malloc (for comparison)")
     args = parser.parse_args()
+    if args.no_huge_pages:
+        os.environ["RINGSERVE_ENGINE_HUGE_PAGES"] = "0"
+    reexec_as_engine_process()  # the engine process's malloc settings (backend/process.py engine_environment)
     steps = args.steps or (1000 if args.quick else 5000)
     rounds = args.rounds or (1 if args.quick else 3)
     # Rounds interleave the sizes (64, 256, 1,024, 64, ...), so a slow minute of this shared machine hits every size
@@ -59,6 +66,8 @@ def main() -> None:
     growth = [big / small for small, big in zip(round_medians[256], round_medians[1024], strict=True)]
     print(json.dumps({
         "benchmark": "scheduler_step",
+        "malloc_huge_pages": malloc_huge_pages_requested(),
+        "anon_huge_pages_kb": anon_huge_pages_kb(),
         "prompt_len": 128,
         "block_size": 16,
         "steps": steps,

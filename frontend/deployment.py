@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
-from ringserve.backend.process import stop_child, wait_for_exit
+from ringserve.backend.process import engine_environment, stop_child, wait_for_exit
 from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
 from ringserve.frontend.catalog import ModelError
 from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
@@ -66,7 +66,7 @@ class EngineReplica:
             self._rings.append(request_ring)
             event_ring = _core.ShmRing.create(new_segment_name("evt"), EVENT_RING_BYTES, 1)
             self._rings.append(event_ring)
-            env = {**os.environ, "RINGSERVE_LOG_LEVEL": self._log_level.upper()}
+            env = {**engine_environment(dict(os.environ)), "RINGSERVE_LOG_LEVEL": self._log_level.upper()}
             command = self._command(request_ring.name, event_ring.name)
             self.process = await asyncio.to_thread(subprocess.Popen, command, env=env)
             self.client = EngineClient(request_ring, event_ring)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,6 +23,8 @@ def test_short_run_reports_every_size_and_the_growth_of_each_round():
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "scheduler_step" and result["steps"] == 30
+    # It re-executes itself with the engine process's huge-page malloc unless switched off.
+    assert result["malloc_huge_pages"] is (os.environ.get("RINGSERVE_ENGINE_HUGE_PAGES", "1") != "0")
     for key in ("step_us_median", "step_us_p99"):
         assert set(result[key]) == {"64", "256", "1024"}
         assert all(v > 0 for v in result[key].values())
