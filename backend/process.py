@@ -21,8 +21,9 @@ _WORKER_TUNABLES = "RINGSERVE_WORKER_GLIBC_TUNABLES"
 
 def engine_environment(base: dict[str, str]) -> dict[str, str]:
     """`base` plus huge-page malloc for the engine core process. Its scheduler touches every running request's token
-    array in every step, each array on a 4 KiB page of its own otherwise: at a thousand running requests those page
-    walks cost about a fifth of a scheduler step. An operator's own glibc.malloc.hugetlb setting is kept, and
+    array in every step, each array on a 4 KiB page of its own otherwise, so at a thousand running requests the TLB
+    misses add up (on the development VM: a fifth of a step in its slow minutes, nothing measurable in its fast
+    ones). An operator's own glibc.malloc.hugetlb setting is kept, and
     RINGSERVE_ENGINE_HUGE_PAGES=0 turns this off. The workers the engine starts get the original setting back (see
     worker_environment)."""
     env = dict(base)
