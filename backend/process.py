@@ -52,9 +52,12 @@ def malloc_huge_pages_requested() -> bool:
     return HUGE_PAGE_MALLOC in os.environ.get("GLIBC_TUNABLES", "").split(":")
 
 
-def reexec_as_engine_process() -> None:
+def reexec_as_engine_process(huge_pages: bool = True) -> None:
     """Replaces this process by itself under engine_environment(), unless it already runs so: for benchmarks that time
-    the engine core in process, with the settings the engine process gets."""
+    the engine core in process, with the settings the engine process gets (`huge_pages=False`: as with
+    RINGSERVE_ENGINE_HUGE_PAGES=0)."""
+    if not huge_pages:
+        os.environ["RINGSERVE_ENGINE_HUGE_PAGES"] = "0"
     env = engine_environment(dict(os.environ))
     if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
         sys.stdout.flush()

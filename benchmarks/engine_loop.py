@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from ringserve import _core
 from ringserve.backend.process import anon_huge_pages_kb, malloc_huge_pages_requested, reexec_as_engine_process
@@ -25,9 +24,7 @@ def main() -> None:
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="4 KiB-page malloc, not the engine process's huge-page malloc (for comparison)")
     args = parser.parse_args()
-    if args.no_huge_pages:
-        os.environ["RINGSERVE_ENGINE_HUGE_PAGES"] = "0"
-    reexec_as_engine_process()  # the engine process's malloc settings (backend/process.py engine_environment)
+    reexec_as_engine_process(huge_pages=not args.no_huge_pages)  # the engine process's malloc settings
     steps = args.steps or (1000 if args.quick else 3000)
     sizes = (1, 256) if args.quick else (1, 64, 256, 1024)
     rounds = 1 if args.quick else 3

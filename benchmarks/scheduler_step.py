@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -41,9 +40,7 @@ def main() -> None:
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="4 KiB-page malloc, not the engine process's huge-page malloc (for comparison)")
     args = parser.parse_args()
-    if args.no_huge_pages:
-        os.environ["RINGSERVE_ENGINE_HUGE_PAGES"] = "0"
-    reexec_as_engine_process()  # the engine process's malloc settings (backend/process.py engine_environment)
+    reexec_as_engine_process(huge_pages=not args.no_huge_pages)  # the engine process's malloc settings
     steps = args.steps or (1000 if args.quick else 5000)
     rounds = args.rounds or (1 if args.quick else 3)
     # Rounds interleave the sizes (64, 256, 1,024, 64, ...), so a slow minute of this shared machine hits every size
@@ -54,7 +51,7 @@ def main() -> None:
         for n in RUNNING:
             us = [ns / 1000 for ns in _core.bench_scheduler_steps(n, prompt_len=128, block_size=16, num_steps=steps)]
             round_medians[n].append(statistics.median(us))
-            if n not in best or statistics.median(us) < statistics.median(best[n]):
+            if round_medians[n][-1] <= min(round_medians[n]):
                 best[n] = us
     median: dict[str, float] = {}
     p99: dict[str, float] = {}

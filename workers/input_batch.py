@@ -289,7 +289,7 @@ class InputBatch:
             batch.token_ids = torch.from_numpy(np.ascontiguousarray(self.token_ids[slots, :width])).to(dev)
             batch.num_tokens = torch.from_numpy(num_tokens).to(dev)
             batch.num_prompt_tokens = torch.from_numpy(num_prompt).to(dev)
-        active = num_outputs < self.params["min_tokens"][slots]
+        active = num_tokens < self.suppress_until[slots]  # min_tokens not yet reached (the rule plain_greedy uses)
         if active.any():
             batch.suppress_token_ids = torch.from_numpy(np.ascontiguousarray(self.suppress[slots])).to(dev)
             batch.suppress_active = torch.from_numpy(active).to(dev)

@@ -3,6 +3,7 @@
 #include "kernels/parallel.h"
 #include "kernels/simd_avx512.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -13,51 +14,36 @@ namespace ringserve::kernels {
 
 namespace {
 
-// One head of bf16 values, 16 pairs at a time: the same roundings as the scalar loop (each product rounded before
-// the sum, so nothing can be fused into an FMA).
-template <class T>
-__attribute__((target("avx512f"))) void rope_head_avx512(T* v, const float* c, const float* sn, std::size_t half) {
-  for (std::size_t i = 0; i < half; i += 16) {
-    const __m512 x1 = load16(v + i);
-    const __m512 x2 = load16(v + i + half);
-    const __m512 c1 = round16(_mm512_loadu_ps(c + i), T{});
-    const __m512 c2 = round16(_mm512_loadu_ps(c + i + half), T{});
-    const __m512 s1 = round16(_mm512_loadu_ps(sn + i), T{});
-    const __m512 s2 = round16(_mm512_loadu_ps(sn + i + half), T{});
-    const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-    store16(v + i, _mm512_add_ps(round16(_mm512_mul_ps(x1, c1), T{}), round16(_mm512_mul_ps(neg_x2, s1), T{})));
-    store16(v + i + half, _mm512_add_ps(round16(_mm512_mul_ps(x2, c2), T{}), round16(_mm512_mul_ps(x1, s2), T{})));
-  }
-}
-
-// One token's heads, which share its cos / sin row: the row is rounded to the storage type once, into registers,
-// then applied to every head (the same roundings as rope_head_avx512, without redoing them per head).
+// One token's heads, which share its cos / sin row, 16 pairs at a time with the scalar loop's roundings (each product
+// rounded before the sum, so nothing can be fused into an FMA). The row is rounded to the storage type once per
+// group of up to four vectors (a whole head_dim 128), kept in registers, and applied to every head.
 template <class T>
 __attribute__((target("avx512f"))) void rope_token_avx512(T* x, std::size_t heads, std::size_t head_dim,
                                                           const float* c, const float* sn) {
-  constexpr std::size_t kMaxVectors = 4;  // half a head of up to 64 pairs (head_dim 128) stays in registers
+  constexpr std::size_t kGroup = 4;
   const std::size_t half = head_dim / 2, vectors = half / 16;
-  if (vectors > kMaxVectors) {
-    for (std::size_t h = 0; h < heads; ++h) rope_head_avx512(x + h * head_dim, c, sn, half);
-    return;
-  }
-  __m512 c1[kMaxVectors], c2[kMaxVectors], s1[kMaxVectors], s2[kMaxVectors];
-  for (std::size_t v = 0; v < vectors; ++v) {
-    c1[v] = round16(_mm512_loadu_ps(c + v * 16), T{});
-    c2[v] = round16(_mm512_loadu_ps(c + half + v * 16), T{});
-    s1[v] = round16(_mm512_loadu_ps(sn + v * 16), T{});
-    s2[v] = round16(_mm512_loadu_ps(sn + half + v * 16), T{});
-  }
-  for (std::size_t h = 0; h < heads; ++h) {
-    T* head = x + h * head_dim;
-    for (std::size_t v = 0; v < vectors; ++v) {
-      const __m512 x1 = load16(head + v * 16);
-      const __m512 x2 = load16(head + half + v * 16);
-      const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-      store16(head + v * 16,
-              _mm512_add_ps(round16(_mm512_mul_ps(x1, c1[v]), T{}), round16(_mm512_mul_ps(neg_x2, s1[v]), T{})));
-      store16(head + half + v * 16,
-              _mm512_add_ps(round16(_mm512_mul_ps(x2, c2[v]), T{}), round16(_mm512_mul_ps(x1, s2[v]), T{})));
+  __m512 c1[kGroup], c2[kGroup], s1[kGroup], s2[kGroup];
+  for (std::size_t v0 = 0; v0 < vectors; v0 += kGroup) {
+    const std::size_t count = std::min(kGroup, vectors - v0);
+    for (std::size_t v = 0; v < count; ++v) {
+      const std::size_t i = (v0 + v) * 16;
+      c1[v] = round16(_mm512_loadu_ps(c + i), T{});
+      c2[v] = round16(_mm512_loadu_ps(c + i + half), T{});
+      s1[v] = round16(_mm512_loadu_ps(sn + i), T{});
+      s2[v] = round16(_mm512_loadu_ps(sn + i + half), T{});
+    }
+    for (std::size_t h = 0; h < heads; ++h) {
+      T* head = x + h * head_dim;
+      for (std::size_t v = 0; v < count; ++v) {
+        const std::size_t i = (v0 + v) * 16;
+        const __m512 x1 = load16(head + i);
+        const __m512 x2 = load16(head + i + half);
+        const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+        store16(head + i,
+                _mm512_add_ps(round16(_mm512_mul_ps(x1, c1[v]), T{}), round16(_mm512_mul_ps(neg_x2, s1[v]), T{})));
+        store16(head + i + half,
+                _mm512_add_ps(round16(_mm512_mul_ps(x2, c2[v]), T{}), round16(_mm512_mul_ps(x1, s2[v]), T{})));
+      }
     }
   }
 }

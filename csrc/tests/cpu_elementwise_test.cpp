@@ -84,8 +84,8 @@ TEST(rope_in_bf16_rounds_each_product_and_the_sum) {
 }
 
 TEST(rope_in_bf16_on_many_heads_and_rows_rounds_like_one_head_at_a_time_on_any_thread_count) {
-  // Every head of a token shares its cos / sin row (rounded once per token on the AVX-512 path); head_dim 256 takes
-  // the per-head path. 40 rows x 12 heads x 64 values is enough work to split over threads.
+  // Every head of a token shares its cos / sin row (rounded once per token on the AVX-512 path, in groups of four
+  // vectors: head_dim 256 takes two). 40 rows x 12 heads x 64 values is enough work to split over threads.
   for (const std::size_t dim : {32UL, 64UL, 128UL, 256UL}) {
     for (const int threads : {1, 2, 3}) {
       std::vector<float> cos, sin;
