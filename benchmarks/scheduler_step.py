@@ -1,6 +1,9 @@
 """Microseconds per steady-state decode step of the C++ scheduler: schedule() + update() with a fake one-token
 result, 128-token prompts, block size 16, at 64, 256 and 1,024 running requests (issue #3 targets: <= 5 us at 256,
 <= 20 us at 1,024, growing linearly or better). The baseline in the same run is the cost of the timer itself.
+The requests arrive in 16 waves, one per step, so every step has block work (a new KV block and a prefix-cache
+registration) for about a sixteenth of them, as in a server with a steady stream of arrivals; the median step
+is then a typical one at every size.
 
     python benchmarks/scheduler_step.py [--quick]
 

@@ -84,16 +84,24 @@ std::vector<int64_t> bench_scheduler_steps(int32_t num_running, int32_t prompt_l
   config.max_num_batched_tokens = 8192;
   config.num_blocks = num_running * ((prompt_len + max_tokens + block_size - 1) / block_size + 1);
   Scheduler scheduler(config);
-  for (int32_t i = 0; i < num_running; ++i) {
-    if (scheduler.add_request(bench_request(static_cast<uint64_t>(i), prompt_len, max_tokens), 0)) {
-      throw std::runtime_error("bench_scheduler_steps: request rejected");
-    }
-  }
   StepPlan plan;
   StepResult result;
-  // Prefill until every request decodes, then warm up (reaches every buffer's high-water mark).
+  // The requests arrive in block_size waves, one per step, as a steady stream of arrivals would spread them: a
+  // request completes a block (one allocation and one prefix-cache registration) every block_size steps, so each
+  // step then does that work for about num_running / block_size requests. (Arriving all at once, they would be
+  // admitted max_num_batched_tokens / prompt_len at a time, and how many steps have such work, and how much, would
+  // depend on num_running: the median step would do none at 256 running and some at 1,024.)
+  int32_t arrived = 0;
   int32_t decode_steps = 0;
-  while (decode_steps < warmup) {
+  for (int32_t wave = 0; decode_steps < warmup; ++wave) {
+    const int32_t until = wave < block_size ? static_cast<int32_t>(int64_t{num_running} * (wave + 1) / block_size)
+                                            : num_running;
+    for (; arrived < until; ++arrived) {
+      if (scheduler.add_request(bench_request(static_cast<uint64_t>(arrived), prompt_len, max_tokens), 0)) {
+        throw std::runtime_error("bench_scheduler_steps: request rejected");
+      }
+    }
+    // Prefill until every request decodes, then warm up (reaches every buffer's high-water mark).
     if (!scheduler.schedule(plan, 0)) throw std::runtime_error("bench_scheduler_steps: nothing scheduled");
     if (all_decoding(plan, num_running)) ++decode_steps;
     fake_result(plan, result);

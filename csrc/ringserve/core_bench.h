@@ -6,8 +6,10 @@
 
 namespace ringserve {
 
-// Adds `num_running` requests with distinct `prompt_len`-token prompts, steps until all of them decode, then times
-// `num_steps` steady-state steps: schedule() + update() with a fake one-token result. Returns ns per step.
+// Adds `num_running` requests with distinct `prompt_len`-token prompts, spread over `block_size` arrival waves (so
+// about num_running / block_size of them complete a KV block in every step, as under a steady stream of arrivals),
+// steps until all of them decode, then times `num_steps` steady-state steps: schedule() + update() with a fake
+// one-token result. Returns ns per step.
 std::vector<int64_t> bench_scheduler_steps(int32_t num_running, int32_t prompt_len, int32_t block_size,
                                            int32_t num_steps, bool enable_prefix_caching = true);
 

@@ -34,18 +34,20 @@ uint64_t mix64(uint64_t x) {
   return x;
 }
 
-// The ids that end a request: the first two sit in its hot line, the rest (rare) in suppress_token_ids.
-[[gnu::always_inline]] inline bool is_stop_token(const RequestState& r, int32_t token) {
+// The ids that end a request: the first two sit in its hot line, the rest (rare) in its details' suppress_token_ids
+// (`details` is its entry there, addressed only then).
+[[gnu::always_inline]] inline bool is_stop_token(const RequestState& r, const RequestDetails* details, int32_t token) {
   if (r.num_stop_ids == 0) return false;
   if (token == r.stop_ids[0] || (r.num_stop_ids > 1 && token == r.stop_ids[1])) return true;
-  return r.num_stop_ids > 2 && contains(r.suppress_token_ids, token);
+  return r.num_stop_ids > 2 && contains(details->suppress_token_ids, token);
 }
 
 // Below min_tokens only the length limits apply (the sampler masks EOS and stop ids meanwhile).
 // length_limit = min(prompt + max_tokens, max_model_len); stop_check_from = prompt + min_tokens.
-[[gnu::always_inline]] inline FinishReason stop_reason(const RequestState& r, int32_t token) {
+[[gnu::always_inline]] inline FinishReason stop_reason(const RequestState& r, const RequestDetails* details,
+                                                        int32_t token) {
   const int32_t n = r.num_tokens();
-  if (n >= r.stop_check_from && is_stop_token(r, token)) return FinishReason::kStop;
+  if (n >= r.stop_check_from && is_stop_token(r, details, token)) return FinishReason::kStop;
   return n >= r.length_limit ? FinishReason::kLength : FinishReason::kNone;
 }
 
@@ -58,12 +60,12 @@ uint64_t mix64(uint64_t x) {
       .first_scheduled_time_ns = r.first_scheduled_time_ns,
       .first_token_time_ns = r.first_token_time_ns,
       .num_prompt_tokens = static_cast<uint32_t>(r.num_prompt_tokens),
-      .num_cached_tokens = static_cast<uint32_t>(std::max(r.num_cached_tokens, 0)),
+      .num_cached_tokens = r.num_cached_tokens,
       .num_computed_tokens = static_cast<uint32_t>(std::min(r.num_computed_tokens, r.num_prompt_tokens)),
       .num_scheduled_tokens = static_cast<uint32_t>(num_scheduled),
       .token_id = token,
       .logprob = logprob,
-      .num_preemptions = static_cast<uint16_t>(std::min<uint32_t>(r.num_preemptions, 0xffff)),
+      .num_preemptions = r.num_preemptions,
       .num_spec_proposed_tokens = 0,
       .num_spec_accepted_tokens = 0,
       .finish_reason = reason,
@@ -134,6 +136,7 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   for (int32_t s = config_.max_num_seqs - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
   slot_owner_.assign(seqs, -1);
   sample_mark_.assign(seqs, SampleMark{});
+  sampled_slots_.reserve(seqs);
   running_.reserve(seqs);
   in_flight_.reserve(seqs);
   released_slots_.reserve(seqs);
@@ -155,8 +158,8 @@ RequestRejected Scheduler::reject(uint64_t id, uint32_t code, std::string messag
 }
 
 bool Scheduler::runs_before(int32_t a, int32_t b) const {
-  const RequestState& x = table_[static_cast<size_t>(a)];
-  const RequestState& y = table_[static_cast<size_t>(b)];
+  const RequestDetails& x = details_[static_cast<size_t>(a)];
+  const RequestDetails& y = details_[static_cast<size_t>(b)];
   if (x.rank != y.rank) return x.rank < y.rank;
   return x.arrival_seq < y.arrival_seq;
 }
@@ -264,20 +267,23 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   } else {
     index = static_cast<int32_t>(table_.size());
     table_.emplace_back();
+    details_.emplace_back();
   }
   RequestState& r = table_[static_cast<size_t>(index)];
+  RequestDetails& d = details_[static_cast<size_t>(index)];
   r.request_id = id;
   r.status = RequestStatus::kWaiting;
   r.slot = -1;
   r.num_prompt_tokens = static_cast<int32_t>(prompt);
   r.num_computed_tokens = 0;
-  r.num_cached_tokens = -1;
+  r.num_cached_tokens = 0;
+  r.admitted = false;
   r.num_registered_blocks = 0;
   r.num_preemptions = 0;
   r.length_limit = static_cast<int32_t>(std::min<int64_t>(total, config_.max_model_len));
   r.stop_check_from = static_cast<int32_t>(prompt) + req.min_tokens;
-  r.rank = rank_of(req.priority, now_ns);
-  r.arrival_seq = next_arrival_seq_++;
+  d.rank = rank_of(req.priority, now_ns);
+  d.arrival_seq = next_arrival_seq_++;
   r.token_ids.reserve(static_cast<size_t>(total));  // no reallocation while generating
   // Writing the capacity once faults its pages in now: a decode step appending into fresh memory would otherwise
   // stop on a page fault (clearing a page) whenever a request's tokens cross into a new page. Bounded, so a huge
@@ -286,47 +292,47 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   r.token_ids.assign(req.prompt_token_ids.begin(), req.prompt_token_ids.end());
   r.block_ids.clear();
   r.block_ids.reserve(static_cast<size_t>(blocks));
-  r.block_hashes.clear();
-  r.block_hashes.reserve(static_cast<size_t>(blocks));
-  r.max_tokens = req.max_tokens;
-  r.min_tokens = req.min_tokens;
-  r.temperature = req.temperature;
-  r.top_p = req.top_p;
-  r.top_k = req.top_k;
-  r.min_p = req.min_p;
-  r.repetition_penalty = req.repetition_penalty;
-  r.frequency_penalty = req.frequency_penalty;
-  r.presence_penalty = req.presence_penalty;
-  r.num_logprobs = req.num_logprobs;
-  r.seed = req.seed;
-  r.has_seed = req.has_seed;
-  r.ignore_eos = req.ignore_eos;
-  r.priority = req.priority;
-  r.cache_salt = req.cache_salt;
-  r.stop_token_ids = req.stop_token_ids;
-  r.spec_acceptance = 1.0f;
-  r.spec_backoff = 0;
-  r.spec_proposed_tokens = 0;
-  r.spec_accepted_tokens = 0;
-  r.suppress_token_ids.clear();
-  if (!req.ignore_eos) r.suppress_token_ids = config_.eos_token_ids;
-  r.suppress_token_ids.insert(r.suppress_token_ids.end(), req.stop_token_ids.begin(), req.stop_token_ids.end());
+  d.block_hashes.clear();
+  d.block_hashes.reserve(static_cast<size_t>(blocks));
+  d.max_tokens = req.max_tokens;
+  d.min_tokens = req.min_tokens;
+  d.temperature = req.temperature;
+  d.top_p = req.top_p;
+  d.top_k = req.top_k;
+  d.min_p = req.min_p;
+  d.repetition_penalty = req.repetition_penalty;
+  d.frequency_penalty = req.frequency_penalty;
+  d.presence_penalty = req.presence_penalty;
+  d.num_logprobs = req.num_logprobs;
+  d.seed = req.seed;
+  d.has_seed = req.has_seed;
+  d.ignore_eos = req.ignore_eos;
+  d.priority = req.priority;
+  d.cache_salt = req.cache_salt;
+  d.stop_token_ids = req.stop_token_ids;
+  d.spec_acceptance = 1.0f;
+  d.spec_backoff = 0;
+  d.spec_proposed_tokens = 0;
+  d.spec_accepted_tokens = 0;
+  d.suppress_token_ids.clear();
+  if (!req.ignore_eos) d.suppress_token_ids = config_.eos_token_ids;
+  d.suppress_token_ids.insert(d.suppress_token_ids.end(), req.stop_token_ids.begin(), req.stop_token_ids.end());
   // The ids that end the request are exactly the ones masked before min_tokens.
-  r.num_stop_ids = static_cast<uint8_t>(std::min<size_t>(r.suppress_token_ids.size(), 255));
-  for (size_t k = 0; k < 2; ++k) r.stop_ids[k] = k < r.suppress_token_ids.size() ? r.suppress_token_ids[k] : 0;
+  r.num_stop_ids = static_cast<uint8_t>(std::min<size_t>(d.suppress_token_ids.size(), 255));
+  for (size_t k = 0; k < 2; ++k) r.stop_ids[k] = k < d.suppress_token_ids.size() ? d.suppress_token_ids[k] : 0;
   r.arrival_time_ns = now_ns;
   r.first_scheduled_time_ns = 0;
   r.first_token_time_ns = 0;
-  r.kv_mode = kv != nullptr ? kv->mode : KvMode::kNone;
-  r.kv_pin_timeout_ms = kv != nullptr ? kv->pin_timeout_ms : 0;
-  r.kv_pull_pending = r.kv_mode == KvMode::kPullRemote;
-  r.kv_remote_block_ids.clear();
-  r.kv_peer.clear();
-  if (r.kv_mode == KvMode::kPrefillOnly) {
+  d.kv_mode = kv != nullptr ? kv->mode : KvMode::kNone;
+  d.kv_pin_timeout_ms = kv != nullptr ? kv->pin_timeout_ms : 0;
+  d.kv_pull_pending = d.kv_mode == KvMode::kPullRemote;
+  d.kv_remote_block_ids.clear();
+  d.kv_peer.clear();
+  if (d.kv_mode == KvMode::kPrefillOnly) {
     r.length_limit = std::min(r.length_limit, r.num_prompt_tokens + 1);  // the first token only
-  } else if (r.kv_pull_pending) {
-    r.kv_remote_block_ids = kv->remote_block_ids;
-    r.kv_peer = kv->peer;
+  } else if (d.kv_pull_pending) {
+    d.kv_remote_block_ids = kv->remote_block_ids;
+    d.kv_peer = kv->peer;
     r.token_ids.push_back(kv->first_token_id);  // sampled by the prefill side: the first output
   }
   index_of_.emplace(id, index);
@@ -379,25 +385,27 @@ void Scheduler::preempt(int32_t index, StepPlan& plan) {
   r.slot = -1;
   r.status = RequestStatus::kWaiting;
   insert_waiting(index);
-  ++r.num_preemptions;
+  if (r.num_preemptions < std::numeric_limits<uint16_t>::max()) ++r.num_preemptions;  // saturates, as outputs do
   ++num_preemptions_;
 }
 
-void Scheduler::extend_block_hashes(RequestState& r, int32_t num_blocks) {
+void Scheduler::extend_block_hashes(const RequestState& r, RequestDetails& d, int32_t num_blocks) {
   const auto bs = static_cast<size_t>(config_.block_size);
-  for (auto k = r.block_hashes.size(); k < static_cast<size_t>(num_blocks); ++k) {
-    const uint64_t parent = k == 0 ? 0 : r.block_hashes[k - 1];
-    r.block_hashes.push_back(block_hash(parent, k == 0, r.cache_salt, std::span(r.token_ids).subspan(k * bs, bs)));
+  for (auto k = d.block_hashes.size(); k < static_cast<size_t>(num_blocks); ++k) {
+    const uint64_t parent = k == 0 ? 0 : d.block_hashes[k - 1];
+    d.block_hashes.push_back(block_hash(parent, k == 0, d.cache_salt, std::span(r.token_ids).subspan(k * bs, bs)));
   }
 }
 
-void Scheduler::register_computed_blocks(RequestState& r) {
+void Scheduler::register_computed_blocks(int32_t index) {
+  RequestState& r = table_[static_cast<size_t>(index)];
+  RequestDetails& d = details_[static_cast<size_t>(index)];
   // Only full blocks whose KV is computed may be shared: their contents never change again.
   const int32_t full = std::min(r.num_computed_tokens / config_.block_size, static_cast<int32_t>(r.block_ids.size()));
   if (full <= r.num_registered_blocks) return;
-  extend_block_hashes(r, full);
+  extend_block_hashes(r, d, full);
   for (int32_t j = r.num_registered_blocks; j < full; ++j) {
-    const uint64_t hash = r.block_hashes[static_cast<size_t>(j)];
+    const uint64_t hash = d.block_hashes[static_cast<size_t>(j)];
     pool_.prefetch(hash, r.block_ids[static_cast<size_t>(j)]);  // registered after the update loop: misses overlap
     pending_cache_.push_back({r.block_ids[static_cast<size_t>(j)], hash});
   }
@@ -407,13 +415,14 @@ void Scheduler::register_computed_blocks(RequestState& r) {
 [[gnu::always_inline]] inline void Scheduler::schedule_chunk(int32_t index, int32_t slot, int32_t start,
                                                              int32_t num_tokens, int32_t total, int32_t lookahead) {
   const bool sample = start + num_tokens == total;  // the chunk reaches the last known token: sample after it
-  num_in_flight_samples_ += sample ? 1 : 0;
   in_flight_.push_back({index, slot, start, num_tokens, -1, lookahead, sample});
 }
 
-int32_t Scheduler::lookahead_for(RequestState& r, int32_t budget_left) {
-  if (r.spec_backoff > 0) {  // acceptance was low: plain decoding for a while
-    --r.spec_backoff;
+int32_t Scheduler::lookahead_for(int32_t index, int32_t budget_left) {
+  const RequestState& r = table_[static_cast<size_t>(index)];
+  RequestDetails& d = details_[static_cast<size_t>(index)];
+  if (d.spec_backoff > 0) {  // acceptance was low: plain decoding for a while
+    --d.spec_backoff;
     return 0;
   }
   // Never past the length limit: a step yields at most lookahead + 1 tokens, and positions stay < max_model_len.
@@ -433,16 +442,17 @@ void Scheduler::trim_lookahead_blocks(RequestState& r) {
 
 bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns) {
   RequestState& r = table_[static_cast<size_t>(index)];
+  RequestDetails& d = details_[static_cast<size_t>(index)];
   const int32_t bs = config_.block_size;
   hits_.clear();
   int32_t revived = 0;  // hits that sit on the free list now and stop counting as free once taken
-  const bool pull = r.kv_pull_pending;  // the prompt's KV arrives from a remote engine before this step runs
+  const bool pull = d.kv_pull_pending;  // the prompt's KV arrives from a remote engine before this step runs
   if (config_.enable_prefix_caching && !pull) {
-    extend_block_hashes(r, r.num_tokens() / bs);
+    extend_block_hashes(r, d, r.num_tokens() / bs);
     // At least the last token is computed, so its logits exist to sample from.
     const int32_t max_hits = (r.num_tokens() - 1) / bs;
     for (int32_t j = 0; j < max_hits; ++j) {
-      const int32_t id = pool_.lookup(r.block_hashes[static_cast<size_t>(j)]);
+      const int32_t id = pool_.lookup(d.block_hashes[static_cast<size_t>(j)]);
       if (id == BlockPool::kNone) break;
       hits_.push_back(id);
       revived += pool_.ref_count(id) == 0 ? 1 : 0;
@@ -458,7 +468,7 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   if (needed + revived > pool_.num_free()) return false;  // the head waits for blocks, nobody overtakes it
   const size_t bytes = kPlanBytesPerScheduled + kPlanBytesPerNewRequest +
                        (r.token_ids.size() + static_cast<size_t>(cached_blocks + needed) +
-                        r.suppress_token_ids.size()) * sizeof(int32_t);
+                        d.suppress_token_ids.size()) * sizeof(int32_t);
   if (plan_bytes + bytes > max_plan_bytes_) return false;  // next step; add_request made sure it fits an empty plan
 
   waiting_.pop_back();
@@ -469,8 +479,9 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   pool_.allocate(needed, r.block_ids);
   r.num_computed_tokens = cached_tokens;
   r.num_registered_blocks = cached_blocks;
-  if (r.num_cached_tokens < 0) {  // first admission (a resumed request keeps its first figure)
-    r.num_cached_tokens = pull ? 0 : cached_tokens;
+  if (!r.admitted) {  // first admission (a resumed request keeps its first figure)
+    r.admitted = true;
+    r.num_cached_tokens = pull ? 0 : static_cast<uint32_t>(cached_tokens);
     total_prompt_tokens_ += static_cast<uint64_t>(r.num_prompt_tokens);
   }
   if (config_.enable_prefix_caching && !pull) {
@@ -485,31 +496,31 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   if (pull) {
     KvPull& p = kv_pulls_.emplace_back();
     p.slot = r.slot;
-    p.remote_block_ids = r.kv_remote_block_ids;
+    p.remote_block_ids = d.kv_remote_block_ids;
     p.local_block_ids.assign(r.block_ids.begin(),
-                             r.block_ids.begin() + static_cast<std::ptrdiff_t>(r.kv_remote_block_ids.size()));
-    p.peer = r.kv_peer;
-    r.kv_pull_pending = false;
+                             r.block_ids.begin() + static_cast<std::ptrdiff_t>(d.kv_remote_block_ids.size()));
+    p.peer = d.kv_peer;
+    d.kv_pull_pending = false;
   }
 
   NewRequestData& nr = reuse_back(plan.new_requests, spare_new_requests_);
   nr.slot = r.slot;
   nr.num_computed_tokens = r.num_computed_tokens;
   nr.num_prompt_tokens = r.num_prompt_tokens;
-  nr.temperature = r.temperature;
-  nr.top_p = r.top_p;
-  nr.top_k = r.top_k;
-  nr.min_p = r.min_p;
-  nr.min_tokens = r.min_tokens;
-  nr.repetition_penalty = r.repetition_penalty;
-  nr.frequency_penalty = r.frequency_penalty;
-  nr.presence_penalty = r.presence_penalty;
-  nr.num_logprobs = r.num_logprobs;
-  nr.seed = r.seed;
-  nr.has_seed = r.has_seed;
+  nr.temperature = d.temperature;
+  nr.top_p = d.top_p;
+  nr.top_k = d.top_k;
+  nr.min_p = d.min_p;
+  nr.min_tokens = d.min_tokens;
+  nr.repetition_penalty = d.repetition_penalty;
+  nr.frequency_penalty = d.frequency_penalty;
+  nr.presence_penalty = d.presence_penalty;
+  nr.num_logprobs = d.num_logprobs;
+  nr.seed = d.seed;
+  nr.has_seed = d.has_seed;
   nr.token_ids.assign(r.token_ids.begin(), r.token_ids.end());
   nr.block_ids.assign(r.block_ids.begin(), r.block_ids.end());
-  nr.suppress_token_ids.assign(r.suppress_token_ids.begin(), r.suppress_token_ids.end());
+  nr.suppress_token_ids.assign(d.suppress_token_ids.begin(), d.suppress_token_ids.end());
   if (r.first_scheduled_time_ns == 0) r.first_scheduled_time_ns = now_ns;
   schedule_chunk(index, r.slot, r.num_computed_tokens, n, r.num_tokens());
   plan_bytes += bytes;
@@ -532,7 +543,6 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   recycle_plan(plan);
   kv_pulls_.clear();
   in_flight_.clear();
-  num_in_flight_samples_ = 0;
   plan.finished_slots.swap(released_slots_);
   plan.trim_slots.swap(pending_trim_slots_);
   plan.trim_num_blocks.swap(pending_trim_blocks_);
@@ -568,7 +578,7 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     const int32_t n = left > 1 ? guarded_chunk(computed, std::min(left, chunk_cap(budget))) : left;  // chunk or token
     if (n <= 0) continue;
     // Lookahead only for a one-token decode that samples: its drafts are verified right after that token.
-    int32_t k = spec_step_ && n == 1 && computed + 1 == total ? lookahead_for(r, budget - n) : 0;
+    int32_t k = spec_step_ && n == 1 && computed + 1 == total ? lookahead_for(index, budget - n) : 0;
     const auto have = static_cast<int32_t>(r.block_ids.size());
     if (computed + n + k > have * bs) {  // needs blocks (a decode step does once every block_size tokens)
       // Lookahead takes only free blocks: it shrinks rather than preempt anyone.
@@ -614,7 +624,7 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     if (!try_admit(waiting_.back(), plan, budget, plan_bytes, now_ns)) break;
   }
 
-  write_entries(plan);
+  num_in_flight_samples_ = write_entries(plan);
   if (in_flight_.empty()) {
     // Nothing runs: keep the released slots and trims for the next plan that is actually sent.
     released_slots_.swap(plan.finished_slots);
@@ -644,7 +654,7 @@ double Scheduler::prefill_time_budget() const {
   return (config_.max_step_slowdown - 1.0) * step_cost_.base_ns();
 }
 
-void Scheduler::write_entries(StepPlan& plan) const {
+size_t Scheduler::write_entries(StepPlan& plan) {
   // One pass at the end through raw pointers: stores into the uint8 sample array may alias anything, so writing the
   // plan while scheduling would make the compiler reload every pointer after each entry.
   const size_t n = in_flight_.size();
@@ -661,30 +671,34 @@ void Scheduler::write_entries(StepPlan& plan) const {
   int32_t* starts = plan.sched_start.data();
   int32_t* lens = plan.sched_len.data();
   uint8_t* samples = plan.sched_sample.data();
+  sampled_slots_.resize(n);
+  int32_t* sampled_slots = sampled_slots_.data();
   const Scheduled* entries = in_flight_.data();
+  size_t sampled = 0;
   for (size_t k = 0; k < n; ++k) {
     slots[k] = entries[k].slot;
     starts[k] = entries[k].start;
     lens[k] = entries[k].num_tokens;
     samples[k] = entries[k].sample ? 1 : 0;
+    sampled_slots[sampled] = entries[k].slot;  // kept only when it samples: the next entry overwrites it otherwise
+    sampled += entries[k].sample ? 1 : 0;
   }
+  sampled_slots_.resize(sampled);
+  return sampled;
 }
 
-void Scheduler::match_result_rows(const StepResult& result) {
-  // Workers normally answer in plan order: one pass confirms that. As many rows as sampled entries, each matched
-  // to a different one, means every sampled slot got exactly one token.
+bool Scheduler::match_result_rows(const StepResult& result, bool fill_rows) {
+  // Workers normally answer in plan order: one comparison of the rows' slots with the sampled entries' (a memcmp)
+  // confirms that. As many rows as sampled entries (checked by the caller), each matched to a different one, means
+  // every sampled slot got exactly one token.
   const int32_t* slots = result.slots.data();
-  size_t row = 0;
-  bool in_order = true;
-  for (Scheduled& s : in_flight_) {
-    if (!s.sample) continue;
-    if (slots[row] != s.slot) {
-      in_order = false;
-      break;
+  if (std::equal(result.slots.begin(), result.slots.end(), sampled_slots_.begin(), sampled_slots_.end())) {
+    if (fill_rows) {
+      int32_t row = 0;
+      for (Scheduled& s : in_flight_) s.result = s.sample ? row++ : -1;
     }
-    s.result = static_cast<int32_t>(row++);
+    return true;
   }
-  if (in_order) return;
   // Any other order: match the rows through a slot -> entry map, stamped with this step so it needs no clearing.
   for (Scheduled& s : in_flight_) s.result = -1;
   for (size_t k = 0; k < in_flight_.size(); ++k) {
@@ -705,6 +719,7 @@ void Scheduler::match_result_rows(const StepResult& result) {
     }
     s->result = static_cast<int32_t>(i);
   }
+  return false;
 }
 
 void Scheduler::check_result_counts(const StepResult& result) {
@@ -714,12 +729,15 @@ void Scheduler::check_result_counts(const StepResult& result) {
       (!result.num_proposed.empty() && result.num_proposed.size() != rows)) {
     throw std::runtime_error("StepResult token_counts / num_proposed are not one per sampled slot");
   }
-  row_offsets_.resize(rows + 1);
-  row_offsets_[0] = 0;
-  for (size_t i = 0; i < rows; ++i) {
-    row_offsets_[i + 1] = row_offsets_[i] + static_cast<size_t>(multi ? std::max(result.token_counts[i], 0) : 1);
+  size_t tokens = rows;  // one per row, unless token_counts says otherwise
+  if (multi) {
+    row_offsets_.resize(rows + 1);
+    row_offsets_[0] = 0;
+    for (size_t i = 0; i < rows; ++i) {
+      row_offsets_[i + 1] = row_offsets_[i] + static_cast<size_t>(std::max(result.token_counts[i], 0));
+    }
+    tokens = row_offsets_[rows];
   }
-  const size_t tokens = row_offsets_[rows];
   if (result.token_ids.size() != tokens || result.logprobs.size() != tokens) {
     throw std::runtime_error("StepResult has " + std::to_string(result.token_ids.size()) + " tokens, its rows count " +
                              std::to_string(tokens));
@@ -759,7 +777,11 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
     throw std::runtime_error("StepResult has " + std::to_string(result.slots.size()) + " sampled slots, plan asked for " +
                              std::to_string(expected));
   }
-  match_result_rows(result);  // throws, changing nothing, unless every sampled entry got exactly one row
+  const bool multi = !result.token_counts.empty();
+  const bool plain = !multi && result.num_proposed.empty() && result.num_top == 0;
+  // Throws, changing nothing, unless every sampled entry got exactly one row. In plan order, a plain step takes its
+  // rows in turn; otherwise each entry's row is in its `result`.
+  const bool in_order = match_result_rows(result, /*fill_rows=*/!plain);
   check_result_counts(result);  // throws, changing nothing, unless every row's tokens fit its lookahead
   step_in_flight_ = false;
 
@@ -771,18 +793,18 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   const size_t count = in_flight_.size();
   // One output per scheduled request; growing the array happens only until it reached its high-water mark.
   const int32_t* tokens = result.token_ids.data();
-  const float* logprobs = result.logprobs.empty() ? nullptr : result.logprobs.data();
-  const bool multi = !result.token_counts.empty();
-  const bool plain = !multi && result.num_proposed.empty() && result.num_top == 0;
+  const float* logprobs = result.logprobs.data();  // one per token (check_result_counts)
+  size_t next_row = 0;
   trimming_.clear();
   // Without drafts every sampled row appends exactly one token.
   uint64_t generated = plain ? result.slots.size() : 0;
   RequestState* const table = table_.data();
+  RequestDetails* const details = details_.data();
   const Scheduled* const entries = in_flight_.data();
   for (size_t k = 0; k < count; ++k) {
     // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to.
     if (k + 2 * kPrefetchAhead < count) {
-      RequestState* ahead = &table[entries[k + 2 * kPrefetchAhead].index];
+      const RequestState* ahead = &table[entries[k + 2 * kPrefetchAhead].index];
       __builtin_prefetch(ahead);
       __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64);
     }
@@ -800,21 +822,21 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
     }
     FinishReason reason = FinishReason::kNone;
     if (plain) {  // one token per row, no drafts, no top logprobs: the common step, kept short
-      const auto row = static_cast<size_t>(s.result);
+      const size_t row = in_order ? next_row++ : static_cast<size_t>(s.result);
       const int32_t token = tokens[row];
       if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
       r.num_computed_tokens += s.num_tokens;
       r.token_ids.push_back(token);  // within the capacity reserved at add_request
-      reason = stop_reason(r, token);
-      const float logprob = logprobs != nullptr ? logprobs[row] : 0.0f;
-      outputs_.emplace_back(make_output(r, reason, s.num_tokens, true, token, logprob));
+      reason = stop_reason(r, details + s.index, token);
+      outputs_.emplace_back(make_output(r, reason, s.num_tokens, true, token, logprobs[row]));
     } else {
+      RequestDetails& d = details[s.index];
       const auto row_index = static_cast<size_t>(s.result);
       const size_t first = multi ? row_offsets_[row_index] : row_index;
       const int32_t num_new = multi ? result.token_counts[row_index] : 1;
       const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
-      // num_logprobs sits in the request's cold part: read it only when the worker sent top logprobs at all.
-      const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(r.num_logprobs),
+      // num_logprobs sits in the request's details: read it only when the worker sent top logprobs at all.
+      const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(d.num_logprobs),
                                                                uint32_t{std::numeric_limits<uint16_t>::max()}});
       if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
       r.num_computed_tokens += s.num_tokens;
@@ -824,10 +846,10 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
         const size_t at = first + static_cast<size_t>(appended);
         const int32_t token = tokens[at];
         r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
-        reason = stop_reason(r, token);
+        reason = stop_reason(r, &d, token);
         const int32_t scheduled = appended == 0 ? s.num_tokens + proposed : 0;
         PackedOutput& o = outputs_.emplace_back(
-            make_output(r, reason, scheduled, true, token, logprobs != nullptr ? logprobs[at] : 0.0f));
+            make_output(r, reason, scheduled, true, token, logprobs[at]));
         if (appended == 0 && proposed > 0) {
           o.num_spec_proposed_tokens = static_cast<uint8_t>(proposed);
           o.num_spec_accepted_tokens = static_cast<uint8_t>(num_new - 1);
@@ -847,16 +869,16 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       r.num_computed_tokens += appended - 1;
       if (proposed > 0) {
         const int32_t accepted = num_new - 1;
-        r.spec_proposed_tokens += static_cast<uint64_t>(proposed);
-        r.spec_accepted_tokens += static_cast<uint64_t>(accepted);
+        d.spec_proposed_tokens += static_cast<uint64_t>(proposed);
+        d.spec_accepted_tokens += static_cast<uint64_t>(accepted);
         spec_proposed_tokens_ += static_cast<uint64_t>(proposed);
         spec_accepted_tokens_ += static_cast<uint64_t>(accepted);
         ++spec_verify_rows_;
         const float weighted = 0.25f * static_cast<float>(accepted) / static_cast<float>(proposed);
-        r.spec_acceptance = 0.75f * r.spec_acceptance + weighted;
-        if (r.spec_acceptance < config_.spec_min_acceptance) {
-          r.spec_backoff = config_.spec_backoff_steps;
-          r.spec_acceptance = 1.0f;  // a fresh start after the pause
+        d.spec_acceptance = 0.75f * d.spec_acceptance + weighted;
+        if (d.spec_acceptance < config_.spec_min_acceptance) {
+          d.spec_backoff = config_.spec_backoff_steps;
+          d.spec_acceptance = 1.0f;  // a fresh start after the pause
         }
       }
     }
@@ -874,16 +896,16 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   for (const int32_t index : registering_) {
     const RequestState& r = table_[static_cast<size_t>(index)];
     const auto next = static_cast<size_t>(r.num_registered_blocks);
-    if (next > 0) __builtin_prefetch(&r.block_hashes[next - 1]);
+    if (next > 0) __builtin_prefetch(&details_[static_cast<size_t>(index)].block_hashes[next - 1]);
     __builtin_prefetch(&r.block_ids[next]);
     __builtin_prefetch(&r.token_ids[next * static_cast<size_t>(bs)]);
   }
-  for (const int32_t index : registering_) register_computed_blocks(table_[static_cast<size_t>(index)]);
+  for (const int32_t index : registering_) register_computed_blocks(index);
   // Register before releasing: a block must still be referenced when it enters the cache.
   for (const PendingBlock& b : pending_cache_) pool_.cache(b.block, b.hash);
   for (const int32_t index : trimming_) trim_lookahead_blocks(table_[static_cast<size_t>(index)]);
   for (const int32_t index : finished_) {  // status becomes kFree; removed from running_ below
-    if (table_[static_cast<size_t>(index)].kv_mode == KvMode::kPrefillOnly) pin_blocks(index, now_ns);
+    if (details_[static_cast<size_t>(index)].kv_mode == KvMode::kPrefillOnly) pin_blocks(index, now_ns);
     release(index);
   }
   if (!finished_.empty()) {
@@ -894,7 +916,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
 
 void Scheduler::pin_blocks(int32_t index, int64_t now_ns) {
   RequestState& r = table_[static_cast<size_t>(index)];
-  const int64_t expires = now_ns + int64_t{r.kv_pin_timeout_ms} * 1'000'000;
+  const int64_t expires = now_ns + int64_t{details_[static_cast<size_t>(index)].kv_pin_timeout_ms} * 1'000'000;
   KvPinned& event = kv_pins_.emplace_back();
   event.request_id = r.request_id;
   event.num_tokens = static_cast<uint32_t>(r.num_prompt_tokens);

@@ -67,8 +67,10 @@ struct EngineConfig {
 
 enum class RequestStatus : uint8_t { kFree, kWaiting, kRunning };
 
-// One request's state. The fields every scheduled request touches in every step come first and fill two cache
-// lines (the table is aligned to them), so a decode step reads at most two lines of a request's entry.
+// One request's state, split in two tables indexed alike. RequestState holds what every scheduled request touches
+// in every step: two cache lines (the table is aligned to them), so a decode step streams 128 bytes per request
+// through the caches and nothing else of its entry. RequestDetails holds the rest (admission, preemption, prefix
+// hashing, the plan's NewRequestData, speculation), read only when one of those happens.
 struct alignas(64) RequestState {
   // Line 1: schedule() and update() for every running request.
   std::vector<int32_t> token_ids;  // prompt then outputs (capacity reserved for prompt + max_tokens)
@@ -83,13 +85,20 @@ struct alignas(64) RequestState {
   int64_t first_scheduled_time_ns = 0;
   int64_t first_token_time_ns = 0;
   int32_t num_prompt_tokens = 0;
-  int32_t num_cached_tokens = -1;  // prefix-cache hit at first admission; -1 = not admitted yet
-  uint32_t num_preemptions = 0;
+  uint32_t num_cached_tokens = 0;  // prefix-cache hit at first admission
   int32_t stop_check_from = 0;  // num_tokens() from which EOS / stop ids end it: prompt + min_tokens
   int32_t stop_ids[2] = {0, 0};  // the first two of suppress_token_ids (its ids end the request), kept in this line
+  uint16_t num_preemptions = 0;  // saturates at 65,535 (as outputs carry it)
   RequestStatus status = RequestStatus::kFree;
   uint8_t num_stop_ids = 0;  // size of suppress_token_ids, capped at 255 (more are searched there)
-  // Cold: admission, preemption, prefix hashing and the plan's NewRequestData.
+  bool admitted = false;     // num_cached_tokens is set (a resumed request keeps its first figure)
+
+  int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
+  int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
+};
+static_assert(sizeof(RequestState) == 128, "a request's per-step state is two cache lines");
+
+struct RequestDetails {
   int64_t rank = 0;            // queue order key, lower first: priority, or priority x aging + arrival with aging
   uint64_t arrival_seq = 0;    // FCFS order among equal ranks
   std::vector<uint64_t> block_hashes;  // chained hash of each full block of token_ids known so far
@@ -120,9 +129,6 @@ struct alignas(64) RequestState {
   bool kv_pull_pending = false;  // kPullRemote until its first admission (a preempted one recomputes locally)
   std::vector<int32_t> kv_remote_block_ids;
   std::vector<uint8_t> kv_peer;
-
-  int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
-  int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
 };
 
 // The chained prefix hash of one full block: parent hash (or the salt-derived root for the first block) + its tokens.
@@ -233,16 +239,17 @@ class Scheduler {
     shape_.prefill_tokens += n;
     shape_.prefill_pairs += attention_pairs(start, n);
   }
-  void extend_block_hashes(RequestState& r, int32_t num_blocks);
-  void register_computed_blocks(RequestState& r);
+  void extend_block_hashes(const RequestState& r, RequestDetails& d, int32_t num_blocks);
+  void register_computed_blocks(int32_t index);
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
   void schedule_chunk(int32_t index, int32_t slot, int32_t start, int32_t num_tokens, int32_t total,
                       int32_t lookahead = 0);  // -> in_flight_
-  int32_t lookahead_for(RequestState& r, int32_t budget_left);
+  int32_t lookahead_for(int32_t index, int32_t budget_left);
   void check_result_counts(const StepResult& result);  // fills row_offsets_; throws on a count the plan did not allow
   void trim_lookahead_blocks(RequestState& r);
-  void write_entries(StepPlan& plan) const;                // in_flight_ -> the plan's sched_* arrays
-  void match_result_rows(const StepResult& result);        // sets in_flight_[*].result
+  size_t write_entries(StepPlan& plan);  // in_flight_ -> the plan's sched_* arrays and sampled_slots_; returns its size
+  // True when the rows come in plan order (their `result` then set only with fill_rows); else sets every `result`.
+  bool match_result_rows(const StepResult& result, bool fill_rows);
   void preempt(int32_t index, StepPlan& plan);
   void release(int32_t index);  // frees blocks, slot and table entry
   PackedOutput& new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled);
@@ -255,7 +262,8 @@ class Scheduler {
   size_t max_plan_bytes_;
   BlockPool pool_;
 
-  std::vector<RequestState> table_;  // dense; entries are reused through free_entries_
+  std::vector<RequestState> table_;      // dense; entries are reused through free_entries_
+  std::vector<RequestDetails> details_;  // the same indices as table_
   std::vector<int32_t> free_entries_;
   std::unordered_map<uint64_t, int32_t> index_of_;  // request_id -> table index, for aborts
   std::vector<int32_t> waiting_;  // table indices, the next to admit LAST (pop_back is O(1))
@@ -269,6 +277,7 @@ class Scheduler {
   uint64_t in_flight_step_ = 0;
   bool step_in_flight_ = false;
   size_t num_in_flight_samples_ = 0;
+  std::vector<int32_t> sampled_slots_;  // the plan in flight's sampled slots, in plan order
   std::vector<SampleMark> sample_mark_;      // by batch slot: matches rows a worker sent out of plan order
   std::vector<PendingBlock> pending_cache_;  // scratch for update(): full blocks to register, prefetched first
   std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
