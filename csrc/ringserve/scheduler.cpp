@@ -61,7 +61,9 @@ uint64_t mix64(uint64_t x) {
       .first_token_time_ns = r.first_token_time_ns,
       .num_prompt_tokens = static_cast<uint32_t>(r.num_prompt_tokens),
       .num_cached_tokens = r.num_cached_tokens,
-      .num_computed_tokens = static_cast<uint32_t>(std::min(r.num_computed_tokens, r.num_prompt_tokens)),
+      // Prompt progress; a sampled token means the whole prompt is computed.
+      .num_computed_tokens =
+          static_cast<uint32_t>(has_token ? r.num_prompt_tokens : std::min(r.num_computed_tokens, r.num_prompt_tokens)),
       .num_scheduled_tokens = static_cast<uint32_t>(num_scheduled),
       .token_id = token,
       .logprob = logprob,
@@ -101,6 +103,7 @@ uint64_t block_hash(uint64_t parent, bool is_first, uint64_t cache_salt, std::sp
   uint64_t sum = tokens.size();
   uint64_t key = 0x9e3779b97f4a7c15ull;
   size_t i = 0;
+#pragma GCC unroll 8
   for (; i + 1 < tokens.size(); i += 2, key += 0x9e3779b97f4a7c15ull) {
     uint64_t word;
     std::memcpy(&word, &tokens[i], sizeof(word));
@@ -138,7 +141,10 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   sample_mark_.assign(seqs, SampleMark{});
   sampled_slots_.reserve(seqs);
   running_.reserve(seqs);
-  in_flight_.reserve(seqs);
+  for (auto* a : {&in_flight_.index, &in_flight_.slot, &in_flight_.start, &in_flight_.len, &in_flight_.lookahead,
+                  &in_flight_.sample, &in_flight_.result}) {
+    a->assign(seqs, 0);
+  }
   released_slots_.reserve(seqs);
   outputs_.reserve(seqs);
   static_assert(sizeof(PackedOutput) == 64, "a packed output is one cache line");
@@ -414,8 +420,15 @@ void Scheduler::register_computed_blocks(int32_t index) {
 
 [[gnu::always_inline]] inline void Scheduler::schedule_chunk(int32_t index, int32_t slot, int32_t start,
                                                              int32_t num_tokens, int32_t total, int32_t lookahead) {
-  const bool sample = start + num_tokens == total;  // the chunk reaches the last known token: sample after it
-  in_flight_.push_back({index, slot, start, num_tokens, -1, lookahead, sample});
+  const size_t e = in_flight_.size;
+  if (e == in_flight_.index.size()) throw std::logic_error("a plan with more than max_num_seqs entries");
+  in_flight_.index[e] = index;
+  in_flight_.slot[e] = slot;
+  in_flight_.start[e] = start;
+  in_flight_.len[e] = num_tokens;
+  in_flight_.lookahead[e] = lookahead;
+  in_flight_.sample[e] = start + num_tokens == total ? 1 : 0;  // the chunk reaches the last known token: sample
+  in_flight_.size = e + 1;
 }
 
 int32_t Scheduler::lookahead_for(int32_t index, int32_t budget_left) {
@@ -542,7 +555,7 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   if (step_in_flight_) throw std::logic_error("schedule while a step is in flight");
   recycle_plan(plan);
   kv_pulls_.clear();
-  in_flight_.clear();
+  in_flight_.size = 0;
   plan.finished_slots.swap(released_slots_);
   plan.trim_slots.swap(pending_trim_slots_);
   plan.trim_num_blocks.swap(pending_trim_blocks_);
@@ -625,7 +638,7 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   }
 
   num_in_flight_samples_ = write_entries(plan);
-  if (in_flight_.empty()) {
+  if (in_flight_.size == 0) {
     // Nothing runs: keep the released slots and trims for the next plan that is actually sent.
     released_slots_.swap(plan.finished_slots);
     plan.finished_slots.clear();
@@ -655,35 +668,37 @@ double Scheduler::prefill_time_budget() const {
 }
 
 size_t Scheduler::write_entries(StepPlan& plan) {
-  // One pass at the end through raw pointers: stores into the uint8 sample array may alias anything, so writing the
-  // plan while scheduling would make the compiler reload every pointer after each entry.
-  const size_t n = in_flight_.size();
-  plan.sched_slots.resize(n);
-  plan.sched_start.resize(n);
-  plan.sched_len.resize(n);
-  plan.sched_sample.resize(n);
+  // After scheduling, as copies: stores into the plan's uint8 sample array may alias anything, so writing it entry by
+  // entry while scheduling would make the compiler reload every pointer after each one.
+  const size_t n = in_flight_.size;
+  const auto copy = [n](const std::vector<int32_t>& from, std::vector<int32_t>& to) {
+    to.resize(n);
+    std::copy_n(from.begin(), n, to.begin());
+  };
+  copy(in_flight_.slot, plan.sched_slots);
+  copy(in_flight_.start, plan.sched_start);
+  copy(in_flight_.len, plan.sched_len);
   // Without speculation the array stays empty (the workers read that as no lookahead anywhere).
-  plan.sched_lookahead.resize(config_.num_speculative_tokens > 0 ? n : 0);
   if (config_.num_speculative_tokens > 0) {
-    for (size_t k = 0; k < n; ++k) plan.sched_lookahead[k] = in_flight_[k].lookahead;
+    copy(in_flight_.lookahead, plan.sched_lookahead);
+  } else {
+    plan.sched_lookahead.clear();
   }
-  int32_t* slots = plan.sched_slots.data();
-  int32_t* starts = plan.sched_start.data();
-  int32_t* lens = plan.sched_len.data();
+  plan.sched_sample.resize(n);
+  const int32_t* sample = in_flight_.sample.data();
   uint8_t* samples = plan.sched_sample.data();
-  sampled_slots_.resize(n);
-  int32_t* sampled_slots = sampled_slots_.data();
-  const Scheduled* entries = in_flight_.data();
   size_t sampled = 0;
   for (size_t k = 0; k < n; ++k) {
-    slots[k] = entries[k].slot;
-    starts[k] = entries[k].start;
-    lens[k] = entries[k].num_tokens;
-    samples[k] = entries[k].sample ? 1 : 0;
-    sampled_slots[sampled] = entries[k].slot;  // kept only when it samples: the next entry overwrites it otherwise
-    sampled += entries[k].sample ? 1 : 0;
+    samples[k] = static_cast<uint8_t>(sample[k]);
+    sampled += static_cast<size_t>(sample[k]);
   }
-  sampled_slots_.resize(sampled);
+  // The result's rows are matched against the sampled slots: the plan's own when every entry samples.
+  sampled_slots_.clear();
+  if (sampled < n) {
+    for (size_t k = 0; k < n; ++k) {
+      if (sample[k] != 0) sampled_slots_.push_back(in_flight_.slot[k]);
+    }
+  }
   return sampled;
 }
 
@@ -691,33 +706,38 @@ bool Scheduler::match_result_rows(const StepResult& result, bool fill_rows) {
   // Workers normally answer in plan order: one comparison of the rows' slots with the sampled entries' (a memcmp)
   // confirms that. As many rows as sampled entries (checked by the caller), each matched to a different one, means
   // every sampled slot got exactly one token.
+  const size_t n = in_flight_.size;
   const int32_t* slots = result.slots.data();
-  if (std::equal(result.slots.begin(), result.slots.end(), sampled_slots_.begin(), sampled_slots_.end())) {
+  int32_t* rows = in_flight_.result.data();
+  const int32_t* sample = in_flight_.sample.data();
+  const bool every_entry = result.slots.size() == n;  // the caller checked: as many rows as sampled entries
+  const int32_t* expected = every_entry ? in_flight_.slot.data() : sampled_slots_.data();
+  if (std::equal(slots, slots + result.slots.size(), expected)) {
     if (fill_rows) {
       int32_t row = 0;
-      for (Scheduled& s : in_flight_) s.result = s.sample ? row++ : -1;
+      for (size_t k = 0; k < n; ++k) rows[k] = sample[k] != 0 ? row++ : -1;
     }
     return true;
   }
   // Any other order: match the rows through a slot -> entry map, stamped with this step so it needs no clearing.
-  for (Scheduled& s : in_flight_) s.result = -1;
-  for (size_t k = 0; k < in_flight_.size(); ++k) {
-    if (in_flight_[k].sample) {
-      sample_mark_[static_cast<size_t>(in_flight_[k].slot)] = {in_flight_step_, static_cast<int32_t>(k)};
+  std::fill_n(rows, n, -1);
+  for (size_t k = 0; k < n; ++k) {
+    if (sample[k] != 0) {
+      sample_mark_[static_cast<size_t>(in_flight_.slot[k])] = {in_flight_step_, static_cast<int32_t>(k)};
     }
   }
   for (size_t i = 0; i < result.slots.size(); ++i) {
     const int32_t slot = slots[i];
-    Scheduled* s = nullptr;
+    int32_t entry = -1;
     if (slot >= 0 && slot < config_.max_num_seqs) {
       const SampleMark& mark = sample_mark_[static_cast<size_t>(slot)];
-      if (mark.step == in_flight_step_) s = &in_flight_[static_cast<size_t>(mark.pos)];
+      if (mark.step == in_flight_step_) entry = mark.pos;
     }
-    if (s == nullptr || s->result != -1) {
-      for (Scheduled& t : in_flight_) t.result = -1;
+    if (entry < 0 || rows[entry] != -1) {
+      std::fill_n(rows, n, -1);
       throw std::runtime_error("StepResult has a slot that was not sampled or is repeated: " + std::to_string(slot));
     }
-    s->result = static_cast<int32_t>(i);
+    rows[entry] = static_cast<int32_t>(i);
   }
   return false;
 }
@@ -747,16 +767,17 @@ void Scheduler::check_result_counts(const StepResult& result) {
     throw std::runtime_error("StepResult top arrays are not [tokens, num_top]");
   }
   if (!multi && result.num_proposed.empty()) return;
-  for (const Scheduled& s : in_flight_) {
-    if (!s.sample) continue;
-    const auto row = static_cast<size_t>(s.result);
+  for (size_t k = 0; k < in_flight_.size; ++k) {
+    if (in_flight_.sample[k] == 0) continue;
+    const auto row = static_cast<size_t>(in_flight_.result[k]);
     const int32_t n = multi ? result.token_counts[row] : 1;
     const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row];
+    const int32_t lookahead = in_flight_.lookahead[k];
     // Each accepted token must be a verified draft token, and drafts only fill the slots the plan reserved.
-    if (proposed < 0 || proposed > s.lookahead || n < 1 || n - 1 > proposed) {
-      throw std::runtime_error("StepResult slot " + std::to_string(s.slot) + ": " + std::to_string(n) + " tokens from " +
-                               std::to_string(proposed) + " proposed, but its lookahead is " +
-                               std::to_string(s.lookahead));
+    if (proposed < 0 || proposed > lookahead || n < 1 || n - 1 > proposed) {
+      throw std::runtime_error("StepResult slot " + std::to_string(in_flight_.slot[k]) + ": " + std::to_string(n) +
+                               " tokens from " + std::to_string(proposed) + " proposed, but its lookahead is " +
+                               std::to_string(lookahead));
     }
   }
 }
@@ -790,7 +811,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   registering_.clear();
   const bool caching = config_.enable_prefix_caching;
   const int32_t bs = config_.block_size;
-  const size_t count = in_flight_.size();
+  const size_t count = in_flight_.size;
   // One output per scheduled request; growing the array happens only until it reached its high-water mark.
   const int32_t* tokens = result.token_ids.data();
   const float* logprobs = result.logprobs.data();  // one per token (check_result_counts)
@@ -800,38 +821,43 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   uint64_t generated = plain ? result.slots.size() : 0;
   RequestState* const table = table_.data();
   RequestDetails* const details = details_.data();
-  const Scheduled* const entries = in_flight_.data();
+  const int32_t* const entry_index = in_flight_.index.data();
+  const int32_t* const entry_len = in_flight_.len.data();
+  const int32_t* const entry_sample = in_flight_.sample.data();
+  const int32_t* const entry_lookahead = in_flight_.lookahead.data();
+  const int32_t* const entry_result = in_flight_.result.data();
   for (size_t k = 0; k < count; ++k) {
     // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to.
     if (k + 2 * kPrefetchAhead < count) {
-      const RequestState* ahead = &table[entries[k + 2 * kPrefetchAhead].index];
+      const RequestState* ahead = &table[entry_index[k + 2 * kPrefetchAhead]];
       __builtin_prefetch(ahead);
       __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64);
     }
     if (k + kPrefetchAhead < count) {
-      const RequestState& near = table[entries[k + kPrefetchAhead].index];
+      const RequestState& near = table[entry_index[k + kPrefetchAhead]];
       __builtin_prefetch(near.token_ids.data() + near.token_ids.size(), 1);
     }
-    const Scheduled& s = entries[k];
-    RequestState& r = table[s.index];
-    if (!s.sample) {
-      r.num_computed_tokens += s.num_tokens;
-      if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
-      new_output(r, FinishReason::kNone, s.num_tokens);  // a prefill chunk: progress only, for tracing
+    const int32_t index = entry_index[k];
+    const int32_t num_tokens = entry_len[k];
+    RequestState& r = table[index];
+    if (entry_sample[k] == 0) {
+      r.num_computed_tokens += num_tokens;
+      if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
+      new_output(r, FinishReason::kNone, num_tokens);  // a prefill chunk: progress only, for tracing
       continue;
     }
     FinishReason reason = FinishReason::kNone;
     if (plain) {  // one token per row, no drafts, no top logprobs: the common step, kept short
-      const size_t row = in_order ? next_row++ : static_cast<size_t>(s.result);
+      const size_t row = in_order ? next_row++ : static_cast<size_t>(entry_result[k]);
       const int32_t token = tokens[row];
       if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-      r.num_computed_tokens += s.num_tokens;
+      r.num_computed_tokens += num_tokens;
       r.token_ids.push_back(token);  // within the capacity reserved at add_request
-      reason = stop_reason(r, details + s.index, token);
-      outputs_.emplace_back(make_output(r, reason, s.num_tokens, true, token, logprobs[row]));
+      reason = stop_reason(r, details + index, token);
+      outputs_.emplace_back(make_output(r, reason, num_tokens, true, token, logprobs[row]));
     } else {
-      RequestDetails& d = details[s.index];
-      const auto row_index = static_cast<size_t>(s.result);
+      RequestDetails& d = details[index];
+      const auto row_index = static_cast<size_t>(entry_result[k]);
       const size_t first = multi ? row_offsets_[row_index] : row_index;
       const int32_t num_new = multi ? result.token_counts[row_index] : 1;
       const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
@@ -839,7 +865,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(d.num_logprobs),
                                                                uint32_t{std::numeric_limits<uint16_t>::max()}});
       if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-      r.num_computed_tokens += s.num_tokens;
+      r.num_computed_tokens += num_tokens;
       // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.
       int32_t appended = 0;
       while (appended < num_new && reason == FinishReason::kNone) {
@@ -847,7 +873,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
         const int32_t token = tokens[at];
         r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
         reason = stop_reason(r, &d, token);
-        const int32_t scheduled = appended == 0 ? s.num_tokens + proposed : 0;
+        const int32_t scheduled = appended == 0 ? num_tokens + proposed : 0;
         PackedOutput& o = outputs_.emplace_back(
             make_output(r, reason, scheduled, true, token, logprobs[at]));
         if (appended == 0 && proposed > 0) {
@@ -883,11 +909,11 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       }
     }
     // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
-    if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(s.index);
+    if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
     if (reason != FinishReason::kNone) {
-      finished_.push_back(s.index);
-    } else if (s.lookahead > 0) {
-      trimming_.push_back(s.index);  // the lookahead slots it did not fill go back
+      finished_.push_back(index);
+    } else if (entry_lookahead[k] > 0) {
+      trimming_.push_back(index);  // the lookahead slots it did not fill go back
     }
   }
   total_generation_tokens_ += generated;
@@ -911,7 +937,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   if (!finished_.empty()) {
     std::erase_if(running_, [this](int32_t i) { return table_[static_cast<size_t>(i)].status != RequestStatus::kRunning; });
   }
-  in_flight_.clear();
+  in_flight_.size = 0;
 }
 
 void Scheduler::pin_blocks(int32_t index, int64_t now_ns) {

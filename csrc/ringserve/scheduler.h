@@ -198,14 +198,17 @@ class Scheduler {
   void check_invariants() const;
 
  private:
-  struct Scheduled {
-    int32_t index;
-    int32_t slot;
-    int32_t start;  // num_computed_tokens when scheduled
-    int32_t num_tokens;
-    int32_t result;  // update(): this request's row in the StepResult, -1 until matched
-    int32_t lookahead;  // draft tokens the workers may verify after its token (reserved KV slots)
-    bool sample;
+  // The plan awaiting its StepResult: one entry per scheduled request, as parallel arrays sized max_num_seqs once (a
+  // plan never holds more), so scheduling appends without growing anything and the plan's sched_* arrays are copies.
+  struct InFlight {
+    std::vector<int32_t> index;
+    std::vector<int32_t> slot;
+    std::vector<int32_t> start;      // num_computed_tokens when scheduled
+    std::vector<int32_t> len;        // tokens scheduled
+    std::vector<int32_t> lookahead;  // draft tokens the workers may verify after its token (reserved KV slots)
+    std::vector<int32_t> sample;     // 1 when the entry reaches its last known token (int32: no char aliasing)
+    std::vector<int32_t> result;     // update(): its row in the StepResult, -1 until matched
+    size_t size = 0;
   };
   struct SampleMark {  // slot -> the in-flight entry that samples it, valid while step == in_flight_step_
     uint64_t step = 0;
@@ -247,7 +250,7 @@ class Scheduler {
   int32_t lookahead_for(int32_t index, int32_t budget_left);
   void check_result_counts(const StepResult& result);  // fills row_offsets_; throws on a count the plan did not allow
   void trim_lookahead_blocks(RequestState& r);
-  size_t write_entries(StepPlan& plan);  // in_flight_ -> the plan's sched_* arrays and sampled_slots_; returns its size
+  size_t write_entries(StepPlan& plan);  // in_flight_ -> the plan's sched_* arrays (and sampled_slots_); returns samples
   // True when the rows come in plan order (their `result` then set only with fill_rows); else sets every `result`.
   bool match_result_rows(const StepResult& result, bool fill_rows);
   void preempt(int32_t index, StepPlan& plan);
@@ -273,11 +276,11 @@ class Scheduler {
   std::vector<int32_t> released_slots_;  // go into the next plan's finished_slots
   std::vector<int32_t> hits_;            // scratch: cached blocks found for the request being admitted
 
-  std::vector<Scheduled> in_flight_;  // the plan awaiting its StepResult
+  InFlight in_flight_;
   uint64_t in_flight_step_ = 0;
   bool step_in_flight_ = false;
   size_t num_in_flight_samples_ = 0;
-  std::vector<int32_t> sampled_slots_;  // the plan in flight's sampled slots, in plan order
+  std::vector<int32_t> sampled_slots_;  // the plan in flight's sampled slots in plan order, when not every entry samples
   std::vector<SampleMark> sample_mark_;      // by batch slot: matches rows a worker sent out of plan order
   std::vector<PendingBlock> pending_cache_;  // scratch for update(): full blocks to register, prefetched first
   std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
