@@ -592,34 +592,14 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     if (n <= 0) continue;
     // Lookahead only for a one-token decode that samples: its drafts are verified right after that token.
     int32_t k = spec_step_ && n == 1 && computed + 1 == total ? lookahead_for(index, budget - n) : 0;
-    const auto have = static_cast<int32_t>(r.block_ids.size());
-    if (computed + n + k > have * bs) {  // needs blocks (a decode step does once every block_size tokens)
-      // Lookahead takes only free blocks: it shrinks rather than preempt anyone.
-      const int32_t room = (have + pool_.num_free()) * bs - computed - n;
-      k = std::clamp(room, 0, k);
-    }
-    if (computed + n + k > have * bs) {
-      const int32_t needed = blocks_for(computed + n + k) - have;
-      bool preempted_self = false;
-      while (needed > pool_.num_free()) {
-        // running_ is in priority order, so its back is the lowest-priority, latest-arrived request; it sits behind
-        // position i (or is this request), so nothing of it is in the plan yet.
-        const int32_t victim = running_.back();
-        running_.pop_back();
-        preempt(victim, plan);
+    if (computed + n + k > static_cast<int32_t>(r.block_ids.size()) * bs) {
+      // Needs blocks: a decode step does once every block_size tokens. Out of line, so the loop keeps its registers.
+      const Growth grown = grow_blocks(index, n, k, plan, plan_bytes);
+      if (grown != Growth::kGrown) {
         preempted = true;
-        if (victim == index) {
-          preempted_self = true;
-          break;
-        }
+        num_running = running_.size();
+        if (grown == Growth::kPreemptedSelf) break;
       }
-      num_running = running_.size();
-      if (preempted_self) break;
-      pool_.allocate(needed, r.block_ids);
-      BlockAppend& append = reuse_back(plan.block_appends, spare_appends_);
-      append.slot = r.slot;
-      append.block_ids.assign(r.block_ids.begin() + have, r.block_ids.end());
-      plan_bytes += kPlanBytesPerAppend + static_cast<size_t>(needed) * sizeof(int32_t);
     }
     schedule_chunk(index, r.slot, computed, n, total, k);
     plan_bytes += kPlanBytesPerScheduled;
@@ -656,6 +636,34 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   step_in_flight_ = true;
   ++num_steps_;
   return true;
+}
+
+Scheduler::Growth Scheduler::grow_blocks(int32_t index, int32_t n, int32_t& k, StepPlan& plan, size_t& plan_bytes) {
+  RequestState& r = table_[static_cast<size_t>(index)];
+  const int32_t bs = config_.block_size;
+  const int32_t computed = r.num_computed_tokens;
+  const auto have = static_cast<int32_t>(r.block_ids.size());
+  // Lookahead takes only free blocks: it shrinks rather than preempt anyone.
+  const int32_t room = (have + pool_.num_free()) * bs - computed - n;
+  k = std::clamp(room, 0, k);
+  if (computed + n + k <= have * bs) return Growth::kGrown;  // the shrunk lookahead fits what it has
+  const int32_t needed = blocks_for(computed + n + k) - have;
+  Growth grown = Growth::kGrown;
+  while (needed > pool_.num_free()) {
+    // running_ is in priority order, so its back is the lowest-priority, latest-arrived request; it sits behind this
+    // one in the running list (or is this request), so nothing of it is in the plan yet.
+    const int32_t victim = running_.back();
+    running_.pop_back();
+    preempt(victim, plan);
+    if (victim == index) return Growth::kPreemptedSelf;
+    grown = Growth::kGrownAfterPreempting;
+  }
+  pool_.allocate(needed, r.block_ids);
+  BlockAppend& append = reuse_back(plan.block_appends, spare_appends_);
+  append.slot = r.slot;
+  append.block_ids.assign(r.block_ids.begin() + have, r.block_ids.end());
+  plan_bytes += kPlanBytesPerAppend + static_cast<size_t>(needed) * sizeof(int32_t);
+  return grown;
 }
 
 double Scheduler::prefill_time_budget() const {
@@ -787,6 +795,68 @@ PackedOutput& Scheduler::new_output(const RequestState& r, FinishReason reason, 
   return o;
 }
 
+// A row with drafts, several tokens or top logprobs: appends its tokens (stop rules apply token by token and drop the
+// rest), one output each, and updates the request's acceptance rate. Out of line, so the plain loop keeps its registers.
+FinishReason Scheduler::append_row(int32_t index, int32_t num_tokens, size_t row_index, const StepResult& result,
+                                   int64_t now_ns, uint64_t& generated) {
+  RequestState& r = table_[static_cast<size_t>(index)];
+  RequestDetails& d = details_[static_cast<size_t>(index)];
+  const bool multi = !result.token_counts.empty();
+  const int32_t* tokens = result.token_ids.data();
+  const float* logprobs = result.logprobs.data();
+  FinishReason reason = FinishReason::kNone;
+  const size_t first = multi ? row_offsets_[row_index] : row_index;
+  const int32_t num_new = multi ? result.token_counts[row_index] : 1;
+  const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
+  // num_logprobs sits in the request's details: read it only when the worker sent top logprobs at all.
+  const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(d.num_logprobs),
+                                                           uint32_t{std::numeric_limits<uint16_t>::max()}});
+  if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
+  r.num_computed_tokens += num_tokens;
+  // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.
+  int32_t appended = 0;
+  while (appended < num_new && reason == FinishReason::kNone) {
+    const size_t at = first + static_cast<size_t>(appended);
+    const int32_t token = tokens[at];
+    r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
+    reason = stop_reason(r, &d, token);
+    const int32_t scheduled = appended == 0 ? num_tokens + proposed : 0;
+    PackedOutput& o = outputs_.emplace_back(
+        make_output(r, reason, scheduled, true, token, logprobs[at]));
+    if (appended == 0 && proposed > 0) {
+      o.num_spec_proposed_tokens = static_cast<uint8_t>(proposed);
+      o.num_spec_accepted_tokens = static_cast<uint8_t>(num_new - 1);
+    }
+    if (top > 0) {
+      const auto row = static_cast<std::ptrdiff_t>(at * result.num_top);
+      o.num_top = static_cast<uint16_t>(top);
+      top_token_ids_.insert(top_token_ids_.end(), result.top_token_ids.begin() + row,
+                            result.top_token_ids.begin() + row + top);
+      top_logprobs_.insert(top_logprobs_.end(), result.top_logprobs.begin() + row,
+                           result.top_logprobs.begin() + row + top);
+    }
+    ++appended;
+  }
+  generated += static_cast<uint64_t>(appended);
+  // The KV of the accepted drafts was computed in this step; the last token's is computed next step.
+  r.num_computed_tokens += appended - 1;
+  if (proposed > 0) {
+    const int32_t accepted = num_new - 1;
+    d.spec_proposed_tokens += static_cast<uint64_t>(proposed);
+    d.spec_accepted_tokens += static_cast<uint64_t>(accepted);
+    spec_proposed_tokens_ += static_cast<uint64_t>(proposed);
+    spec_accepted_tokens_ += static_cast<uint64_t>(accepted);
+    ++spec_verify_rows_;
+    const float weighted = 0.25f * static_cast<float>(accepted) / static_cast<float>(proposed);
+    d.spec_acceptance = 0.75f * d.spec_acceptance + weighted;
+    if (d.spec_acceptance < config_.spec_min_acceptance) {
+      d.spec_backoff = config_.spec_backoff_steps;
+      d.spec_acceptance = 1.0f;  // a fresh start after the pause
+    }
+  }
+  return reason;
+}
+
 void Scheduler::update(const StepResult& result, int64_t now_ns) {
   if (!step_in_flight_) throw std::logic_error("update without a step in flight");
   if (result.step_id != in_flight_step_) {
@@ -856,57 +926,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       reason = stop_reason(r, details + index, token);
       outputs_.emplace_back(make_output(r, reason, num_tokens, true, token, logprobs[row]));
     } else {
-      RequestDetails& d = details[index];
-      const auto row_index = static_cast<size_t>(entry_result[k]);
-      const size_t first = multi ? row_offsets_[row_index] : row_index;
-      const int32_t num_new = multi ? result.token_counts[row_index] : 1;
-      const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
-      // num_logprobs sits in the request's details: read it only when the worker sent top logprobs at all.
-      const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(d.num_logprobs),
-                                                               uint32_t{std::numeric_limits<uint16_t>::max()}});
-      if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-      r.num_computed_tokens += num_tokens;
-      // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.
-      int32_t appended = 0;
-      while (appended < num_new && reason == FinishReason::kNone) {
-        const size_t at = first + static_cast<size_t>(appended);
-        const int32_t token = tokens[at];
-        r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
-        reason = stop_reason(r, &d, token);
-        const int32_t scheduled = appended == 0 ? num_tokens + proposed : 0;
-        PackedOutput& o = outputs_.emplace_back(
-            make_output(r, reason, scheduled, true, token, logprobs[at]));
-        if (appended == 0 && proposed > 0) {
-          o.num_spec_proposed_tokens = static_cast<uint8_t>(proposed);
-          o.num_spec_accepted_tokens = static_cast<uint8_t>(num_new - 1);
-        }
-        if (top > 0) {
-          const auto row = static_cast<std::ptrdiff_t>(at * result.num_top);
-          o.num_top = static_cast<uint16_t>(top);
-          top_token_ids_.insert(top_token_ids_.end(), result.top_token_ids.begin() + row,
-                                result.top_token_ids.begin() + row + top);
-          top_logprobs_.insert(top_logprobs_.end(), result.top_logprobs.begin() + row,
-                               result.top_logprobs.begin() + row + top);
-        }
-        ++appended;
-      }
-      generated += static_cast<uint64_t>(appended);
-      // The KV of the accepted drafts was computed in this step; the last token's is computed next step.
-      r.num_computed_tokens += appended - 1;
-      if (proposed > 0) {
-        const int32_t accepted = num_new - 1;
-        d.spec_proposed_tokens += static_cast<uint64_t>(proposed);
-        d.spec_accepted_tokens += static_cast<uint64_t>(accepted);
-        spec_proposed_tokens_ += static_cast<uint64_t>(proposed);
-        spec_accepted_tokens_ += static_cast<uint64_t>(accepted);
-        ++spec_verify_rows_;
-        const float weighted = 0.25f * static_cast<float>(accepted) / static_cast<float>(proposed);
-        d.spec_acceptance = 0.75f * d.spec_acceptance + weighted;
-        if (d.spec_acceptance < config_.spec_min_acceptance) {
-          d.spec_backoff = config_.spec_backoff_steps;
-          d.spec_acceptance = 1.0f;  // a fresh start after the pause
-        }
-      }
+      reason = append_row(index, num_tokens, static_cast<size_t>(entry_result[k]), result, now_ns, generated);
     }
     // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
     if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);

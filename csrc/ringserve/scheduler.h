@@ -242,6 +242,12 @@ class Scheduler {
     shape_.prefill_tokens += n;
     shape_.prefill_pairs += attention_pairs(start, n);
   }
+  enum class Growth : uint8_t { kGrown, kGrownAfterPreempting, kPreemptedSelf };
+  // Gives a scheduled request the blocks for its n tokens + k lookahead slots (k shrinks to what free blocks allow),
+  // preempting from the back of the running list when needed, and lists them in the plan.
+  [[gnu::noinline]] Growth grow_blocks(int32_t index, int32_t n, int32_t& k, StepPlan& plan, size_t& plan_bytes);
+  [[gnu::noinline]] FinishReason append_row(int32_t index, int32_t num_tokens, size_t row_index,
+                                            const StepResult& result, int64_t now_ns, uint64_t& generated);
   void extend_block_hashes(const RequestState& r, RequestDetails& d, int32_t num_blocks);
   void register_computed_blocks(int32_t index);
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
