@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace ringserve {
 namespace {
@@ -141,10 +142,11 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   sample_mark_.assign(seqs, SampleMark{});
   sampled_slots_.reserve(seqs);
   running_.reserve(seqs);
-  for (auto* a : {&in_flight_.index, &in_flight_.slot, &in_flight_.start, &in_flight_.len, &in_flight_.lookahead,
-                  &in_flight_.sample, &in_flight_.result}) {
+  for (auto* a : {&in_flight_.slot, &in_flight_.start, &in_flight_.len, &in_flight_.lookahead, &in_flight_.sample,
+                  &in_flight_.result}) {
     a->assign(seqs, 0);
   }
+  in_flight_.index.assign(seqs + 2 * kPrefetchAhead, 0);  // + the padding update()'s prefetches read
   released_slots_.reserve(seqs);
   outputs_.reserve(seqs);
   static_assert(sizeof(PackedOutput) == 64, "a packed output is one cache line");
@@ -421,7 +423,7 @@ void Scheduler::register_computed_blocks(int32_t index) {
 [[gnu::always_inline]] inline void Scheduler::schedule_chunk(int32_t index, int32_t slot, int32_t start,
                                                              int32_t num_tokens, int32_t total, int32_t lookahead) {
   const size_t e = in_flight_.size;
-  if (e == in_flight_.index.size()) throw std::logic_error("a plan with more than max_num_seqs entries");
+  if (e == in_flight_.slot.size()) throw std::logic_error("a plan with more than max_num_seqs entries");
   in_flight_.index[e] = index;
   in_flight_.slot[e] = slot;
   in_flight_.start[e] = start;
@@ -618,6 +620,11 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   }
 
   num_in_flight_samples_ = write_entries(plan);
+  // update() prefetches up to 2 x kPrefetchAhead entries ahead: past the last one, they repeat it.
+  if (in_flight_.size > 0) {
+    std::fill_n(in_flight_.index.begin() + static_cast<std::ptrdiff_t>(in_flight_.size), 2 * kPrefetchAhead,
+                in_flight_.index[in_flight_.size - 1]);
+  }
   if (in_flight_.size == 0) {
     // Nothing runs: keep the released slots and trims for the next plan that is actually sent.
     released_slots_.swap(plan.finished_slots);
@@ -885,7 +892,6 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   // One output per scheduled request; growing the array happens only until it reached its high-water mark.
   const int32_t* tokens = result.token_ids.data();
   const float* logprobs = result.logprobs.data();  // one per token (check_result_counts)
-  size_t next_row = 0;
   trimming_.clear();
   // Without drafts every sampled row appends exactly one token.
   uint64_t generated = plain ? result.slots.size() : 0;
@@ -896,45 +902,53 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   const int32_t* const entry_sample = in_flight_.sample.data();
   const int32_t* const entry_lookahead = in_flight_.lookahead.data();
   const int32_t* const entry_result = in_flight_.result.data();
-  for (size_t k = 0; k < count; ++k) {
-    // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to.
-    if (k + 2 * kPrefetchAhead < count) {
+  // One walk over the entries, compiled twice: for the common step (plain rows in plan order, so an entry's row is
+  // the next one) with no per-entry test of either, and for any other.
+  const auto walk = [&](auto plain_in_order) {
+    constexpr bool kFast = decltype(plain_in_order)::value;
+    size_t next_row = 0;
+    for (size_t k = 0; k < count; ++k) {
+      // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to. The
+      // index array repeats its last entry past the end (pad_in_flight), so neither needs a bound check.
       const RequestState* ahead = &table[entry_index[k + 2 * kPrefetchAhead]];
       __builtin_prefetch(ahead);
       __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64);
-    }
-    if (k + kPrefetchAhead < count) {
       const RequestState& near = table[entry_index[k + kPrefetchAhead]];
       __builtin_prefetch(near.token_ids.data() + near.token_ids.size(), 1);
-    }
-    const int32_t index = entry_index[k];
-    const int32_t num_tokens = entry_len[k];
-    RequestState& r = table[index];
-    if (entry_sample[k] == 0) {
-      r.num_computed_tokens += num_tokens;
+      const int32_t index = entry_index[k];
+      const int32_t num_tokens = entry_len[k];
+      RequestState& r = table[index];
+      if (entry_sample[k] == 0) {
+        r.num_computed_tokens += num_tokens;
+        if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
+        new_output(r, FinishReason::kNone, num_tokens);  // a prefill chunk: progress only, for tracing
+        continue;
+      }
+      FinishReason reason = FinishReason::kNone;
+      if (kFast || plain) {  // one token per row, no drafts, no top logprobs: kept short
+        const size_t row = kFast ? next_row++ : static_cast<size_t>(entry_result[k]);
+        const int32_t token = tokens[row];
+        if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
+        r.num_computed_tokens += num_tokens;
+        r.token_ids.push_back(token);  // within the capacity reserved at add_request
+        reason = stop_reason(r, details + index, token);
+        outputs_.emplace_back(make_output(r, reason, num_tokens, true, token, logprobs[row]));
+      } else {
+        reason = append_row(index, num_tokens, static_cast<size_t>(entry_result[k]), result, now_ns, generated);
+      }
+      // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
       if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
-      new_output(r, FinishReason::kNone, num_tokens);  // a prefill chunk: progress only, for tracing
-      continue;
+      if (reason != FinishReason::kNone) {
+        finished_.push_back(index);
+      } else if (entry_lookahead[k] > 0) {
+        trimming_.push_back(index);  // the lookahead slots it did not fill go back
+      }
     }
-    FinishReason reason = FinishReason::kNone;
-    if (plain) {  // one token per row, no drafts, no top logprobs: the common step, kept short
-      const size_t row = in_order ? next_row++ : static_cast<size_t>(entry_result[k]);
-      const int32_t token = tokens[row];
-      if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-      r.num_computed_tokens += num_tokens;
-      r.token_ids.push_back(token);  // within the capacity reserved at add_request
-      reason = stop_reason(r, details + index, token);
-      outputs_.emplace_back(make_output(r, reason, num_tokens, true, token, logprobs[row]));
-    } else {
-      reason = append_row(index, num_tokens, static_cast<size_t>(entry_result[k]), result, now_ns, generated);
-    }
-    // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
-    if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
-    if (reason != FinishReason::kNone) {
-      finished_.push_back(index);
-    } else if (entry_lookahead[k] > 0) {
-      trimming_.push_back(index);  // the lookahead slots it did not fill go back
-    }
+  };
+  if (plain && in_order) {
+    walk(std::true_type{});
+  } else {
+    walk(std::false_type{});  // entry_result holds every sampled entry's row (match_result_rows)
   }
   total_generation_tokens_ += generated;
   // Registrations read three arrays of their own per request (hash chain, block table, the block's tokens), cold by
