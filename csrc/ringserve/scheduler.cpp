@@ -668,7 +668,8 @@ Scheduler::Growth Scheduler::grow_blocks(int32_t index, int32_t n, int32_t& k, S
   pool_.allocate(needed, r.block_ids);
   BlockAppend& append = reuse_back(plan.block_appends, spare_appends_);
   append.slot = r.slot;
-  append.block_ids.assign(r.block_ids.begin() + have, r.block_ids.end());
+  append.block_ids.clear();  // element by element: usually one block, and assign() would call memmove for it
+  for (auto b = r.block_ids.begin() + have; b != r.block_ids.end(); ++b) append.block_ids.push_back(*b);
   plan_bytes += kPlanBytesPerAppend + static_cast<size_t>(needed) * sizeof(int32_t);
   return grown;
 }

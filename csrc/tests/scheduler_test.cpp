@@ -850,6 +850,33 @@ TEST(a_result_that_does_not_match_the_plan_is_rejected_and_changes_nothing) {
   s.check_invariants();
 }
 
+TEST(rows_of_a_mixed_step_in_any_order_reach_their_requests) {
+  // Entries that sample on both sides of a prefill chunk that does not: rows are matched to the sampled ones only.
+  EngineConfig c = make_config(64, 8, 20);
+  c.long_prefill_token_threshold = 8;
+  for (const bool reversed : {false, true}) {
+    Scheduler s(c);
+    CHECK(!s.add_request(make_request(1, 3, 4), 0) && !s.add_request(make_request(2, 30, 4), 0) &&
+          !s.add_request(make_request(3, 2, 4), 0));
+    StepPlan plan;
+    CHECK(s.schedule(plan, 0));
+    CHECK((plan.sched_len == std::vector<int32_t>{3, 8, 2}));
+    CHECK((plan.sched_sample == std::vector<uint8_t>{1, 0, 1}));
+    const int32_t first = plan.sched_slots[0];
+    const int32_t last = plan.sched_slots[2];
+    StepResult result = reversed ? StepResult{plan.step_id, {last, first}, {9, 7}, {-0.9f, -0.7f}}
+                                 : StepResult{plan.step_id, {first, last}, {7, 9}, {-0.7f, -0.9f}};
+    s.update(result, 0);
+    std::vector<RequestOutput> out;
+    s.take_outputs(out);
+    CHECK(out.size() == 3);
+    CHECK(out[0].request_id == 1 && out[0].new_token_ids == std::vector<int32_t>{7} && out[0].logprobs[0] == -0.7f);
+    CHECK(out[1].request_id == 2 && out[1].new_token_ids.empty() && out[1].num_computed_tokens == 8);
+    CHECK(out[2].request_id == 3 && out[2].new_token_ids == std::vector<int32_t>{9} && out[2].logprobs[0] == -0.9f);
+    s.check_invariants();
+  }
+}
+
 TEST(top_logprobs_reach_each_output_up_to_its_own_num_logprobs) {
   Scheduler s(make_config(64));
   AddRequest wants_two = make_request(1, 3, 1);
