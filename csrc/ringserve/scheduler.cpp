@@ -878,9 +878,12 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   }
   const bool multi = !result.token_counts.empty();
   const bool plain = !multi && result.num_proposed.empty() && result.num_top == 0;
-  // Throws, changing nothing, unless every sampled entry got exactly one row. In plan order, a plain step takes its
-  // rows in turn; otherwise each entry's row is in its `result`.
-  const bool in_order = match_result_rows(result, /*fill_rows=*/!plain);
+  // The common step: every entry a plain decode (one token, no drafts, no lookahead, no top logprobs) whose row is
+  // its own position. Throws, changing nothing, unless every sampled entry got exactly one row; unless the step
+  // turns out to be the common one, each entry's row is then in its `result`.
+  const bool every_entry_decodes =
+      plain && result.slots.size() == in_flight_.size && config_.num_speculative_tokens == 0;
+  const bool in_order = match_result_rows(result, /*fill_rows=*/!every_entry_decodes);
   check_result_counts(result);  // throws, changing nothing, unless every row's tokens fit its lookahead
   step_in_flight_ = false;
 
@@ -903,11 +906,10 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   const int32_t* const entry_sample = in_flight_.sample.data();
   const int32_t* const entry_lookahead = in_flight_.lookahead.data();
   const int32_t* const entry_result = in_flight_.result.data();
-  // One walk over the entries, compiled twice: for the common step (plain rows in plan order, so an entry's row is
-  // the next one) with no per-entry test of either, and for any other.
-  const auto walk = [&](auto plain_in_order) {
-    constexpr bool kFast = decltype(plain_in_order)::value;
-    size_t next_row = 0;
+  // One walk over the entries, compiled twice: for the common step (entry k is row k; nothing to test per entry but
+  // the stop rules) and for any other.
+  const auto walk = [&](auto common_step) {
+    constexpr bool kFast = decltype(common_step)::value;
     for (size_t k = 0; k < count; ++k) {
       // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to. The
       // index array repeats its last entry past the end (pad_in_flight), so neither needs a bound check.
@@ -919,7 +921,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       const int32_t index = entry_index[k];
       const int32_t num_tokens = entry_len[k];
       RequestState& r = table[index];
-      if (entry_sample[k] == 0) {
+      if (!kFast && entry_sample[k] == 0) {
         r.num_computed_tokens += num_tokens;
         if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
         new_output(r, FinishReason::kNone, num_tokens);  // a prefill chunk: progress only, for tracing
@@ -927,7 +929,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       }
       FinishReason reason = FinishReason::kNone;
       if (kFast || plain) {  // one token per row, no drafts, no top logprobs: kept short
-        const size_t row = kFast ? next_row++ : static_cast<size_t>(entry_result[k]);
+        const size_t row = kFast ? k : static_cast<size_t>(entry_result[k]);
         const int32_t token = tokens[row];
         if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
         r.num_computed_tokens += num_tokens;
@@ -941,12 +943,12 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
       if (reason != FinishReason::kNone) {
         finished_.push_back(index);
-      } else if (entry_lookahead[k] > 0) {
+      } else if (!kFast && entry_lookahead[k] > 0) {
         trimming_.push_back(index);  // the lookahead slots it did not fill go back
       }
     }
   };
-  if (plain && in_order) {
+  if (every_entry_decodes && in_order) {
     walk(std::true_type{});
   } else {
     walk(std::false_type{});  // entry_result holds every sampled entry's row (match_result_rows)
