@@ -798,9 +798,14 @@ void Scheduler::check_result_counts(const StepResult& result) {
   }
 }
 
-PackedOutput& Scheduler::new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled) {
-  PackedOutput& o = outputs_.emplace_back(make_output(r, reason, num_scheduled, false, 0, 0.0f));
-  return o;
+PackedOutput* Scheduler::output_space(size_t more) {
+  if (outputs_.size() < num_outputs_ + more) outputs_.resize(num_outputs_ + more);  // only up to a high-water mark
+  return outputs_.data() + num_outputs_;
+}
+
+void Scheduler::new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled) {
+  *output_space(1) = make_output(r, reason, num_scheduled, false, 0, 0.0f);
+  ++num_outputs_;
 }
 
 // A row with drafts, several tokens or top logprobs: appends its tokens (stop rules apply token by token and drop the
@@ -829,8 +834,9 @@ FinishReason Scheduler::append_row(int32_t index, int32_t num_tokens, size_t row
     r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
     reason = stop_reason(r, &d, token);
     const int32_t scheduled = appended == 0 ? num_tokens + proposed : 0;
-    PackedOutput& o = outputs_.emplace_back(
-        make_output(r, reason, scheduled, true, token, logprobs[at]));
+    PackedOutput& o = *output_space(1);
+    ++num_outputs_;
+    o = make_output(r, reason, scheduled, true, token, logprobs[at]);
     if (appended == 0 && proposed > 0) {
       o.num_spec_proposed_tokens = static_cast<uint8_t>(proposed);
       o.num_spec_accepted_tokens = static_cast<uint8_t>(num_new - 1);
@@ -906,6 +912,8 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   const int32_t* const entry_sample = in_flight_.sample.data();
   const int32_t* const entry_lookahead = in_flight_.lookahead.data();
   const int32_t* const entry_result = in_flight_.result.data();
+  // Each entry gives one output, or one per token it appends (at least one): room for them all, written in place.
+  PackedOutput* out = output_space(count + result.token_ids.size());
   // One walk over the entries, compiled twice: for the common step (entry k is row k; nothing to test per entry but
   // the stop rules) and for any other.
   const auto walk = [&](auto common_step) {
@@ -924,7 +932,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       if (!kFast && entry_sample[k] == 0) {
         r.num_computed_tokens += num_tokens;
         if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
-        new_output(r, FinishReason::kNone, num_tokens);  // a prefill chunk: progress only, for tracing
+        *out++ = make_output(r, FinishReason::kNone, num_tokens, false, 0, 0.0f);  // a prefill chunk: progress only
         continue;
       }
       FinishReason reason = FinishReason::kNone;
@@ -935,9 +943,11 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
         r.num_computed_tokens += num_tokens;
         r.token_ids.push_back(token);  // within the capacity reserved at add_request
         reason = stop_reason(r, details + index, token);
-        outputs_.emplace_back(make_output(r, reason, num_tokens, true, token, logprobs[row]));
+        *out++ = make_output(r, reason, num_tokens, true, token, logprobs[row]);
       } else {
+        num_outputs_ = static_cast<size_t>(out - outputs_.data());  // append_row adds its own
         reason = append_row(index, num_tokens, static_cast<size_t>(entry_result[k]), result, now_ns, generated);
+        out = outputs_.data() + num_outputs_;
       }
       // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
       if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
@@ -953,6 +963,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   } else {
     walk(std::false_type{});  // entry_result holds every sampled entry's row (match_result_rows)
   }
+  num_outputs_ = static_cast<size_t>(out - outputs_.data());
   total_generation_tokens_ += generated;
   // Registrations read three arrays of their own per request (hash chain, block table, the block's tokens), cold by
   // now: touch them all first so their misses overlap, then hash and register.
@@ -1016,7 +1027,7 @@ int32_t Scheduler::expire_pinned(int64_t now_ns) {
 void Scheduler::take_outputs(std::vector<RequestOutput>& out) {
   out.clear();
   size_t top = 0;
-  for (const PackedOutput& o : outputs_) {
+  for (const PackedOutput& o : outputs()) {
     out.push_back(unpack_output(o, std::span(top_token_ids_).subspan(top, o.num_top),
                                 std::span(top_logprobs_).subspan(top, o.num_top)));
     top += o.num_top;

@@ -155,11 +155,11 @@ class Scheduler {
   // The outputs since the last clear_outputs(): one per scheduled request per step and one per abort, packed, their
   // top logprobs in the two side arrays (see PackedOutput). Valid until the next update/abort: schedule() leaves
   // them, so the engine sends them while the workers run the next step.
-  std::span<const PackedOutput> outputs() const { return outputs_; }
+  std::span<const PackedOutput> outputs() const { return {outputs_.data(), num_outputs_}; }
   std::span<const int32_t> output_top_token_ids() const { return top_token_ids_; }
   std::span<const float> output_top_logprobs() const { return top_logprobs_; }
   void clear_outputs() {
-    outputs_.clear();
+    num_outputs_ = 0;
     top_token_ids_.clear();
     top_logprobs_.clear();
   }
@@ -261,7 +261,9 @@ class Scheduler {
   bool match_result_rows(const StepResult& result, bool fill_rows);
   void preempt(int32_t index, StepPlan& plan);
   void release(int32_t index);  // frees blocks, slot and table entry
-  PackedOutput& new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled);
+  // Room for `more` outputs after the pending ones (grows the storage only past its high-water mark).
+  PackedOutput* output_space(size_t more);
+  void new_output(const RequestState& r, FinishReason reason, int32_t num_scheduled);  // one without a token
   RequestRejected reject(uint64_t id, uint32_t code, std::string message) const;
   std::optional<RequestRejected> check_kv_options(const AddRequest& req, const KvRequestOptions& kv) const;
   void pin_blocks(int32_t index, int64_t now_ns);  // a finished prefill-only request: its blocks -> pinned_
@@ -300,7 +302,8 @@ class Scheduler {
   // Plan entries and outputs keep their arrays' storage between steps.
   std::vector<BlockAppend> spare_appends_;
   std::vector<NewRequestData> spare_new_requests_;
-  std::vector<PackedOutput> outputs_;
+  std::vector<PackedOutput> outputs_;  // storage (its high-water mark); the first num_outputs_ are the outputs
+  size_t num_outputs_ = 0;
   std::vector<int32_t> top_token_ids_;  // the outputs' top logprobs, in output order
   std::vector<float> top_logprobs_;
 
