@@ -286,7 +286,7 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   r.num_computed_tokens = 0;
   r.num_cached_tokens = 0;
   r.admitted = false;
-  r.num_registered_blocks = 0;
+  set_registered_blocks(r, 0);
   r.num_preemptions = 0;
   r.length_limit = static_cast<int32_t>(std::min<int64_t>(total, config_.max_model_len));
   r.stop_check_from = static_cast<int32_t>(prompt) + req.min_tokens;
@@ -386,7 +386,7 @@ void Scheduler::preempt(int32_t index, StepPlan& plan) {
   // Recompute later; the generated tokens stay in token_ids and are re-sent as part of the prompt (and its computed
   // full blocks stay cached, so the recompute is mostly prefix hits unless they get evicted meanwhile).
   r.num_computed_tokens = 0;
-  r.num_registered_blocks = 0;
+  set_registered_blocks(r, 0);
   slot_owner_[static_cast<size_t>(r.slot)] = -1;
   free_slots_.push_back(r.slot);
   plan.finished_slots.push_back(r.slot);  // the workers drop its state before this step
@@ -417,13 +417,13 @@ void Scheduler::register_computed_blocks(int32_t index) {
     pool_.prefetch(hash, r.block_ids[static_cast<size_t>(j)]);  // registered after the update loop: misses overlap
     pending_cache_.push_back({r.block_ids[static_cast<size_t>(j)], hash});
   }
-  r.num_registered_blocks = full;
+  set_registered_blocks(r, full);
 }
 
 [[gnu::always_inline]] inline void Scheduler::schedule_chunk(int32_t index, int32_t slot, int32_t start,
                                                              int32_t num_tokens, int32_t total, int32_t lookahead) {
   const size_t e = in_flight_.size;
-  if (e == in_flight_.slot.size()) throw std::logic_error("a plan with more than max_num_seqs entries");
+  if (e >= static_cast<size_t>(config_.max_num_seqs)) throw std::logic_error("a plan with more than max_num_seqs entries");
   in_flight_.index[e] = index;
   in_flight_.slot[e] = slot;
   in_flight_.start[e] = start;
@@ -493,7 +493,7 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   }
   pool_.allocate(needed, r.block_ids);
   r.num_computed_tokens = cached_tokens;
-  r.num_registered_blocks = cached_blocks;
+  set_registered_blocks(r, cached_blocks);
   if (!r.admitted) {  // first admission (a resumed request keeps its first figure)
     r.admitted = true;
     r.num_cached_tokens = pull ? 0 : static_cast<uint32_t>(cached_tokens);
@@ -896,7 +896,6 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   pending_cache_.clear();
   finished_.clear();
   registering_.clear();
-  const bool caching = config_.enable_prefix_caching;
   const int32_t bs = config_.block_size;
   const size_t count = in_flight_.size;
   // One output per scheduled request; growing the array happens only until it reached its high-water mark.
@@ -931,7 +930,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       RequestState& r = table[index];
       if (!kFast && entry_sample[k] == 0) {
         r.num_computed_tokens += num_tokens;
-        if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
+        if (r.num_computed_tokens >= r.register_from) registering_.push_back(index);
         *out++ = make_output(r, FinishReason::kNone, num_tokens, false, 0, 0.0f);  // a prefill chunk: progress only
         continue;
       }
@@ -950,7 +949,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
         out = outputs_.data() + num_outputs_;
       }
       // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
-      if (caching && r.num_computed_tokens >= (r.num_registered_blocks + 1) * bs) registering_.push_back(index);
+      if (r.num_computed_tokens >= r.register_from) registering_.push_back(index);
       if (reason != FinishReason::kNone) {
         finished_.push_back(index);
       } else if (!kFast && entry_lookahead[k] > 0) {
@@ -1069,6 +1068,10 @@ void Scheduler::check_invariants() const {
     ++live;
     for (const int32_t b : r.block_ids) ++holders[static_cast<size_t>(b)];
     if (r.block_ids.size() < static_cast<size_t>(blocks_for(r.num_computed_tokens))) fail("too few blocks");
+    const int64_t register_from = config_.enable_prefix_caching
+                                      ? int64_t{r.num_registered_blocks + 1} * config_.block_size
+                                      : std::numeric_limits<int32_t>::max();
+    if (r.register_from != register_from) fail("register_from does not follow num_registered_blocks");
     if (r.num_computed_tokens >= r.num_tokens() && r.status == RequestStatus::kRunning) fail("nothing left to compute");
     // Between steps a request holds no lookahead blocks: rejected drafts' slots went back to the pool.
     if (!step_in_flight_ && r.block_ids.size() > static_cast<size_t>(blocks_for(r.num_tokens()))) {

@@ -92,6 +92,9 @@ struct alignas(64) RequestState {
   RequestStatus status = RequestStatus::kFree;
   uint8_t num_stop_ids = 0;  // size of suppress_token_ids, capped at 255 (more are searched there)
   bool admitted = false;     // num_cached_tokens is set (a resumed request keeps its first figure)
+  // num_computed_tokens from which the next block is full and gets registered: (num_registered_blocks + 1) x
+  // block_size, or never without prefix caching (set_registered_blocks keeps it).
+  int32_t register_from = 0;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
@@ -248,6 +251,11 @@ class Scheduler {
   [[gnu::noinline]] Growth grow_blocks(int32_t index, int32_t n, int32_t& k, StepPlan& plan, size_t& plan_bytes);
   [[gnu::noinline]] FinishReason append_row(int32_t index, int32_t num_tokens, size_t row_index,
                                             const StepResult& result, int64_t now_ns, uint64_t& generated);
+  void set_registered_blocks(RequestState& r, int32_t blocks) const {
+    r.num_registered_blocks = blocks;
+    r.register_from = config_.enable_prefix_caching ? (blocks + 1) * config_.block_size
+                                                    : std::numeric_limits<int32_t>::max();
+  }
   void extend_block_hashes(const RequestState& r, RequestDetails& d, int32_t num_blocks);
   void register_computed_blocks(int32_t index);
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
