@@ -8,7 +8,8 @@ is then a typical one at every size.
     python benchmarks/scheduler_step.py [--quick]
 
 The last line of output is one JSON object: step_us_median and step_us_p99 map running count -> us (each size's
-best round); growth_256_to_1024 is the median over rounds of the 1,024 / 256 ratio (4 = linear).
+best round); growth_256_to_1024 is the median over rounds of the 1,024 / 256 ratio (4 = linear), and
+ns_per_request each size's median divided by its running count (flat = linear).
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,000 steps per size, one round (< 60 s)")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per size (default 1,000 quick, 5,000 full)")
-    parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds, best median per size (default 1/3)")
+    parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds, best median per size (default 1/5)")
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="4 KiB-page malloc, not the engine process's huge-page malloc (for comparison)")
     args = parser.parse_args()
     reexec_as_engine_process(huge_pages=not args.no_huge_pages)  # the engine process's malloc settings
     steps = args.steps or (1000 if args.quick else 5000)
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
     # Rounds interleave the sizes (64, 256, 1,024, 64, ...), so a slow minute of this shared machine hits every size
     # alike; each size keeps its best round.
     best: dict[int, list[float]] = {}
@@ -73,6 +74,8 @@ def main() -> None:
         "steps": steps,
         "step_us_median": median,
         "step_us_p99": p99,
+        # Cost per running request (the median over its count): flat when the step time grows linearly.
+        "ns_per_request": {n: round(1000 * us / int(n), 2) for n, us in median.items()},
         "growth_256_to_1024": round(statistics.median(growth), 3),
         "growth_rounds": [round(g, 3) for g in growth],
         "baseline_timer_overhead_us": round(timer_overhead_us(), 3),

@@ -30,6 +30,8 @@ def test_short_run_reports_every_size_and_the_growth_of_each_round():
         assert all(v > 0 for v in result[key].values())
     # Each size's median is its best round, so it is at most its p99 (same round).
     assert all(result["step_us_median"][n] <= result["step_us_p99"][n] for n in ("64", "256", "1024"))
+    for n, us in result["step_us_median"].items():
+        assert abs(result["ns_per_request"][n] - 1000 * us / int(n)) < 0.01
     rounds = result["growth_rounds"]
     assert len(rounds) == 3 and all(g > 0 for g in rounds)
     assert abs(result["growth_256_to_1024"] - statistics.median(rounds)) < 1e-3
