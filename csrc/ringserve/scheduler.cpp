@@ -898,7 +898,6 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   registering_.clear();
   const int32_t bs = config_.block_size;
   const size_t count = in_flight_.size;
-  // One output per scheduled request; growing the array happens only until it reached its high-water mark.
   const int32_t* tokens = result.token_ids.data();
   const float* logprobs = result.logprobs.data();  // one per token (check_result_counts)
   trimming_.clear();
@@ -919,7 +918,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
     constexpr bool kFast = decltype(common_step)::value;
     for (size_t k = 0; k < count; ++k) {
       // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to. The
-      // index array repeats its last entry past the end (pad_in_flight), so neither needs a bound check.
+      // index array repeats its last entry past the end (schedule() pads it), so neither needs a bound check.
       const RequestState* ahead = &table[entry_index[k + 2 * kPrefetchAhead]];
       __builtin_prefetch(ahead);
       __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64);

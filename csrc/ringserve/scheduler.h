@@ -204,7 +204,7 @@ class Scheduler {
   // The plan awaiting its StepResult: one entry per scheduled request, as parallel arrays sized max_num_seqs once (a
   // plan never holds more), so scheduling appends without growing anything and the plan's sched_* arrays are copies.
   struct InFlight {
-    std::vector<int32_t> index;
+    std::vector<int32_t> index;      // + 2 x kPrefetchAhead entries past the end repeating the last (update() reads)
     std::vector<int32_t> slot;
     std::vector<int32_t> start;      // num_computed_tokens when scheduled
     std::vector<int32_t> len;        // tokens scheduled
@@ -249,6 +249,7 @@ class Scheduler {
   // Gives a scheduled request the blocks for its n tokens + k lookahead slots (k shrinks to what free blocks allow),
   // preempting from the back of the running list when needed, and lists them in the plan.
   [[gnu::noinline]] Growth grow_blocks(int32_t index, int32_t n, int32_t& k, StepPlan& plan, size_t& plan_bytes);
+  // Applies a result row with drafts, several tokens or top logprobs (update()'s uncommon case).
   [[gnu::noinline]] FinishReason append_row(int32_t index, int32_t num_tokens, size_t row_index,
                                             const StepResult& result, int64_t now_ns, uint64_t& generated);
   void set_registered_blocks(RequestState& r, int32_t blocks) const {
