@@ -244,6 +244,7 @@ class Scheduler {
     prefilled_this_step_ = true;
     shape_.prefill_tokens += n;
     shape_.prefill_pairs += attention_pairs(start, n);
+    shape_.prefill_context += static_cast<double>(start) + static_cast<double>(n);
   }
   enum class Growth : uint8_t { kGrown, kGrownAfterPreempting, kPreemptedSelf };
   // Gives a scheduled request the blocks for its n tokens + k lookahead slots (k shrinks to what free blocks allow),

@@ -5,9 +5,12 @@
 // - The base: the median wall time of the last 32 decode-only steps (a median, so one slow step on a shared machine
 //   does not move it).
 // - The prefill cost: extra = step time - base, fitted through the origin as per_token x prefill tokens +
-//   per_pair x prefill attention pairs over the last 32 steps that prefilled. A row computing n tokens after `start`
-//   computed ones attends over n x (start + n) query-key pairs (and gathers that context), so a chunk deep into a long
-//   prompt costs more than the first one.
+//   per_pair x prefill attention pairs + per_context x context tokens over the last 32 steps that prefilled. A row
+//   computing n tokens after `start` computed ones attends over n x (start + n) query-key pairs and reads the KV of
+//   its start + n context tokens once per layer, so a chunk deep into a long prompt costs more than the first one, and
+//   even a small one deep into it costs its context (with no context term, small deep chunks were underestimated).
+//   The context term is fitted only when the three features are far from dependent and it comes out non-negative;
+//   else tokens and pairs, else tokens alone.
 // Each kind keeps its own ring of recent observations, so a long stretch of decoding does not push the prefill costs
 // out of the fit, and the fit follows the machine when its speed changes.
 #pragma once
@@ -28,6 +31,7 @@ struct StepShape {
   int32_t decode_rows = 0;     // one-token rows
   int32_t prefill_tokens = 0;  // tokens of the rows computing more than one prompt token (and of admissions)
   double prefill_pairs = 0;    // their attention pairs
+  double prefill_context = 0;  // their context tokens (start + n per row)
 };
 
 class StepCostModel {
@@ -41,10 +45,12 @@ class StepCostModel {
   double base_ns() const { return base_ns_; }  // a decode-only step
   double per_token_ns() const { return per_token_ns_; }
   double per_pair_ns() const { return per_pair_ns_; }
+  double per_context_ns() const { return per_context_ns_; }
 
   // What a prefill row of `n` tokens after `start` computed ones adds to a step (fitted() must hold).
   double row_ns(int32_t start, int32_t n) const {
-    return per_token_ns_ * static_cast<double>(n) + per_pair_ns_ * attention_pairs(start, n);
+    return per_token_ns_ * static_cast<double>(n) + per_pair_ns_ * attention_pairs(start, n) +
+           per_context_ns_ * (static_cast<double>(start) + static_cast<double>(n));
   }
   // The most tokens a prefill row starting at `start` may compute within `ns` (0 when none fit or not fitted).
   int32_t max_tokens_within(int32_t start, double ns) const;
@@ -53,6 +59,7 @@ class StepCostModel {
   struct Prefill {
     double tokens = 0;
     double pairs = 0;
+    double context = 0;
     double ns = 0;  // the whole step: its extra is taken against the base at fit time
   };
   template <class T>
@@ -76,6 +83,7 @@ class StepCostModel {
   double base_ns_ = 0;
   double per_token_ns_ = 0;
   double per_pair_ns_ = 0;
+  double per_context_ns_ = 0;
 };
 
 }  // namespace ringserve
