@@ -264,7 +264,7 @@ class Scheduler {
   void schedule_chunk(int32_t index, int32_t slot, int32_t start, int32_t num_tokens, int32_t total,
                       int32_t lookahead = 0);  // -> in_flight_
   int32_t lookahead_for(int32_t index, int32_t budget_left);
-  void check_result_counts(const StepResult& result);  // fills row_offsets_; throws on a count the plan did not allow
+  void check_result_counts(const StepResult& result);  // fills row_offsets_ (multi-token rows); throws on a bad count
   void trim_lookahead_blocks(RequestState& r);
   size_t write_entries(StepPlan& plan);  // in_flight_ -> the plan's sched_* arrays (and sampled_slots_); returns samples
   // True when the rows come in plan order (their `result` then set only with fill_rows); else sets every `result`.

@@ -8,6 +8,14 @@ namespace ringserve {
 
 namespace {
 constexpr size_t kMinDecodeSteps = 3;  // before the base counts
+
+// The determinant of the leading k x k block of `a` (k = 1, 2 or 3).
+double leading_det(const double a[3][3], int k) {
+  if (k == 1) return a[0][0];
+  if (k == 2) return a[0][0] * a[1][1] - a[0][1] * a[1][0];
+  return a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0]) +
+         a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]);
+}
 }  // namespace
 
 void StepCostModel::observe(const StepShape& step, int64_t ns) {
@@ -39,77 +47,46 @@ void StepCostModel::refit_base() {
 }
 
 void StepCostModel::refit_prefill() {
-  // Least squares through the origin: no prefill adds nothing.
-  double stt = 0;
-  double spp = 0;
-  double stp = 0;
-  double ste = 0;
-  double spe = 0;
-  double scc = 0;
-  double stc = 0;
-  double spc = 0;
-  double sce = 0;
+  // Least squares through the origin (no prefill adds nothing) over the features tokens, pairs, context: the normal
+  // equations m x = rhs.
+  constexpr int kFeatures = 3;
+  double m[kFeatures][kFeatures] = {};
+  double rhs[kFeatures] = {};
   fitted_ = false;
-  per_context_ns_ = 0;
   if (!has_base_ || prefill_.size == 0) return;
   for (size_t i = 0; i < prefill_.size; ++i) {
     const Prefill& p = prefill_.items[i];
-    const double extra = p.ns - base_ns_;
-    stt += p.tokens * p.tokens;
-    spp += p.pairs * p.pairs;
-    stp += p.tokens * p.pairs;
-    ste += p.tokens * extra;
-    spe += p.pairs * extra;
-    scc += p.context * p.context;
-    stc += p.tokens * p.context;
-    spc += p.pairs * p.context;
-    sce += p.context * extra;
-  }
-  // All three slopes: the normal equations solved by Cramer's rule, kept when the features are far from dependent
-  // and every slope comes out non-negative (tokens: positive).
-  {
-    const double m[3][3] = {{stt, stp, stc}, {stp, spp, spc}, {stc, spc, scc}};
-    const double rhs[3] = {ste, spe, sce};
-    const auto det3 = [](const double a[3][3]) {
-      return a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0]) +
-             a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]);
-    };
-    const double det = det3(m);
-    if (det > 1e-9 * stt * spp * scc) {
-      double x[3];
-      for (int c = 0; c < 3; ++c) {
-        double mc[3][3];
-        for (int r = 0; r < 3; ++r) {
-          for (int k = 0; k < 3; ++k) mc[r][k] = k == c ? rhs[r] : m[r][k];
-        }
-        x[c] = det3(mc) / det;
-      }
-      if (x[0] > 0 && x[1] >= 0 && x[2] >= 0) {
-        per_token_ns_ = x[0];
-        per_pair_ns_ = x[1];
-        per_context_ns_ = x[2];
-        fitted_ = true;
-        return;
-      }
+    const double f[kFeatures] = {p.tokens, p.pairs, p.context};
+    for (int r = 0; r < kFeatures; ++r) {
+      for (int c = 0; c < kFeatures; ++c) m[r][c] += f[r] * f[c];
+      rhs[r] += f[r] * (p.ns - base_ns_);
     }
   }
-  // Both slopes when the two features are not (nearly) proportional and both come out non-negative; else tokens
-  // alone.
-  const double det = stt * spp - stp * stp;
-  if (det > 1e-9 * stt * spp) {
-    const double per_token = (ste * spp - spe * stp) / det;
-    const double per_pair = (spe * stt - ste * stp) / det;
-    if (per_token > 0 && per_pair >= 0) {
-      per_token_ns_ = per_token;
-      per_pair_ns_ = per_pair;
-      fitted_ = true;
-      return;
+  // The first k features for k = 3, 2, 1 (all slopes, then without context, then tokens alone), solved by Cramer's
+  // rule: kept when they are far from dependent and every slope comes out non-negative (tokens: positive, prefill
+  // must cost something).
+  for (int k = kFeatures; k >= 1; --k) {
+    double diagonal = 1;
+    for (int i = 0; i < k; ++i) diagonal *= m[i][i];
+    const double det = leading_det(m, k);
+    if (!(det > 1e-9 * diagonal)) continue;
+    double x[kFeatures] = {};
+    bool valid = true;
+    for (int c = 0; c < k; ++c) {
+      double mc[kFeatures][kFeatures];
+      for (int r = 0; r < k; ++r) {
+        for (int j = 0; j < k; ++j) mc[r][j] = j == c ? rhs[r] : m[r][j];
+      }
+      x[c] = leading_det(mc, k) / det;
+      valid = valid && (c == 0 ? x[c] > 0 : x[c] >= 0);
     }
+    if (!valid) continue;
+    per_token_ns_ = x[0];
+    per_pair_ns_ = x[1];
+    per_context_ns_ = x[2];
+    fitted_ = true;
+    return;
   }
-  if (ste <= 0) return;  // prefill must cost something
-  per_token_ns_ = ste / stt;
-  per_pair_ns_ = 0;
-  fitted_ = true;
 }
 
 int32_t StepCostModel::max_tokens_within(int32_t start, double ns) const {
