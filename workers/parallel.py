@@ -16,6 +16,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: this module binds `group.WORLD` as a default argument when it
+# is first imported. torch imports it lazily (torch._dynamo does, while a model loads), and imported after
+# init_process_group it would hold the group past destroy_process_group: the gloo worker threads then outlive the
+# group and can abort the interpreter's shutdown ("terminate called without an active exception" while a thread
+# releases a finished collective's tensors).
+import torch.distributed.nn.functional
 import torch.nn.functional as F
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.cpu_ops import linear

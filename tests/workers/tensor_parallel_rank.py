@@ -6,6 +6,7 @@ Joins a gloo group (MASTER_ADDR/MASTER_PORT from the environment), loads each fo
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,12 @@ def run(folder: Path) -> np.ndarray:
     return torch.cat(logits).numpy()
 
 
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo threads (torch names them pt_gloo_runloop, gloo_tcp_loop)."""
+    names = (Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task"))
+    return [name for name in names if "gloo" in name]
+
+
 if __name__ == "__main__":
     RANK, WORLD, OUT = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
@@ -52,3 +59,7 @@ if __name__ == "__main__":
         # As worker_main does: a gloo group left to interpreter shutdown can abort the process from its threads
         # ("terminate called without an active exception").
         torch.distributed.destroy_process_group()
+    # destroy_process_group joins the group's threads only when nothing else holds the group (see workers/parallel.py
+    # for what once did); left running, they race the interpreter's shutdown.
+    if leftover := gloo_threads():
+        sys.exit(f"rank {RANK}: gloo threads outlived destroy_process_group: {leftover}")
