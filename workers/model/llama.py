@@ -308,7 +308,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # On the meta device (the loaders build the model there, then load every weight) the embedding's random init is
+        # skipped: its normal_ runs a Python meta kernel whose first call imports torch._dynamo, 2 s of every start.
+        on_meta = torch.get_default_device().type == "meta"
+        table = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
