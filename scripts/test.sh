@@ -8,7 +8,7 @@ scripts/setup.sh --test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-echo "==> ruff"
+echo "==> ruff (${SECONDS}s in)"
 ruff check .
 
 echo "==> Docker files (hadolint; docker compose config when a compose client is present)"
@@ -27,7 +27,7 @@ else
   echo "    skipped \`docker compose config\`: no docker compose client here (image builds need an engine: docker/smoke.sh)"
 fi
 
-echo "==> C++ unit tests (ctest)"
+echo "==> C++ unit tests (ctest; ${SECONDS}s in)"
 pybind_dir=$(python -m pybind11 --cmakedir)
 cxx_tests() {  # build dir, then extra cmake flags
   local dir=$1; shift
@@ -39,10 +39,10 @@ cxx_tests build/ctest
 ctest --test-dir build/ctest --output-on-failure
 cxx_tests build/ctest-asan -DRINGSERVE_SANITIZE=address,undefined
 ctest --test-dir build/ctest-asan --output-on-failure
-cxx_tests build/ctest-tsan -DRINGSERVE_SANITIZE=thread  # every test, the ring tests included
+cxx_tests build/ctest-tsan -DRINGSERVE_SANITIZE=thread  # the core's tests: rings, engine threads (no kernels)
 ctest --test-dir build/ctest-tsan --output-on-failure
 
-echo "==> Python tests (pytest)"
+echo "==> Python tests (pytest; ${SECONDS}s in)"
 RINGSERVE_TEST_GGUF=${RINGSERVE_TEST_GGUF:-$(python -c \
   "from ringserve.frontend.model_source import embedded_model_path; print(embedded_model_path())")}
 export RINGSERVE_TEST_GGUF
