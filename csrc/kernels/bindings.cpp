@@ -30,14 +30,19 @@ std::span<T> view(std::uintptr_t address, std::size_t count) {
 }
 
 void linear_bf16(std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t y, std::size_t m,
-                 std::size_t n, std::size_t k, bool force_portable, int threads, std::uintptr_t residual) {
+                 std::size_t n, std::size_t k, bool force_portable, int threads, std::uintptr_t residual,
+                 bool avx512f_only) {
   const auto xs = view<const bf16_bits>(x, m * k);
   const auto ws = view<const bf16_bits>(w, n * k);
   const auto bs = bias == 0 ? std::span<const bf16_bits>{} : view<const bf16_bits>(bias, n);
   const auto rs = residual == 0 ? std::span<const bf16_bits>{} : view<const bf16_bits>(residual, m * n);
   const auto ys = view<bf16_bits>(y, m * n);
   py::gil_scoped_release release;
-  ringserve::kernels::linear_bf16({m, n, k}, xs, ws, bs, ys, force_portable, threads, rs);
+  using ringserve::kernels::LinearPath;
+  const LinearPath path = force_portable ? LinearPath::kPortable
+                          : avx512f_only ? LinearPath::kAvx512F
+                                         : LinearPath::kFastest;
+  ringserve::kernels::linear_bf16({m, n, k}, xs, ws, bs, ys, path, threads, rs);
 }
 
 // The tensors' layouts are described in kernels/cpu_attention.h; sizes are in values, not bytes.
@@ -184,12 +189,15 @@ void decoder_decode(ringserve::kernels::DecoderBf16& decoder, std::uintptr_t hid
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "Native CPU kernels for RingServe workers (see csrc/kernels).";
   m.def("has_avx512_bf16", &ringserve::kernels::has_avx512_bf16,
-        "True when this CPU runs the AVX512-BF16 kernels (else they use portable code).");
+        "True when this CPU runs the AVX512-BF16 kernels.");
+  m.def("has_avx512f_linear", &ringserve::kernels::has_avx512f_linear,
+        "True when linear_bf16 has its AVX-512F path here (bf16 widened in registers; for CPUs without AVX512-BF16).");
   m.def("linear_bf16", &linear_bf16, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("force_portable") = false, py::arg("threads") = 1,
-        py::arg("residual") = 0,
+        py::arg("residual") = 0, py::arg("avx512f_only") = false,
         "y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) (+ residual[m, n]) on contiguous bfloat16 memory given by address "
-        "(bias / residual 0 = none), rounded once; threads >= 2 lets a large product use a second core.");
+        "(bias / residual 0 = none), rounded once; threads >= 2 lets a large product use a second core. force_portable "
+        "/ avx512f_only pick a path for tests.");
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("bf16"), py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("seq_ids"),
         py::arg("out"), py::arg("num_q_rows"), py::arg("q_row_stride"), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -117,10 +117,11 @@ void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
                                first(sequence_ids_, rows)};
   const std::span<const bf16_bits> queries = all_qkv.first((rows - 1) * qkv_n + attention_n);
   check_paged_decode_index(attend, index);  // lengths and block ids, before the first layer writes its KV
+  constexpr LinearPath kFastest = LinearPath::kFastest;
 
   for (const DecoderLayerBf16& layer : layers_) {
     rms_norm_bf16(rows, d.hidden, x, layer.input_norm, normed, d.rms_eps, threads);
-    linear_bf16({rows, qkv_n, d.hidden}, normed, layer.qkv_weight, layer.qkv_bias, qkv, false, threads);
+    linear_bf16({rows, qkv_n, d.hidden}, normed, layer.qkv_weight, layer.qkv_bias, qkv, kFastest, threads);
     rope_bf16(rope, qkv.first((rows - 1) * qkv_n + (d.num_heads + d.num_kv_heads) * d.head_dim), step.positions,
               step.cos_sin.first(table), step.cos_sin.subspan(table), threads);
     write_kv(kv_write, std::as_writable_bytes(layer.k_cache), std::as_writable_bytes(layer.v_cache), keys, values,
@@ -128,11 +129,11 @@ void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
     paged_decode_attention_bf16(attend, index, queries, layer.k_cache, layer.v_cache, attention, d.attention_scale,
                                 threads);
     // The residual add is folded into the projection (y may alias the residual).
-    linear_bf16({rows, d.hidden, attention_n}, attention, layer.o_weight, {}, x, false, threads, x);
+    linear_bf16({rows, d.hidden, attention_n}, attention, layer.o_weight, {}, x, kFastest, threads, x);
     rms_norm_bf16(rows, d.hidden, x, layer.post_norm, normed, d.rms_eps, threads);
-    linear_bf16({rows, 2 * d.intermediate, d.hidden}, normed, layer.gate_up_weight, {}, gate_up, false, threads);
+    linear_bf16({rows, 2 * d.intermediate, d.hidden}, normed, layer.gate_up_weight, {}, gate_up, kFastest, threads);
     silu_mul_bf16(rows, d.intermediate, gate_up, activated, threads);
-    linear_bf16({rows, d.hidden, d.intermediate}, activated, layer.down_weight, {}, x, false, threads, x);
+    linear_bf16({rows, d.hidden, d.intermediate}, activated, layer.down_weight, {}, x, kFastest, threads, x);
   }
   rms_norm_bf16(rows, d.hidden, x, final_norm_, step.normed, d.rms_eps, threads);
 }

@@ -96,16 +96,82 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_avx512
   }
 }
 
+// The even (low-half) and odd (high-half) bf16 values of each 32-bit lane, as float32.
+__attribute__((target("avx512f"))) inline __m512 even_bf16(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+__attribute__((target("avx512f"))) inline __m512 odd_bf16(__m512i v, __m512i high) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, high));
+}
+
+// The same tile for AVX-512 CPUs without BF16 dot products. A 32-bit lane holding two bf16 values (even element in
+// the low half) yields both as float32 with one shift (even) and one mask (odd), for x and w alike; two FMAs then
+// do what one dpbf16 does. Weights still stream from memory once, at half the bytes of float32 ones.
+template <std::size_t kInputs, std::size_t kRows>
+__attribute__((target("avx512f,avx512bw"))) void tile_fma(LinearShape s, const bf16_bits* x, const bf16_bits* w,
+                                                           const Epilogue& epi, bf16_bits* y, std::size_t i0,
+                                                           std::size_t j0, std::size_t j_end) {
+  __m512 acc[kInputs][kRows];
+  for (std::size_t i = 0; i < kInputs; ++i) {
+    for (std::size_t r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
+  }
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000U));
+  const std::size_t prefetch_from = (j0 + kPrefetchRows) * s.k;  // as in tile_avx512
+  const std::size_t prefetch_end = j_end * s.k;
+  for (std::size_t p = 0, it = 0; p < s.k; p += kLanes, ++it) {
+    const std::size_t left = s.k - p;
+    const __mmask32 mask = left >= kLanes ? ~__mmask32{0} : static_cast<__mmask32>((1ULL << left) - 1);
+    __m512 w_even[kRows];
+    __m512 w_odd[kRows];
+    for (std::size_t r = 0; r < kRows; ++r) {
+      const std::size_t line = prefetch_from + (it * kRows + r) * kLanes;
+      if (line < prefetch_end) _mm_prefetch(reinterpret_cast<const char*>(w + line), _MM_HINT_T0);
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + (j0 + r) * s.k + p);
+      w_even[r] = even_bf16(wv);
+      w_odd[r] = odd_bf16(wv, high);
+    }
+    for (std::size_t i = 0; i < kInputs; ++i) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + (i0 + i) * s.k + p);
+      const __m512 x_even = even_bf16(xv);
+      const __m512 x_odd = odd_bf16(xv, high);
+      for (std::size_t r = 0; r < kRows; ++r) {
+        acc[i][r] = _mm512_fmadd_ps(x_odd, w_odd[r], _mm512_fmadd_ps(x_even, w_even[r], acc[i][r]));
+      }
+    }
+  }
+  for (std::size_t i = 0; i < kInputs; ++i) {
+    for (std::size_t r = 0; r < kRows; ++r) {
+      float out = horizontal_sum(acc[i][r]);
+      if (epi.bias != nullptr) out += bf16_to_float(epi.bias[j0 + r]);
+      if (epi.residual != nullptr) out += bf16_to_float(epi.residual[(i0 + i) * s.n + j0 + r]);
+      y[(i0 + i) * s.n + j0 + r] = float_to_bf16(out);
+    }
+  }
+}
+
+// Which tile the dot-product walk below runs.
+enum class Dot { kBf16, kFma };
+
+template <Dot kDot, std::size_t kInputs, std::size_t kRows>
+void tile(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y, std::size_t i0,
+          std::size_t j0, std::size_t j_end) {
+  if constexpr (kDot == Dot::kBf16) {
+    tile_avx512<kInputs, kRows>(s, x, w, epi, y, i0, j0, j_end);
+  } else {
+    tile_fma<kInputs, kRows>(s, x, w, epi, y, i0, j0, j_end);
+  }
+}
+
 // Input rows are the inner loop, so each weight tile is read from memory once (and reused from L1) whatever m is.
-template <std::size_t kRows>
+template <Dot kDot, std::size_t kRows>
 void column_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
                    std::size_t j0, std::size_t j_end) {
   std::size_t i0 = 0;
-  for (; i0 + kInputTile <= s.m; i0 += kInputTile) tile_avx512<kInputTile, kRows>(s, x, w, epi, y, i0, j0, j_end);
+  for (; i0 + kInputTile <= s.m; i0 += kInputTile) tile<kDot, kInputTile, kRows>(s, x, w, epi, y, i0, j0, j_end);
   switch (s.m - i0) {
-    case 3: tile_avx512<3, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
-    case 2: tile_avx512<2, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
-    case 1: tile_avx512<1, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
+    case 3: tile<kDot, 3, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
+    case 2: tile<kDot, 2, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
+    case 1: tile<kDot, 1, kRows>(s, x, w, epi, y, i0, j0, j_end); break;
     default: break;
   }
 }
@@ -121,14 +187,16 @@ struct RowRange {
   std::size_t j_end;
 };
 
+template <Dot kDot>
 void rows_avx512(const RowRange& job) {
   std::size_t j0 = job.j_begin;
   for (; j0 + kRowTile <= job.j_end; j0 += kRowTile) {
-    column_avx512<kRowTile>(job.s, job.x, job.w, job.epi, job.y, j0, job.j_end);
+    column_avx512<kDot, kRowTile>(job.s, job.x, job.w, job.epi, job.y, j0, job.j_end);
   }
-  for (; j0 < job.j_end; ++j0) column_avx512<1>(job.s, job.x, job.w, job.epi, job.y, j0, job.j_end);
+  for (; j0 < job.j_end; ++j0) column_avx512<kDot, 1>(job.s, job.x, job.w, job.epi, job.y, j0, job.j_end);
 }
 
+template <Dot kDot>
 void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
                    [[maybe_unused]] bool two_cores) {
 #ifdef _OPENMP
@@ -138,12 +206,12 @@ void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
     const std::size_t middle = s.n / 2 / kRowTile * kRowTile;
     const RowRange halves[2] = {{s, x, w, epi, y, 0, middle}, {s, x, w, epi, y, middle, s.n}};
 #pragma omp parallel for num_threads(2) schedule(static)
-    for (int half = 0; half < 2; ++half) rows_avx512(halves[half]);
+    for (int half = 0; half < 2; ++half) rows_avx512<kDot>(halves[half]);
     return;
   }
 #endif
   const RowRange all{s, x, w, epi, y, 0, s.n};
-  rows_avx512(all);
+  rows_avx512<kDot>(all);
 }
 
 // ---- Batches: an outer-product kernel on weight panels packed per call ----
@@ -298,8 +366,13 @@ bool has_avx512_bf16() {
   return supported;
 }
 
+bool has_avx512f_linear() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return supported;
+}
+
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
-                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable, int threads,
+                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, LinearPath path, int threads,
                  std::span<const bf16_bits> residual) {
   require_size("linear_bf16", "x", x.size(), shape.m * shape.k);
   require_size("linear_bf16", "w", w.size(), shape.n * shape.k);
@@ -307,10 +380,13 @@ void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<cons
   if (!bias.empty()) require_size("linear_bf16", "bias", bias.size(), shape.n);
   if (!residual.empty()) require_size("linear_bf16", "residual", residual.size(), shape.m * shape.n);
   const Epilogue epi{bias.empty() ? nullptr : bias.data(), residual.empty() ? nullptr : residual.data()};
-  if (!force_portable && has_avx512_bf16() && shape.m >= kPackedMinRows && shape.k % 2 == 0) {
+  const bool bf16_dot = path == LinearPath::kFastest && has_avx512_bf16();
+  if (bf16_dot && shape.m >= kPackedMinRows && shape.k % 2 == 0) {
     gemm_avx512(shape, x.data(), w.data(), epi, y.data(), threads);
-  } else if (!force_portable && has_avx512_bf16()) {
-    linear_avx512(shape, x.data(), w.data(), epi, y.data(), threads >= 2);
+  } else if (bf16_dot) {
+    linear_avx512<Dot::kBf16>(shape, x.data(), w.data(), epi, y.data(), threads >= 2);
+  } else if (path != LinearPath::kPortable && has_avx512f_linear()) {
+    linear_avx512<Dot::kFma>(shape, x.data(), w.data(), epi, y.data(), threads >= 2);
   } else {
     linear_portable(shape, x.data(), w.data(), epi, y.data());
   }

@@ -24,15 +24,22 @@ struct LinearShape {
   std::size_t k;  // input features
 };
 
-// True when this CPU (and OS) runs the AVX512-BF16 path; otherwise linear_bf16 uses portable code.
+// True when this CPU (and OS) runs the AVX512-BF16 path.
 bool has_avx512_bf16();
+// True when it runs the AVX-512F dot-product tiles (bf16 widened to float32 in registers, then FMAs): the path for
+// AVX-512 CPUs without BF16 dot products (Skylake-X, Cascade Lake, Ice Lake). Else linear_bf16 uses portable code.
+bool has_avx512f_linear();
+
+// Which code computes a product: the fastest this CPU has, or (for tests) the AVX-512F tiles or the portable loops.
+// A path this CPU lacks falls back to the portable one.
+enum class LinearPath { kFastest, kAvx512F, kPortable };
 
 // x: m*k, w: n*k, y: m*n, bias: n or empty, residual: m*n or empty (may be y itself); all row-major and
 // contiguous. y = x w^T + bias + residual, summed in float32 and rounded once. Throws std::invalid_argument on a size
-// mismatch. `force_portable` selects the portable path even where AVX512-BF16 exists (for tests). With `threads`
-// of 2 or more, a large product is split over that many OpenMP threads (torch's pool, shared through libgomp).
+// mismatch. With `threads` of 2 or more, a large product is split over that many OpenMP threads (torch's pool,
+// shared through libgomp).
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
-                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, bool force_portable = false,
+                 std::span<const bf16_bits> bias, std::span<bf16_bits> y, LinearPath path = LinearPath::kFastest,
                  int threads = 1, std::span<const bf16_bits> residual = {});
 
 inline float bf16_to_float(bf16_bits v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }

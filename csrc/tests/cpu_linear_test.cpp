@@ -19,7 +19,7 @@ std::vector<bf16_bits> random_bf16(std::size_t count, std::mt19937& gen) {
 }
 
 // Relative error of y against a float64 product of the same bf16 inputs, within bf16 rounding of the output.
-void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool with_bias, bool portable,
+void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool with_bias, LinearPath path,
                              int threads = 1, bool with_residual = false) {
   std::mt19937 gen(static_cast<unsigned>(m * 1000003 + n * 1009 + k));
   const auto x = random_bf16(m * k, gen);
@@ -27,7 +27,7 @@ void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool w
   const auto bias = with_bias ? random_bf16(n, gen) : std::vector<bf16_bits>{};
   const auto residual = with_residual ? random_bf16(m * n, gen) : std::vector<bf16_bits>{};
   std::vector<bf16_bits> y(m * n, 0xffff);
-  linear_bf16({m, n, k}, x, w, bias, y, portable, threads, residual);
+  linear_bf16({m, n, k}, x, w, bias, y, path, threads, residual);
   for (std::size_t i = 0; i < m; ++i) {
     for (std::size_t j = 0; j < n; ++j) {
       double ref = with_bias ? bf16_to_float(bias[j]) : 0.0;
@@ -42,14 +42,18 @@ void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool w
       // bf16 keeps 8 significant bits: half an ulp of the result plus float32 accumulation error.
       const double tolerance = std::abs(ref) / 256.0 + magnitude * 1e-6 + 1e-6;
       if (std::abs(got - ref) > tolerance) {
-        std::fprintf(stderr, "  m=%zu n=%zu k=%zu bias=%d portable=%d: y[%zu,%zu]=%g, reference %g\n", m, n, k,
-                     with_bias, portable, i, j, got, ref);
+        std::fprintf(stderr, "  m=%zu n=%zu k=%zu bias=%d path=%d: y[%zu,%zu]=%g, reference %g\n", m, n, k,
+                     with_bias, static_cast<int>(path), i, j, got, ref);
         CHECK(false);
         return;
       }
     }
   }
 }
+
+constexpr LinearPath kFastest = LinearPath::kFastest;
+// Every path: where this CPU lacks one, linear_bf16 falls back to the portable loops (still checked).
+constexpr LinearPath kAllPaths[] = {LinearPath::kFastest, LinearPath::kAvx512F, LinearPath::kPortable};
 
 }  // namespace
 
@@ -62,18 +66,20 @@ TEST(bf16_rounding_is_to_nearest_even_and_keeps_nan) {
 }
 
 TEST(every_tile_shape_and_k_tail_matches_the_reference) {
-  for (bool portable : {false, true}) {
+  for (const LinearPath path : kAllPaths) {
     for (std::size_t m : {1, 2, 3, 4, 5, 9}) {
       for (std::size_t n : {1, 3, 4, 7, 33}) {
-        for (std::size_t k : {1, 31, 32, 33, 64, 100}) check_against_reference(m, n, k, (m + n) % 2 == 0, portable);
+        for (std::size_t k : {1, 31, 32, 33, 64, 100}) check_against_reference(m, n, k, (m + n) % 2 == 0, path);
       }
     }
   }
 }
 
 TEST(model_shapes_match_the_reference) {
-  check_against_reference(1, 960, 576, false, false);
-  check_against_reference(4, 576, 1536, true, false);
+  for (const LinearPath path : kAllPaths) {
+    check_against_reference(1, 960, 576, false, path);
+    check_against_reference(4, 576, 1536, true, path);
+  }
 }
 
 // From three input rows (even K) the packed outer-product kernel runs: several panels of 48 weight rows with a
@@ -82,20 +88,20 @@ TEST(model_shapes_match_the_reference) {
 TEST(packed_panels_every_tile_height_and_pair_tail_match_the_reference) {
   for (std::size_t m : {3, 6, 7, 8, 11, 13, 14, 15, 64}) {
     for (std::size_t n : {64, 65, 130, 200}) {
-      for (std::size_t k : {2, 34, 64, 98}) check_against_reference(m, n, k, (m + n + k) % 3 == 0, false);
+      for (std::size_t k : {2, 34, 64, 98}) check_against_reference(m, n, k, (m + n + k) % 3 == 0, kFastest);
     }
   }
-  for (std::size_t n : {129, 960}) check_against_reference(9, n, 576, true, false, 2);
-  check_against_reference(70, 576, 1536, false, false, 2);
+  for (std::size_t n : {129, 960}) check_against_reference(9, n, 576, true, kFastest, 2);
+  check_against_reference(70, 576, 1536, false, kFastest, 2);
 }
 
 // A residual (the decoder's skip connection) is added before the one rounding, on every path.
 TEST(a_residual_is_added_on_every_path) {
-  for (bool portable : {false, true}) {
-    for (std::size_t m : {1, 2, 3, 9, 64}) check_against_reference(m, 100, 64, m % 2 == 1, portable, 1, true);
+  for (const LinearPath path : kAllPaths) {
+    for (std::size_t m : {1, 2, 3, 9, 64}) check_against_reference(m, 100, 64, m % 2 == 1, path, 1, true);
+    check_against_reference(2, 1538, 576, false, path, 2, true);  // the dot-product tiles, split
   }
-  check_against_reference(2, 1538, 576, false, false, 2, true);  // the dot-product tiles, split
-  check_against_reference(64, 576, 1536, true, false, 2, true);  // the packed panels, split
+  check_against_reference(64, 576, 1536, true, kFastest, 2, true);  // the packed panels, split
   // In place: the residual is y itself.
   std::mt19937 gen(11);
   const std::size_t m = 5, n = 50, k = 32;
@@ -104,18 +110,20 @@ TEST(a_residual_is_added_on_every_path) {
   auto y = random_bf16(m * n, gen);
   const auto before = y;
   std::vector<bf16_bits> separate(m * n);
-  linear_bf16({m, n, k}, x, w, {}, separate, false, 1, before);
-  linear_bf16({m, n, k}, x, w, {}, y, false, 1, y);
+  linear_bf16({m, n, k}, x, w, {}, separate, kFastest, 1, before);
+  linear_bf16({m, n, k}, x, w, {}, y, kFastest, 1, y);
   CHECK(y == separate);
   std::vector<bf16_bits> short_residual(m * n - 1);
-  CHECK_THROWS(std::invalid_argument, linear_bf16({m, n, k}, x, w, {}, separate, false, 1, short_residual));
+  CHECK_THROWS(std::invalid_argument, linear_bf16({m, n, k}, x, w, {}, separate, kFastest, 1, short_residual));
 }
 
 // Products this large are split over two threads (where built with OpenMP): both halves, and the row tile that
 // straddles an odd split point, must be computed.
 TEST(products_split_over_two_threads_match_the_reference) {
-  for (std::size_t n : {1536, 1538, 1541}) check_against_reference(1, n, 576, n % 2 == 0, false, 2);
-  check_against_reference(5, 600, 1000, true, false, 2);
+  for (const LinearPath path : kAllPaths) {
+    for (std::size_t n : {1536, 1538, 1541}) check_against_reference(1, n, 576, n % 2 == 0, path, 2);
+    check_against_reference(5, 600, 1000, true, path, 2);
+  }
 }
 
 TEST(portable_and_vector_paths_agree) {
@@ -123,15 +131,18 @@ TEST(portable_and_vector_paths_agree) {
   const std::size_t m = 3, n = 37, k = 200;
   const auto x = random_bf16(m * k, gen);
   const auto w = random_bf16(n * k, gen);
-  std::vector<bf16_bits> fast(m * n), portable(m * n);
-  linear_bf16({m, n, k}, x, w, {}, fast, false);
-  linear_bf16({m, n, k}, x, w, {}, portable, true);
-  std::size_t differing = 0;
-  for (std::size_t i = 0; i < fast.size(); ++i) {
-    const float a = bf16_to_float(fast[i]), b = bf16_to_float(portable[i]);
-    if (std::abs(a - b) > std::abs(b) / 128.0F + 1e-5F) ++differing;  // at most one bf16 ulp apart
+  std::vector<bf16_bits> portable(m * n);
+  linear_bf16({m, n, k}, x, w, {}, portable, LinearPath::kPortable);
+  for (const LinearPath path : {LinearPath::kFastest, LinearPath::kAvx512F}) {
+    std::vector<bf16_bits> fast(m * n);
+    linear_bf16({m, n, k}, x, w, {}, fast, path);
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < fast.size(); ++i) {
+      const float a = bf16_to_float(fast[i]), b = bf16_to_float(portable[i]);
+      if (std::abs(a - b) > std::abs(b) / 128.0F + 1e-5F) ++differing;  // at most one bf16 ulp apart
+    }
+    CHECK(differing == 0);
   }
-  CHECK(differing == 0);
 }
 
 TEST(mismatched_sizes_are_refused) {

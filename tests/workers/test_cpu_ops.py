@@ -10,7 +10,7 @@ from ringserve.workers.model_runner import ModelRunner
 from workers_testkit import NewRequest, ids, plan
 
 native = pytest.mark.skipif(not cpu_ops.native_linear_available(),
-                            reason="the native kernel needs the built extension and an AVX512-BF16 CPU")  # fmt: skip
+                            reason="the native kernel needs the built extension and an AVX-512 CPU")  # fmt: skip
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,7 +66,7 @@ def test_bf16_products_on_contiguous_weights_take_the_native_kernel_unless_k_is_
     assert calls == [(1, 8, 64), (64, 8, 64), (2, 8, 33)]
 
 
-@pytest.mark.skipif(not cpu_ops.native_linear_available(), reason="needs AVX512-BF16 and the built kernels")
+@pytest.mark.skipif(not cpu_ops.native_linear_available(), reason="needs AVX-512 and the built kernels")
 def test_a_product_split_over_two_threads_equals_the_single_threaded_one() -> None:
     kernels = cpu_ops._KERNELS
     torch.manual_seed(0)
@@ -79,6 +79,28 @@ def test_a_product_split_over_two_threads_equals_the_single_threaded_one() -> No
         outs.append(y)
     assert torch.equal(outs[0], outs[1])  # each row is summed in the same order whichever thread does it
     torch.testing.assert_close(outs[1].float(), x.float() @ weight.float().T, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(cpu_ops._MODULE is None or not cpu_ops._MODULE.has_avx512f_linear(),
+                    reason="needs AVX-512F/BW and the built kernels")  # fmt: skip
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 1538, 576), (3, 100, 33), (8, 576, 1536), (64, 192, 576)])
+def test_the_path_for_cpus_without_bf16_dot_products_matches_the_portable_one(rows: int, n: int, k: int) -> None:
+    # Forced, so AVX512-BF16 machines check it too: each bf16 pair widened in registers, two FMAs per pair.
+    kernels = cpu_ops._MODULE
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    outs = {}
+    for name, flags in {"portable": {"force_portable": True}, "fma": {"avx512f_only": True},
+                        "fma_two_threads": {"avx512f_only": True, "threads": 2}}.items():  # fmt: skip
+        y = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+        kernels.linear_bf16(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n, k, **flags)
+        outs[name] = y
+    assert torch.equal(outs["fma"], outs["fma_two_threads"])
+    # Float32 sums in another order than the portable loop's: at most one bf16 rounding step apart.
+    torch.testing.assert_close(outs["fma"].float(), outs["portable"].float(), rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(outs["fma"].float(), x.float() @ weight.float().T + bias.float(), rtol=2e-2, atol=5e-2)
 
 
 def test_shape_errors_are_pytorchs() -> None:

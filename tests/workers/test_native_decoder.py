@@ -18,7 +18,7 @@ from ringserve.workers.parallel import TensorParallelShard, apply_tensor_paralle
 from workers_testkit import NewRequest, forward_packed, ids, plan, save_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(cpu_ops.native_decoder_module() is None,
-                                reason="needs the built kernels and AVX512-BF16")  # fmt: skip
+                                reason="needs the built kernels and AVX-512")  # fmt: skip
 
 BLOCK = 4
 

@@ -1,10 +1,11 @@
 """Linear layers that send skinny bfloat16 products on CPU to RingServe's native kernel.
 
 Decoding a few sequences multiplies a handful of rows by every weight matrix, so its speed is how fast the weights
-stream from memory. On CPUs with AVX512-BF16, `ringserve._kernels.linear_bf16` reads them at several times the rate
-of PyTorch's bf16 path for such shapes (benchmarks/throughput.py measures both), splitting large products over
-torch's own OpenMP threads (the kernel module shares torch's libgomp); larger batches are compute-bound and stay with
-PyTorch (oneDNN). Everything else (other dtypes, devices, missing CPU features) is plain F.linear.
+stream from memory. On AVX-512 CPUs (with AVX512-BF16 dot products, or without them by widening bf16 in registers),
+`ringserve._kernels.linear_bf16` reads them at several times the rate of PyTorch's bf16 path for such shapes
+(benchmarks/throughput.py measures both), splitting large products over torch's own OpenMP threads (the kernel
+module shares torch's libgomp); larger batches are compute-bound and stay with PyTorch (oneDNN). Everything else
+(other dtypes, devices, CPUs without AVX-512) is plain F.linear.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def _load_module() -> Any | None:
 
 
 _MODULE = _load_module()
-_KERNELS = _MODULE if _MODULE is not None and _MODULE.has_avx512_bf16() and (
+# AVX512-BF16 dot products where the CPU has them; on other AVX-512 CPUs the kernel widens bf16 to float32 in
+# registers and uses FMAs, still 1.6-3.4x PyTorch's bf16 path there for 1-64 rows (which has no native bf16 either).
+_KERNELS = _MODULE if _MODULE is not None and (_MODULE.has_avx512_bf16() or _MODULE.has_avx512f_linear()) and (
     os.environ.get("RINGSERVE_NATIVE_LINEAR", "1") != "0") else None  # fmt: skip
 # The paged decode attention, RMSNorm, RoPE and SiLU-and-multiply kernels run on any x86-64 CPU (AVX-512 when
 # present); RINGSERVE_NATIVE_ATTENTION=0 turns them all off (PyTorch operations instead).
