@@ -52,6 +52,21 @@ __attribute__((target("avx512f"))) inline float horizontal_sum(__m512 v) {
   return sum;
 }
 
+// A tile's sums, each plus its bias and residual, rounded once into y[i0.., j0..].
+template <std::size_t kInputs, std::size_t kRows>
+__attribute__((target("avx512f"))) inline void store_tile(const __m512 (&acc)[kInputs][kRows], LinearShape s,
+                                                          const Epilogue& epi, bf16_bits* y, std::size_t i0,
+                                                          std::size_t j0) {
+  for (std::size_t i = 0; i < kInputs; ++i) {
+    for (std::size_t r = 0; r < kRows; ++r) {
+      float out = horizontal_sum(acc[i][r]);
+      if (epi.bias != nullptr) out += bf16_to_float(epi.bias[j0 + r]);
+      if (epi.residual != nullptr) out += bf16_to_float(epi.residual[(i0 + i) * s.n + j0 + r]);
+      y[(i0 + i) * s.n + j0 + r] = float_to_bf16(out);
+    }
+  }
+}
+
 // A vector conversion (same bits, bf16 lanes); std::bit_cast is not compiled for AVX-512 and would change the ABI.
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512bh reinterpret_bh(__m512i v) {
   return (__m512bh)v;  // NOLINT(google-readability-casting): vector casts have no named-cast form
@@ -86,14 +101,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_avx512
       for (std::size_t r = 0; r < kRows; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[r], xv);
     }
   }
-  for (std::size_t i = 0; i < kInputs; ++i) {
-    for (std::size_t r = 0; r < kRows; ++r) {
-      float out = horizontal_sum(acc[i][r]);
-      if (epi.bias != nullptr) out += bf16_to_float(epi.bias[j0 + r]);
-      if (epi.residual != nullptr) out += bf16_to_float(epi.residual[(i0 + i) * s.n + j0 + r]);
-      y[(i0 + i) * s.n + j0 + r] = float_to_bf16(out);
-    }
-  }
+  store_tile<kInputs, kRows>(acc, s, epi, y, i0, j0);
 }
 
 // The even (low-half) and odd (high-half) bf16 values of each 32-bit lane, as float32.
@@ -139,14 +147,7 @@ __attribute__((target("avx512f,avx512bw"))) void tile_fma(LinearShape s, const b
       }
     }
   }
-  for (std::size_t i = 0; i < kInputs; ++i) {
-    for (std::size_t r = 0; r < kRows; ++r) {
-      float out = horizontal_sum(acc[i][r]);
-      if (epi.bias != nullptr) out += bf16_to_float(epi.bias[j0 + r]);
-      if (epi.residual != nullptr) out += bf16_to_float(epi.residual[(i0 + i) * s.n + j0 + r]);
-      y[(i0 + i) * s.n + j0 + r] = float_to_bf16(out);
-    }
-  }
+  store_tile<kInputs, kRows>(acc, s, epi, y, i0, j0);
 }
 
 // Which tile the dot-product walk below runs.
