@@ -14,7 +14,7 @@ Real servers (frontend, engine, worker) on the real model on CPU, driven over gR
 The baseline in the same run is the streams' inter-token latency before the prompt arrived, on each server. Issue
 #3's target: with chunking, p99 during the prefill within 3x that p50.
 
-    python benchmarks/chunked_prefill_jitter.py [--model PATH] [--quick] [--long-prompt-tokens N]
+    python benchmarks/chunked_prefill_jitter.py [--model PATH] [--quick] [--long-prompt-tokens N] [--dtype bfloat16]
 
 The servers start together (an idle server uses no CPU) and are measured one after the other, alternating over the
 trials. --quick is a smoke run that fits a minute on a small CPU: one trial and a 512-token prompt (the JSON says
@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: one trial per mode, a 512-token prompt, a short baseline window")
     parser.add_argument("--trials", type=int, default=0, help="long prompts per mode (default 1 quick, 3 full)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the servers' weights (default float32, which any CPU runs at full speed)")
     parser.add_argument("--long-prompt-tokens", type=int, default=0,
                         help=f"length of the arriving prompt (default {LONG_PROMPT_TOKENS}; 512 with --quick)")
     args = parser.parse_args()
@@ -161,7 +163,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ringserve-jitter-") as tmp, ExitStack() as stack:
         progress = stack.enter_context(tqdm(total=1 + len(modes) * trials, desc="start servers", file=sys.stderr))
         servers = {m: stack.enter_context(live_server(model, Path(tmp), "--max-num-batched-tokens", str(budget),
-                                                      "--max-num-seqs", "16", *extra.get(m, [])))
+                                                      "--max-num-seqs", "16", "--dtype", args.dtype,
+                                                      *extra.get(m, [])))
                    for m, budget in modes.items()}  # fmt: skip
         for server in servers.values():
             server.wait_serving(300)
@@ -187,6 +190,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "chunked_prefill_jitter",
         "model": str(model),
+        "dtype": args.dtype,
         "num_streams": NUM_STREAMS,
         "long_prompt_tokens": long_prompt_tokens,
         "budget_chunked": CHUNKED_BUDGET,
