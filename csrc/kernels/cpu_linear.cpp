@@ -1,5 +1,6 @@
 #include "kernels/cpu_linear.h"
 
+#include "kernels/parallel.h"
 #include "kernels/simd_avx512.h"
 
 #include <immintrin.h>
@@ -218,22 +219,69 @@ void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
 // ---- Batches: an outer-product kernel on weight panels packed per call ----
 //
 // With more than a couple of input rows the product is compute-bound, and the dot-product tiles above spend too
-// much on their horizontal sums (K is a few hundred) and on reloading x. Here each panel of kPanel weight rows is
-// first packed into "pair-interleaved" order, P[k/2][c] = (w[c][k], w[c][k+1]), so that one 512-bit load holds the
-// k-pairs of 16 output columns; a micro-tile of kTileRows input rows x kPanel columns then keeps its 24 float32
-// accumulators in registers for the whole of K, each step broadcasting one k-pair of an input row against three such
-// loads (AVX512-BF16 dot products). Panels of 48 split llama widths (576, 960, 1536, 3072, 4096, ...) into even panel
-// counts, so two threads get equal shares, and tiles of 8 rows divide the usual batch sizes. Packing reads the weights once per call, as the product has to anyway, and
-// writes an L2-resident buffer per thread; x is read in place.
+// much on their horizontal sums (K is a few hundred), on reloading x and (without BF16 dot products) on widening
+// both operands for every use. Here each panel of kPanel weight rows is first packed so that one 512-bit load holds
+// 16 output columns' values at one k; a micro-tile of kTileRows input rows x kPanel columns then keeps its 24
+// float32 accumulators in registers for the whole of K, each step broadcasting one input value against three such
+// loads. Panels of 48 split llama widths (576, 960, 1536, 3072, 4096, ...) into even panel counts, so two threads
+// get equal shares, and tiles of 8 rows divide the usual batch sizes. Packing reads the weights once per call, as the
+// product has to anyway, and writes an L2-resident buffer per thread.
+//
+// Two flavours share the walk over panels and tiles:
+// - Bf16Panels (AVX512-BF16): the panel keeps bf16 "k-pairs", P[k/2][c] = (w[c][k], w[c][k+1]), and each step
+//   broadcasts one k-pair of an input row (read in place) into dot products. Needs an even K.
+// - FmaPanels (AVX-512F): the panel is widened to float32 once, P[k][c] = w[c][k], and x is widened once per call
+//   into a per-thread buffer, so the inner loop is nothing but loads, broadcasts and FMAs (the dot-product tiles'
+//   widening of every value at every use cost about half their arithmetic). Any K.
 
 constexpr std::size_t kVectors = 3;              // 16-column vectors per panel
 constexpr std::size_t kPanel = 16 * kVectors;    // weight rows (output columns) per packed panel
 constexpr std::size_t kTileRows = 8;             // input rows per micro-tile (8 x 3 accumulators + 3 weights + 1)
-constexpr std::size_t kPairsPerBlock = 16;  // the packing transposes 16 x 16 blocks of 32-bit k-pairs
+constexpr std::size_t kPairsPerBlock = 16;  // the packing transposes 16 x 16 blocks of 32-bit values
+// Without BF16 dot products, from this many input rows the float32 panels take over from the dot-product tiles.
+constexpr std::size_t kFmaPackedMinRows = 10;
+
+// y[i0 .. i0 + kRows, j0 .. j0 + cols) = acc (+ bias, + residual), rounded once to bf16 as float_to_bf16 does.
+template <std::size_t kRows>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_panel_tile(
+    const __m512 (&acc)[kRows][kVectors], LinearShape s, const Epilogue& epi, bf16_bits* y, std::size_t i0,
+    std::size_t j0, std::size_t cols) {
+  for (std::size_t v = 0; v < kVectors; ++v) {
+    const std::size_t c0 = v * 16;
+    if (c0 >= cols) break;
+    const std::size_t live = std::min<std::size_t>(16, cols - c0);
+    const auto mask = static_cast<__mmask16>((1U << live) - 1U);
+    const auto widen = [&](const bf16_bits* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+    };
+    const __m512 b = epi.bias != nullptr ? widen(epi.bias + j0 + c0) : _mm512_setzero_ps();
+    for (std::size_t i = 0; i < kRows; ++i) {
+      __m512 out = _mm512_add_ps(acc[i][v], b);
+      if (epi.residual != nullptr) out = _mm512_add_ps(out, widen(epi.residual + (i0 + i) * s.n + j0 + c0));
+      const __m512i high_halves = _mm512_castps_si512(round16(out, bf16_bits{}));  // bf16 in each lane's top half
+      _mm256_mask_storeu_epi16(y + (i0 + i) * s.n + j0 + c0, mask,
+                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(high_halves, 16)));
+    }
+  }
+}
+
+// Spreads a tile's share of the next panel's prefetches (`lines` cache lines from `ahead`) over its `steps` steps.
+struct Prefetch {
+  const char* ahead;
+  std::size_t lines;
+  std::size_t per_step;
+  Prefetch(const char* from, std::size_t count, std::size_t steps)
+      : ahead(from), lines(count), per_step(count == 0 ? 0 : count / steps + 1) {}
+  void step(std::size_t p) const {
+    for (std::size_t l = p * per_step; l < std::min(lines, (p + 1) * per_step); ++l) {
+      _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
+    }
+  }
+};
 
 // Packs weight rows [j0, j0 + kPanel) (rows past n are zeros) as P[p][c] = k-pair p of row j0 + c, p < k / 2.
-__attribute__((target("avx512f"))) void pack_panel(LinearShape s, const bf16_bits* w, std::size_t j0,
-                                                   uint32_t* packed) {
+__attribute__((target("avx512f"))) void pack_panel_pairs(LinearShape s, const bf16_bits* w, std::size_t j0,
+                                                         uint32_t* packed) {
   const std::size_t pairs = s.k / 2;
   for (std::size_t g = 0; g < kPanel; g += 16) {
     for (std::size_t p0 = 0; p0 < pairs; p0 += kPairsPerBlock) {
@@ -250,24 +298,39 @@ __attribute__((target("avx512f"))) void pack_panel(LinearShape s, const bf16_bit
   }
 }
 
-// y[i0 .. i0 + kRows, j0 .. j0 + cols) from x's rows and the packed panel, over all of K.
+// Packs weight rows [j0, j0 + kPanel) (rows past n are zeros) as float32, P[p][c] = w[j0 + c][p], p < k.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void pack_panel_f32(LinearShape s, const bf16_bits* w,
+                                                                         std::size_t j0, float* packed) {
+  const __mmask16 all = 0xffff;
+  for (std::size_t g = 0; g < kPanel; g += 16) {
+    for (std::size_t p0 = 0; p0 < s.k; p0 += 16) {
+      const std::size_t count = std::min<std::size_t>(16, s.k - p0);
+      const auto mask = static_cast<__mmask16>((1U << count) - 1U);
+      __m512i r[16];
+      for (std::size_t c = 0; c < 16; ++c) {
+        const std::size_t row = j0 + g + c;
+        const __m256i raw = row < s.n ? _mm256_maskz_loadu_epi16(mask, w + row * s.k + p0) : _mm256_setzero_si256();
+        r[c] = _mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16);
+      }
+      transpose16x16(r);
+      for (std::size_t p = 0; p < count; ++p) _mm512_storeu_si512(packed + (p0 + p) * kPanel + g, r[p]);
+    }
+  }
+}
+
+// The tiles: y[i0 .. i0 + kRows, j0 .. j0 + cols) from x's rows and the packed panel, over all of K.
 // While a panel's tiles run, each prefetches its share of the next panel's weight rows into L2 (one contiguous run
-// of memory: `ahead_lines` cache lines from `ahead` for this tile), spread over its iterations, so packing that panel
-// does not wait on DRAM.
+// of memory), spread over its steps, so packing that panel does not wait on DRAM.
 template <std::size_t kRows>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile_pairs(
     LinearShape s, const bf16_bits* x, const uint32_t* packed, const Epilogue& epi, bf16_bits* y, std::size_t i0,
-    std::size_t j0, std::size_t cols, const char* ahead, std::size_t ahead_lines) {
+    std::size_t j0, std::size_t cols, const Prefetch& next) {
   __m512 acc[kRows][kVectors];
   for (std::size_t i = 0; i < kRows; ++i) {
     for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_setzero_ps();
   }
-  const std::size_t pairs = s.k / 2;
-  const std::size_t lines_per_pair = ahead_lines == 0 ? 0 : ahead_lines / pairs + 1;
-  for (std::size_t p = 0; p < pairs; ++p) {
-    for (std::size_t l = p * lines_per_pair; l < std::min(ahead_lines, (p + 1) * lines_per_pair); ++l) {
-      _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
-    }
+  for (std::size_t p = 0; p < s.k / 2; ++p) {
+    next.step(p);
     const uint32_t* wp = packed + p * kPanel;
     __m512bh wv[kVectors];
     for (std::size_t v = 0; v < kVectors; ++v) wv[v] = reinterpret_bh(_mm512_loadu_si512(wp + 16 * v));
@@ -278,32 +341,69 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile(
       for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wv[v], xv);
     }
   }
-  for (std::size_t v = 0; v < kVectors; ++v) {
-    const std::size_t c0 = v * 16;
-    if (c0 >= cols) break;
-    const std::size_t live = std::min<std::size_t>(16, cols - c0);
-    const auto mask = static_cast<__mmask16>((1U << live) - 1U);
-    const auto widen = [&](const bf16_bits* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-    };
-    const __m512 b = epi.bias != nullptr ? widen(epi.bias + j0 + c0) : _mm512_setzero_ps();
-    for (std::size_t i = 0; i < kRows; ++i) {
-      __m512 out = _mm512_add_ps(acc[i][v], b);
-      if (epi.residual != nullptr) out = _mm512_add_ps(out, widen(epi.residual + (i0 + i) * s.n + j0 + c0));
-      // Round to nearest even, as float_to_bf16 does (NaN stays NaN).
-      const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out));
-      _mm256_mask_storeu_epi16(y + (i0 + i) * s.n + j0 + c0, mask, bits);
-    }
-  }
+  store_panel_tile<kRows>(acc, s, epi, y, i0, j0, cols);
 }
 
-// Panels [first, last) of the product, packing each into `packed` (kPanel * k / 2 values).
-void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
-                   std::size_t first, std::size_t last, uint32_t* packed) {
+template <std::size_t kRows>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void panel_tile_f32(
+    LinearShape s, const float* x, const float* packed, const Epilogue& epi, bf16_bits* y, std::size_t i0,
+    std::size_t j0, std::size_t cols, const Prefetch& next) {
+  __m512 acc[kRows][kVectors];
+  for (std::size_t i = 0; i < kRows; ++i) {
+    for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (std::size_t p = 0; p < s.k; ++p) {
+    next.step(p);
+    const float* wp = packed + p * kPanel;
+    __m512 wv[kVectors];
+    for (std::size_t v = 0; v < kVectors; ++v) wv[v] = _mm512_loadu_ps(wp + 16 * v);
+    for (std::size_t i = 0; i < kRows; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[(i0 + i) * s.k + p]);
+      for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
+    }
+  }
+  store_panel_tile<kRows>(acc, s, epi, y, i0, j0, cols);
+}
+
+struct Bf16Panels {
+  using Input = bf16_bits;  // x as given
+  using Packed = uint32_t;
+  static std::size_t steps(std::size_t k) { return k / 2; }
+  static std::size_t packed_size(std::size_t k) { return kPanel * (k / 2); }
+  static void pack(LinearShape s, const bf16_bits* w, std::size_t j0, Packed* packed) {
+    pack_panel_pairs(s, w, j0, packed);
+  }
+  template <std::size_t kRows>
+  static void tile(LinearShape s, const Input* x, const Packed* packed, const Epilogue& epi, bf16_bits* y,
+                   std::size_t i0, std::size_t j0, std::size_t cols, const Prefetch& next) {
+    panel_tile_pairs<kRows>(s, x, packed, epi, y, i0, j0, cols, next);
+  }
+};
+
+struct FmaPanels {
+  using Input = float;  // x widened once per call
+  using Packed = float;
+  static std::size_t steps(std::size_t k) { return k; }
+  static std::size_t packed_size(std::size_t k) { return kPanel * k; }
+  static void pack(LinearShape s, const bf16_bits* w, std::size_t j0, Packed* packed) {
+    pack_panel_f32(s, w, j0, packed);
+  }
+  template <std::size_t kRows>
+  static void tile(LinearShape s, const Input* x, const Packed* packed, const Epilogue& epi, bf16_bits* y,
+                   std::size_t i0, std::size_t j0, std::size_t cols, const Prefetch& next) {
+    panel_tile_f32<kRows>(s, x, packed, epi, y, i0, j0, cols, next);
+  }
+};
+
+// Panels [first, last) of the product, packing each into `packed` (Kernel::packed_size(k) values).
+template <class Kernel>
+void panels(LinearShape s, const typename Kernel::Input* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
+            std::size_t first, std::size_t last, typename Kernel::Packed* packed) {
+  const std::size_t steps = Kernel::steps(s.k);
   for (std::size_t panel = first; panel < last; ++panel) {
     const std::size_t j0 = panel * kPanel;
     const std::size_t cols = std::min(kPanel, s.n - j0);
-    pack_panel(s, w, j0, packed);
+    Kernel::pack(s, w, j0, packed);
     // The next panel of this call's range, prefetched while this one's tiles run.
     const std::size_t ahead_rows = panel + 1 < last ? std::min(kPanel, s.n - j0 - kPanel) : 0;
     const char* ahead = reinterpret_cast<const char*>(w + (ahead_rows > 0 ? (j0 + kPanel) * s.k : 0));
@@ -311,52 +411,73 @@ void panels_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const 
     // Spread over the panel's tiles (a burst in one tile would overrun the outstanding-miss queue).
     const std::size_t tiles = (s.m + kTileRows - 1) / kTileRows;
     const std::size_t lines_per_tile = (all_lines + tiles - 1) / tiles;
+    const auto share = [&](std::size_t i0) {
+      const std::size_t first_line = std::min(all_lines, i0 / kTileRows * lines_per_tile);
+      return Prefetch(ahead + first_line * 64, std::min(lines_per_tile, all_lines - first_line), steps);
+    };
     std::size_t i0 = 0;
     for (; i0 + kTileRows <= s.m; i0 += kTileRows) {
-      const std::size_t first_line = std::min(all_lines, i0 / kTileRows * lines_per_tile);
-      const std::size_t lines = std::min(lines_per_tile, all_lines - first_line);
-      panel_tile<kTileRows>(s, x, packed, epi, y, i0, j0, cols, ahead + first_line * 64, lines);
+      Kernel::template tile<kTileRows>(s, x, packed, epi, y, i0, j0, cols, share(i0));
     }
-    const std::size_t first_line = std::min(all_lines, i0 / kTileRows * lines_per_tile);
-    const std::size_t ahead_lines = std::min(lines_per_tile, all_lines - first_line);
-    ahead += first_line * 64;
+    const Prefetch next = share(i0);
     switch (s.m - i0) {
-      case 7: panel_tile<7>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 6: panel_tile<6>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 5: panel_tile<5>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 4: panel_tile<4>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 3: panel_tile<3>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 2: panel_tile<2>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
-      case 1: panel_tile<1>(s, x, packed, epi, y, i0, j0, cols, ahead, ahead_lines); break;
+      case 7: Kernel::template tile<7>(s, x, packed, epi, y, i0, j0, cols, next); break;
+      case 6: Kernel::template tile<6>(s, x, packed, epi, y, i0, j0, cols, next); break;
+      case 5: Kernel::template tile<5>(s, x, packed, epi, y, i0, j0, cols, next); break;
+      case 4: Kernel::template tile<4>(s, x, packed, epi, y, i0, j0, cols, next); break;
+      case 3: Kernel::template tile<3>(s, x, packed, epi, y, i0, j0, cols, next); break;
+      case 2: Kernel::template tile<2>(s, x, packed, epi, y, i0, j0, cols, next); break;
+      case 1: Kernel::template tile<1>(s, x, packed, epi, y, i0, j0, cols, next); break;
       default: break;
     }
   }
 }
 
-// Each thread keeps its packing buffer between calls (no allocation per step once the largest K has been seen).
-uint32_t* packing_buffer(std::size_t k) {
-  thread_local std::vector<uint32_t> buffer;
-  const std::size_t need = kPanel * (k / 2);
-  if (buffer.size() < need) buffer.resize(need);
+// Each thread keeps its buffers between calls (no allocation per step once the largest product has been seen).
+template <class T, int kTag>
+T* thread_buffer(std::size_t size) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < size) buffer.resize(size);
   return buffer.data();
 }
 
-void gemm_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
-                 [[maybe_unused]] int threads) {
-  const std::size_t panels = (s.n + kPanel - 1) / kPanel;
+template <class Kernel>
+void gemm(LinearShape s, const typename Kernel::Input* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
+          [[maybe_unused]] int threads) {
+  using Packed = typename Kernel::Packed;
+  const std::size_t panel_count = (s.n + kPanel - 1) / kPanel;
 #ifdef _OPENMP
-  if (threads >= 2 && panels >= 2) {
-    const int parts = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(threads), panels));
+  if (threads >= 2 && panel_count >= 2) {
+    const int parts = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(threads), panel_count));
 #pragma omp parallel for num_threads(parts) schedule(static)
     for (int part = 0; part < parts; ++part) {
-      const std::size_t first = panels * static_cast<std::size_t>(part) / static_cast<std::size_t>(parts);
-      const std::size_t last = panels * static_cast<std::size_t>(part + 1) / static_cast<std::size_t>(parts);
-      panels_avx512(s, x, w, epi, y, first, last, packing_buffer(s.k));
+      const std::size_t first = panel_count * static_cast<std::size_t>(part) / static_cast<std::size_t>(parts);
+      const std::size_t last = panel_count * static_cast<std::size_t>(part + 1) / static_cast<std::size_t>(parts);
+      panels<Kernel>(s, x, w, epi, y, first, last, thread_buffer<Packed, 0>(Kernel::packed_size(s.k)));
     }
     return;
   }
 #endif
-  panels_avx512(s, x, w, epi, y, 0, panels, packing_buffer(s.k));
+  panels<Kernel>(s, x, w, epi, y, 0, panel_count, thread_buffer<Packed, 0>(Kernel::packed_size(s.k)));
+}
+
+__attribute__((target("avx512f"))) void widen_bf16(const bf16_bits* in, float* out, std::size_t count) {
+  std::size_t i = 0;
+  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(out + i, load16(in + i));
+  for (; i < count; ++i) out[i] = bf16_to_float(in[i]);
+}
+
+// x widened to float32 (the calling thread's buffer, read by every thread of the product), then the float32 panels.
+void gemm_fma(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
+              int threads) {
+  float* wide = thread_buffer<float, 1>(s.m * s.k);
+  constexpr std::size_t kChunk = 4096;  // values per item
+  const std::size_t total = s.m * s.k;
+  for_each_item((total + kChunk - 1) / kChunk, threads, total >= kParallelValues, [&](std::size_t c) {
+    const std::size_t begin = c * kChunk;
+    widen_bf16(x + begin, wide + begin, std::min(kChunk, total - begin));
+  });
+  gemm<FmaPanels>(s, wide, w, epi, y, threads);
 }
 
 }  // namespace
@@ -382,11 +503,14 @@ void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<cons
   if (!residual.empty()) require_size("linear_bf16", "residual", residual.size(), shape.m * shape.n);
   const Epilogue epi{bias.empty() ? nullptr : bias.data(), residual.empty() ? nullptr : residual.data()};
   const bool bf16_dot = path == LinearPath::kFastest && has_avx512_bf16();
+  const bool fma = !bf16_dot && path != LinearPath::kPortable && has_avx512f_linear();
   if (bf16_dot && shape.m >= kPackedMinRows && shape.k % 2 == 0) {
-    gemm_avx512(shape, x.data(), w.data(), epi, y.data(), threads);
+    gemm<Bf16Panels>(shape, x.data(), w.data(), epi, y.data(), threads);
   } else if (bf16_dot) {
     linear_avx512<Dot::kBf16>(shape, x.data(), w.data(), epi, y.data(), threads >= 2);
-  } else if (path != LinearPath::kPortable && has_avx512f_linear()) {
+  } else if (fma && shape.m >= kFmaPackedMinRows) {
+    gemm_fma(shape, x.data(), w.data(), epi, y.data(), threads);
+  } else if (fma) {
     linear_avx512<Dot::kFma>(shape, x.data(), w.data(), epi, y.data(), threads >= 2);
   } else {
     linear_portable(shape, x.data(), w.data(), epi, y.data());

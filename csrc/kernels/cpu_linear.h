@@ -1,9 +1,13 @@
-// Skinny bf16 matrix products for CPU decoding: y[M, N] = x[M, K] * w[N, K]^T (+ bias), M small.
+// bf16 matrix products for CPU workers: y[M, N] = x[M, K] * w[N, K]^T (+ bias) (+ residual), float32 sums.
 //
 // Decoding a few sequences is a matrix-vector product that must stream every weight once per step, so its speed is
-// the memory bandwidth the kernel reaches. oneDNN's bf16 path reaches about a quarter of what one core can read
-// (benchmarks/throughput.py); this kernel reads each weight row once for up to four input rows with AVX512-BF16
-// dot products, accumulating in float32, prefetching the rows ahead in address order, on up to two cores.
+// the memory bandwidth the kernel reaches: dot-product tiles read each weight row once for up to four input rows,
+// prefetching the rows ahead in address order, on up to two cores. Batches (decoding many sequences, prefill) are
+// compute-bound: there an outer-product kernel packs panels of 48 weight rows and keeps an 8 x 48 tile of sums in
+// registers over all of K. With AVX512-BF16 both use bf16 dot products; on AVX-512 CPUs without them the tiles widen
+// bf16 to float32 in registers and the panels are packed as float32, feeding plain FMAs. PyTorch's bf16 F.linear
+// (oneDNN) reaches about a quarter of the bandwidth of the first and, without AVX512-BF16, a third of the FLOP/s of
+// the second on SmolLM2's shapes.
 #pragma once
 
 #include <bit>

@@ -82,17 +82,22 @@ TEST(model_shapes_match_the_reference) {
   }
 }
 
-// From three input rows (even K) the packed outer-product kernel runs: several panels of 48 weight rows with a
-// partial last one, every micro-tile height (1..7 rows left over), k-pair counts off the 16-pair packing blocks,
-// bias, and the panels split over two threads.
-TEST(packed_panels_every_tile_height_and_pair_tail_match_the_reference) {
-  for (std::size_t m : {3, 6, 7, 8, 11, 13, 14, 15, 64}) {
-    for (std::size_t n : {64, 65, 130, 200}) {
-      for (std::size_t k : {2, 34, 64, 98}) check_against_reference(m, n, k, (m + n + k) % 3 == 0, kFastest);
+// The packed outer-product kernels: AVX512-BF16 panels from three input rows (even K), float32 FMA panels from ten
+// (any K; the kAvx512F path, and the fastest one on AVX-512 CPUs without BF16 dot products). Several panels of 48
+// weight rows with a partial last one, every micro-tile height (1..7 rows left over), K off the 16-value packing
+// blocks, bias, and the panels split over two threads.
+TEST(packed_panels_every_tile_height_and_k_tail_match_the_reference) {
+  for (const LinearPath path : {LinearPath::kFastest, LinearPath::kAvx512F}) {
+    for (std::size_t m : {3, 6, 7, 8, 11, 13, 14, 15, 17, 18, 20, 64}) {
+      for (std::size_t n : {64, 65, 130, 200}) {
+        for (std::size_t k : {2, 17, 34, 64, 98}) check_against_reference(m, n, k, (m + n + k) % 3 == 0, path);
+      }
     }
+    for (std::size_t n : {129, 960}) check_against_reference(9, n, 576, true, path, 2);
+    check_against_reference(12, 960, 576, true, path, 2);
+    check_against_reference(70, 576, 1536, false, path, 2);
+    check_against_reference(33, 49, 577, true, path, 2);
   }
-  for (std::size_t n : {129, 960}) check_against_reference(9, n, 576, true, kFastest, 2);
-  check_against_reference(70, 576, 1536, false, kFastest, 2);
 }
 
 // A residual (the decoder's skip connection) is added before the one rounding, on every path.
@@ -101,18 +106,28 @@ TEST(a_residual_is_added_on_every_path) {
     for (std::size_t m : {1, 2, 3, 9, 64}) check_against_reference(m, 100, 64, m % 2 == 1, path, 1, true);
     check_against_reference(2, 1538, 576, false, path, 2, true);  // the dot-product tiles, split
   }
-  check_against_reference(64, 576, 1536, true, kFastest, 2, true);  // the packed panels, split
-  // In place: the residual is y itself.
+  for (const LinearPath path : {LinearPath::kFastest, LinearPath::kAvx512F}) {
+    check_against_reference(64, 576, 1536, true, path, 2, true);  // the packed panels, split
+  }
+  // In place: the residual is y itself (dot-product tiles and packed panels).
   std::mt19937 gen(11);
-  const std::size_t m = 5, n = 50, k = 32;
+  const std::size_t n = 50, k = 32;
+  for (const LinearPath path : kAllPaths) {
+    for (const std::size_t m : {std::size_t{5}, std::size_t{24}}) {
+      const auto x = random_bf16(m * k, gen);
+      const auto w = random_bf16(n * k, gen);
+      auto y = random_bf16(m * n, gen);
+      const auto before = y;
+      std::vector<bf16_bits> separate(m * n);
+      linear_bf16({m, n, k}, x, w, {}, separate, path, 1, before);
+      linear_bf16({m, n, k}, x, w, {}, y, path, 1, y);
+      CHECK(y == separate);
+    }
+  }
+  const std::size_t m = 5;
   const auto x = random_bf16(m * k, gen);
   const auto w = random_bf16(n * k, gen);
-  auto y = random_bf16(m * n, gen);
-  const auto before = y;
   std::vector<bf16_bits> separate(m * n);
-  linear_bf16({m, n, k}, x, w, {}, separate, kFastest, 1, before);
-  linear_bf16({m, n, k}, x, w, {}, y, kFastest, 1, y);
-  CHECK(y == separate);
   std::vector<bf16_bits> short_residual(m * n - 1);
   CHECK_THROWS(std::invalid_argument, linear_bf16({m, n, k}, x, w, {}, separate, kFastest, 1, short_residual));
 }

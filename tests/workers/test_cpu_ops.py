@@ -83,9 +83,11 @@ def test_a_product_split_over_two_threads_equals_the_single_threaded_one() -> No
 
 @pytest.mark.skipif(cpu_ops._MODULE is None or not cpu_ops._MODULE.has_avx512f_linear(),
                     reason="needs AVX-512F/BW and the built kernels")  # fmt: skip
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 1538, 576), (3, 100, 33), (8, 576, 1536), (64, 192, 576)])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 1538, 576), (3, 100, 33), (8, 576, 1536), (64, 192, 576),
+                                              (27, 130, 577), (200, 960, 576)])  # fmt: skip
 def test_the_path_for_cpus_without_bf16_dot_products_matches_the_portable_one(rows: int, n: int, k: int) -> None:
-    # Forced, so AVX512-BF16 machines check it too: each bf16 pair widened in registers, two FMAs per pair.
+    # Forced, so AVX512-BF16 machines check it too: up to 9 rows each bf16 pair widened in registers (two FMAs per
+    # pair), from 10 rows float32 weight panels (any K).
     kernels = cpu_ops._MODULE
     torch.manual_seed(rows)
     x = torch.randn(rows, k).to(torch.bfloat16)

@@ -1,11 +1,10 @@
-"""Linear layers that send skinny bfloat16 products on CPU to RingServe's native kernel.
+"""Linear layers that send bfloat16 products on CPU to RingServe's native kernel.
 
-Decoding a few sequences multiplies a handful of rows by every weight matrix, so its speed is how fast the weights
-stream from memory. On AVX-512 CPUs (with AVX512-BF16 dot products, or without them by widening bf16 in registers),
-`ringserve._kernels.linear_bf16` reads them at several times the rate of PyTorch's bf16 path for such shapes
-(benchmarks/throughput.py measures both), splitting large products over torch's own OpenMP threads (the kernel
-module shares torch's libgomp); larger batches are compute-bound and stay with PyTorch (oneDNN). Everything else
-(other dtypes, devices, CPUs without AVX-512) is plain F.linear.
+On AVX-512 CPUs (with AVX512-BF16 dot products, or without them by widening bf16 in registers),
+`ringserve._kernels.linear_bf16` computes every bf16 projection: decoding a few sequences streams the weights from
+memory at several times the rate of PyTorch's bf16 path, and batches (many sequences, prefill) run packed weight
+panels at about three times its FLOP/s here. Large products split over torch's own OpenMP threads (the kernel module
+shares torch's libgomp). Everything else (other dtypes, devices, CPUs without AVX-512) is plain F.linear.
 """
 
 from __future__ import annotations
