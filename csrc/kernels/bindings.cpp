@@ -45,6 +45,19 @@ void linear_bf16(std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::u
   ringserve::kernels::linear_bf16({m, n, k}, xs, ws, bs, ys, path, threads, rs);
 }
 
+void linear_f32(std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t y, std::size_t m,
+                std::size_t n, std::size_t k, bool force_portable, int threads, std::uintptr_t residual) {
+  const auto xs = view<const float>(x, m * k);
+  const auto ws = view<const float>(w, n * k);
+  const auto bs = bias == 0 ? std::span<const float>{} : view<const float>(bias, n);
+  const auto rs = residual == 0 ? std::span<const float>{} : view<const float>(residual, m * n);
+  const auto ys = view<float>(y, m * n);
+  py::gil_scoped_release release;
+  using ringserve::kernels::LinearPath;
+  const LinearPath path = force_portable ? LinearPath::kPortable : LinearPath::kFastest;
+  ringserve::kernels::linear_f32({m, n, k}, xs, ws, bs, ys, path, threads, rs);
+}
+
 // The tensors' layouts are described in kernels/cpu_attention.h; sizes are in values, not bytes.
 void paged_decode_attention(bool bf16, std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache,
                             std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t cu_seqlens_q,
@@ -198,6 +211,11 @@ PYBIND11_MODULE(_kernels, m) {
         "y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) (+ residual[m, n]) on contiguous bfloat16 memory given by address "
         "(bias / residual 0 = none), rounded once; threads >= 2 lets a large product use a second core. force_portable "
         "/ avx512f_only pick a path for tests.");
+  m.def("linear_f32", &linear_f32, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("m"),
+        py::arg("n"), py::arg("k"), py::arg("force_portable") = false, py::arg("threads") = 1,
+        py::arg("residual") = 0,
+        "linear_bf16 for contiguous float32 memory: float32 weight panels (AVX-512F/BW CPUs; see has_avx512f_linear), "
+        "else portable loops (force_portable picks those for tests).");
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("bf16"), py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("seq_ids"),
         py::arg("out"), py::arg("num_q_rows"), py::arg("q_row_stride"), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -16,11 +16,13 @@ namespace ringserve::kernels {
 
 namespace {
 
-// What is added to each product before its one rounding to bf16: bias[n] and residual[m, n], either may be null.
-struct Epilogue {
-  const bf16_bits* bias;
-  const bf16_bits* residual;
+// What is added to each product before its one rounding to T: bias[n] and residual[m, n], either may be null.
+template <class T>
+struct EpilogueOf {
+  const T* bias;
+  const T* residual;
 };
+using Epilogue = EpilogueOf<bf16_bits>;
 
 constexpr std::size_t kRowTile = 4;    // weight rows sharing each load of x
 constexpr std::size_t kInputTile = 4;  // input rows sharing each load of a weight row
@@ -31,14 +33,15 @@ constexpr std::size_t kSplitElements = std::size_t{1} << 18;
 // From this many input rows (and an even K) the packed outer-product kernel below takes over.
 constexpr std::size_t kPackedMinRows = 3;
 
-void linear_portable(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y) {
+template <class T>
+void linear_portable(LinearShape s, const T* x, const T* w, const EpilogueOf<T>& epi, T* y) {
   for (std::size_t i = 0; i < s.m; ++i) {
     for (std::size_t j = 0; j < s.n; ++j) {
       float acc = 0.0F;
-      for (std::size_t p = 0; p < s.k; ++p) acc += bf16_to_float(x[i * s.k + p]) * bf16_to_float(w[j * s.k + p]);
-      if (epi.bias != nullptr) acc += bf16_to_float(epi.bias[j]);
-      if (epi.residual != nullptr) acc += bf16_to_float(epi.residual[i * s.n + j]);
-      y[i * s.n + j] = float_to_bf16(acc);
+      for (std::size_t p = 0; p < s.k; ++p) acc += load_scalar(x[i * s.k + p]) * load_scalar(w[j * s.k + p]);
+      if (epi.bias != nullptr) acc += load_scalar(epi.bias[j]);
+      if (epi.residual != nullptr) acc += load_scalar(epi.residual[i * s.n + j]);
+      store_scalar(&y[i * s.n + j], acc);
     }
   }
 }
@@ -241,26 +244,38 @@ constexpr std::size_t kPairsPerBlock = 16;  // the packing transposes 16 x 16 bl
 // Without BF16 dot products, from this many input rows the float32 panels take over from the dot-product tiles.
 constexpr std::size_t kFmaPackedMinRows = 10;
 
-// y[i0 .. i0 + kRows, j0 .. j0 + cols) = acc (+ bias, + residual), rounded once to bf16 as float_to_bf16 does.
-template <std::size_t kRows>
+// Up to 16 values at p (the lanes in `mask`), as float32; the rest zero.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_masked(const bf16_bits* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+__attribute__((target("avx512f"))) inline __m512 load_masked(const float* p, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+// Stores the lanes in `mask`, rounded to bf16 as float_to_bf16 does (float32: as they are).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_masked(bf16_bits* p, __mmask16 mask,
+                                                                             __m512 v) {
+  const __m512i high_halves = _mm512_castps_si512(round16(v, bf16_bits{}));  // bf16 in each lane's top half
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(high_halves, 16)));
+}
+__attribute__((target("avx512f"))) inline void store_masked(float* p, __mmask16 mask, __m512 v) {
+  _mm512_mask_storeu_ps(p, mask, v);
+}
+
+// y[i0 .. i0 + kRows, j0 .. j0 + cols) = acc (+ bias, + residual), rounded once to T.
+template <class T, std::size_t kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_panel_tile(
-    const __m512 (&acc)[kRows][kVectors], LinearShape s, const Epilogue& epi, bf16_bits* y, std::size_t i0,
+    const __m512 (&acc)[kRows][kVectors], LinearShape s, const EpilogueOf<T>& epi, T* y, std::size_t i0,
     std::size_t j0, std::size_t cols) {
   for (std::size_t v = 0; v < kVectors; ++v) {
     const std::size_t c0 = v * 16;
     if (c0 >= cols) break;
     const std::size_t live = std::min<std::size_t>(16, cols - c0);
     const auto mask = static_cast<__mmask16>((1U << live) - 1U);
-    const auto widen = [&](const bf16_bits* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-    };
-    const __m512 b = epi.bias != nullptr ? widen(epi.bias + j0 + c0) : _mm512_setzero_ps();
+    const __m512 b = epi.bias != nullptr ? load_masked(epi.bias + j0 + c0, mask) : _mm512_setzero_ps();
     for (std::size_t i = 0; i < kRows; ++i) {
       __m512 out = _mm512_add_ps(acc[i][v], b);
-      if (epi.residual != nullptr) out = _mm512_add_ps(out, widen(epi.residual + (i0 + i) * s.n + j0 + c0));
-      const __m512i high_halves = _mm512_castps_si512(round16(out, bf16_bits{}));  // bf16 in each lane's top half
-      _mm256_mask_storeu_epi16(y + (i0 + i) * s.n + j0 + c0, mask,
-                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(high_halves, 16)));
+      if (epi.residual != nullptr) out = _mm512_add_ps(out, load_masked(epi.residual + (i0 + i) * s.n + j0 + c0, mask));
+      store_masked(y + (i0 + i) * s.n + j0 + c0, mask, out);
     }
   }
 }
@@ -299,9 +314,9 @@ __attribute__((target("avx512f"))) void pack_panel_pairs(LinearShape s, const bf
 }
 
 // Packs weight rows [j0, j0 + kPanel) (rows past n are zeros) as float32, P[p][c] = w[j0 + c][p], p < k.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void pack_panel_f32(LinearShape s, const bf16_bits* w,
-                                                                         std::size_t j0, float* packed) {
-  const __mmask16 all = 0xffff;
+template <class T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void pack_panel_f32(LinearShape s, const T* w, std::size_t j0,
+                                                                         float* packed) {
   for (std::size_t g = 0; g < kPanel; g += 16) {
     for (std::size_t p0 = 0; p0 < s.k; p0 += 16) {
       const std::size_t count = std::min<std::size_t>(16, s.k - p0);
@@ -309,8 +324,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void pack_panel_f32(LinearS
       __m512i r[16];
       for (std::size_t c = 0; c < 16; ++c) {
         const std::size_t row = j0 + g + c;
-        const __m256i raw = row < s.n ? _mm256_maskz_loadu_epi16(mask, w + row * s.k + p0) : _mm256_setzero_si256();
-        r[c] = _mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16);
+        r[c] = row < s.n ? _mm512_castps_si512(load_masked(w + row * s.k + p0, mask)) : _mm512_setzero_si512();
       }
       transpose16x16(r);
       for (std::size_t p = 0; p < count; ++p) _mm512_storeu_si512(packed + (p0 + p) * kPanel + g, r[p]);
@@ -341,12 +355,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile_
       for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wv[v], xv);
     }
   }
-  store_panel_tile<kRows>(acc, s, epi, y, i0, j0, cols);
+  store_panel_tile<bf16_bits, kRows>(acc, s, epi, y, i0, j0, cols);
 }
 
-template <std::size_t kRows>
+template <class T, std::size_t kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void panel_tile_f32(
-    LinearShape s, const float* x, const float* packed, const Epilogue& epi, bf16_bits* y, std::size_t i0,
+    LinearShape s, const float* x, const float* packed, const EpilogueOf<T>& epi, T* y, std::size_t i0,
     std::size_t j0, std::size_t cols, const Prefetch& next) {
   __m512 acc[kRows][kVectors];
   for (std::size_t i = 0; i < kRows; ++i) {
@@ -362,10 +376,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void panel_tile_f32(
       for (std::size_t v = 0; v < kVectors; ++v) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
     }
   }
-  store_panel_tile<kRows>(acc, s, epi, y, i0, j0, cols);
+  store_panel_tile<T, kRows>(acc, s, epi, y, i0, j0, cols);
 }
 
 struct Bf16Panels {
+  using Weight = bf16_bits;
   using Input = bf16_bits;  // x as given
   using Packed = uint32_t;
   static std::size_t steps(std::size_t k) { return k / 2; }
@@ -380,24 +395,25 @@ struct Bf16Panels {
   }
 };
 
+// T: the weights' and outputs' type (bf16 or float32).
+template <class T>
 struct FmaPanels {
-  using Input = float;  // x widened once per call
+  using Weight = T;
+  using Input = float;  // x as given (float32) or widened once per call (bf16)
   using Packed = float;
   static std::size_t steps(std::size_t k) { return k; }
   static std::size_t packed_size(std::size_t k) { return kPanel * k; }
-  static void pack(LinearShape s, const bf16_bits* w, std::size_t j0, Packed* packed) {
-    pack_panel_f32(s, w, j0, packed);
-  }
+  static void pack(LinearShape s, const T* w, std::size_t j0, Packed* packed) { pack_panel_f32(s, w, j0, packed); }
   template <std::size_t kRows>
-  static void tile(LinearShape s, const Input* x, const Packed* packed, const Epilogue& epi, bf16_bits* y,
+  static void tile(LinearShape s, const Input* x, const Packed* packed, const EpilogueOf<T>& epi, T* y,
                    std::size_t i0, std::size_t j0, std::size_t cols, const Prefetch& next) {
-    panel_tile_f32<kRows>(s, x, packed, epi, y, i0, j0, cols, next);
+    panel_tile_f32<T, kRows>(s, x, packed, epi, y, i0, j0, cols, next);
   }
 };
 
 // Panels [first, last) of the product, packing each into `packed` (Kernel::packed_size(k) values).
-template <class Kernel>
-void panels(LinearShape s, const typename Kernel::Input* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
+template <class Kernel, class T = typename Kernel::Weight>
+void panels(LinearShape s, const typename Kernel::Input* x, const T* w, const EpilogueOf<T>& epi, T* y,
             std::size_t first, std::size_t last, typename Kernel::Packed* packed) {
   const std::size_t steps = Kernel::steps(s.k);
   for (std::size_t panel = first; panel < last; ++panel) {
@@ -407,7 +423,7 @@ void panels(LinearShape s, const typename Kernel::Input* x, const bf16_bits* w, 
     // The next panel of this call's range, prefetched while this one's tiles run.
     const std::size_t ahead_rows = panel + 1 < last ? std::min(kPanel, s.n - j0 - kPanel) : 0;
     const char* ahead = reinterpret_cast<const char*>(w + (ahead_rows > 0 ? (j0 + kPanel) * s.k : 0));
-    const std::size_t all_lines = ahead_rows * s.k * sizeof(bf16_bits) / 64;
+    const std::size_t all_lines = ahead_rows * s.k * sizeof(T) / 64;
     // Spread over the panel's tiles (a burst in one tile would overrun the outstanding-miss queue).
     const std::size_t tiles = (s.m + kTileRows - 1) / kTileRows;
     const std::size_t lines_per_tile = (all_lines + tiles - 1) / tiles;
@@ -441,8 +457,8 @@ T* thread_buffer(std::size_t size) {
   return buffer.data();
 }
 
-template <class Kernel>
-void gemm(LinearShape s, const typename Kernel::Input* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
+template <class Kernel, class T = typename Kernel::Weight>
+void gemm(LinearShape s, const typename Kernel::Input* x, const T* w, const EpilogueOf<T>& epi, T* y,
           [[maybe_unused]] int threads) {
   using Packed = typename Kernel::Packed;
   const std::size_t panel_count = (s.n + kPanel - 1) / kPanel;
@@ -477,7 +493,7 @@ void gemm_fma(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilo
     const std::size_t begin = c * kChunk;
     widen_bf16(x + begin, wide + begin, std::min(kChunk, total - begin));
   });
-  gemm<FmaPanels>(s, wide, w, epi, y, threads);
+  gemm<FmaPanels<bf16_bits>>(s, wide, w, epi, y, threads);
 }
 
 }  // namespace
@@ -512,6 +528,21 @@ void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<cons
     gemm_fma(shape, x.data(), w.data(), epi, y.data(), threads);
   } else if (fma) {
     linear_avx512<Dot::kFma>(shape, x.data(), w.data(), epi, y.data(), threads >= 2);
+  } else {
+    linear_portable(shape, x.data(), w.data(), epi, y.data());
+  }
+}
+
+void linear_f32(LinearShape shape, std::span<const float> x, std::span<const float> w, std::span<const float> bias,
+                std::span<float> y, LinearPath path, int threads, std::span<const float> residual) {
+  require_size("linear_f32", "x", x.size(), shape.m * shape.k);
+  require_size("linear_f32", "w", w.size(), shape.n * shape.k);
+  require_size("linear_f32", "y", y.size(), shape.m * shape.n);
+  if (!bias.empty()) require_size("linear_f32", "bias", bias.size(), shape.n);
+  if (!residual.empty()) require_size("linear_f32", "residual", residual.size(), shape.m * shape.n);
+  const EpilogueOf<float> epi{bias.empty() ? nullptr : bias.data(), residual.empty() ? nullptr : residual.data()};
+  if (path != LinearPath::kPortable && has_avx512f_linear()) {
+    gemm<FmaPanels<float>>(shape, x.data(), w.data(), epi, y.data(), threads);
   } else {
     linear_portable(shape, x.data(), w.data(), epi, y.data());
   }

@@ -46,6 +46,13 @@ void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<cons
                  std::span<const bf16_bits> bias, std::span<bf16_bits> y, LinearPath path = LinearPath::kFastest,
                  int threads = 1, std::span<const bf16_bits> residual = {});
 
+// The same for float32 x, w, bias, residual and y: float32 weight panels for any m (AVX-512F/BW; no rounding but
+// float32's own), else portable loops. For prefill and batched decoding of float32 models, where PyTorch's GEMM
+// reaches a fraction of these panels' FLOP/s at tens of rows.
+void linear_f32(LinearShape shape, std::span<const float> x, std::span<const float> w, std::span<const float> bias,
+                std::span<float> y, LinearPath path = LinearPath::kFastest, int threads = 1,
+                std::span<const float> residual = {});
+
 inline float bf16_to_float(bf16_bits v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
 
 // Round to nearest even, NaN kept NaN (quieted).

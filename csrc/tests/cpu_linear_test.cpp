@@ -1,4 +1,4 @@
-// The bf16 skinny-GEMM kernel against a float64 reference, for every tile shape and K tail the kernel has.
+// The bf16 and float32 matrix-product kernels against a float64 reference, for every tile shape and K tail they have.
 #include <cmath>
 #include <random>
 #include <stdexcept>
@@ -44,6 +44,37 @@ void check_against_reference(std::size_t m, std::size_t n, std::size_t k, bool w
       if (std::abs(got - ref) > tolerance) {
         std::fprintf(stderr, "  m=%zu n=%zu k=%zu bias=%d path=%d: y[%zu,%zu]=%g, reference %g\n", m, n, k,
                      with_bias, static_cast<int>(path), i, j, got, ref);
+        CHECK(false);
+        return;
+      }
+    }
+  }
+}
+
+// float32: the weight panels (any m, any K) and the portable loops, with bias and residual, split or not, against
+// float64: within float32 accumulation error of the terms' magnitude.
+void check_f32_against_reference(std::size_t m, std::size_t n, std::size_t k, LinearPath path, int threads) {
+  std::mt19937 gen(static_cast<unsigned>(m * 7919 + n * 104729 + k));
+  std::normal_distribution<float> normal;
+  const auto random = [&](std::size_t count) {
+    std::vector<float> values(count);
+    for (auto& v : values) v = normal(gen);
+    return values;
+  };
+  const auto x = random(m * k), w = random(n * k), bias = random(n), residual = random(m * n);
+  std::vector<float> y(m * n, NAN);
+  linear_f32({m, n, k}, x, w, bias, y, path, threads, residual);
+  for (std::size_t i = 0; i < m; ++i) {
+    for (std::size_t j = 0; j < n; ++j) {
+      double ref = double{bias[j]} + residual[i * n + j];
+      double magnitude = std::abs(ref);
+      for (std::size_t p = 0; p < k; ++p) {
+        ref += double{x[i * k + p]} * w[j * k + p];
+        magnitude += std::abs(double{x[i * k + p]} * w[j * k + p]);
+      }
+      if (!(std::abs(y[i * n + j] - ref) <= magnitude * 1e-6 + 1e-6)) {
+        std::fprintf(stderr, "  f32 m=%zu n=%zu k=%zu path=%d: y[%zu,%zu]=%g, reference %g\n", m, n, k,
+                     static_cast<int>(path), i, j, static_cast<double>(y[i * n + j]), ref);
         CHECK(false);
         return;
       }
@@ -158,6 +189,20 @@ TEST(portable_and_vector_paths_agree) {
     }
     CHECK(differing == 0);
   }
+}
+
+TEST(float32_panels_every_tile_height_and_k_tail_match_the_reference) {
+  for (const LinearPath path : {LinearPath::kFastest, LinearPath::kPortable}) {
+    for (std::size_t m : {1, 4, 7, 8, 9, 15, 17, 64}) {
+      for (std::size_t n : {1, 47, 49, 130}) {
+        for (std::size_t k : {1, 15, 16, 17, 100}) check_f32_against_reference(m, n, k, path, 1);
+      }
+    }
+    check_f32_against_reference(24, 960, 577, path, 2);
+  }
+  std::vector<float> x(6), w(6), y(4), bias(3);
+  CHECK_THROWS(std::invalid_argument, linear_f32({2, 2, 3}, x, w, {}, std::span<float>(y.data(), 3)));
+  CHECK_THROWS(std::invalid_argument, linear_f32({2, 2, 3}, x, w, bias, y));
 }
 
 TEST(mismatched_sizes_are_refused) {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM, cpu_ops
 from ringserve.workers.model_runner import ModelRunner
@@ -103,6 +104,51 @@ def test_the_path_for_cpus_without_bf16_dot_products_matches_the_portable_one(ro
     # Float32 sums in another order than the portable loop's: at most one bf16 rounding step apart.
     torch.testing.assert_close(outs["fma"].float(), outs["portable"].float(), rtol=8e-3, atol=1e-2)
     torch.testing.assert_close(outs["fma"].float(), x.float() @ weight.float().T + bias.float(), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(cpu_ops._MODULE is None or not cpu_ops._MODULE.has_avx512f_linear(),
+                    reason="needs AVX-512F/BW and the built kernels")  # fmt: skip
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 50, 7), (4, 960, 576), (11, 130, 577), (63, 576, 1536),
+                                              (200, 97, 64)])  # fmt: skip
+def test_float32_panels_match_pytorch_and_the_portable_loops(rows: int, n: int, k: int) -> None:
+    kernels = cpu_ops._MODULE
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k)
+    weight = torch.randn(n, k)
+    bias = torch.randn(n)
+    residual = torch.randn(rows, n)
+    want = residual + F.linear(x.double(), weight.double(), bias.double()).float()
+    outs = {}
+    paths = {"panels": {}, "panels_two_threads": {"threads": 2}, "portable": {"force_portable": True}}
+    for name, flags in paths.items():
+        y = torch.full((rows, n), float("nan"))
+        kernels.linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n, k,
+                           residual=residual.data_ptr(), **flags)  # fmt: skip
+        outs[name] = y
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4 * k**0.5)
+    assert torch.equal(outs["panels"], outs["panels_two_threads"])  # each value summed in the same order
+
+
+@pytest.mark.skipif(not cpu_ops.native_linear_available() or not cpu_ops._MODULE.has_avx512f_linear(),
+                    reason="needs AVX-512F/BW and the built kernels")  # fmt: skip
+def test_float32_linear_goes_native_only_for_its_row_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = cpu_ops._KERNELS.linear_f32
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(cpu_ops._MODULE, name)
+
+        def linear_f32(self, *args: object, **kwargs: object) -> None:
+            calls.append(args[4])
+            real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_ops, "_KERNELS", Spy())
+    weight = torch.randn(33, 20)
+    for rows in (1, 3, 4, 63, 64, 100):
+        x = torch.randn(rows, 20)
+        torch.testing.assert_close(cpu_ops.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert calls == [4, 63]
 
 
 def test_shape_errors_are_pytorchs() -> None:

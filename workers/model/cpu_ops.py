@@ -1,10 +1,12 @@
-"""Linear layers that send bfloat16 products on CPU to RingServe's native kernel.
+"""Linear layers that send bfloat16 (and some float32) products on CPU to RingServe's native kernel.
 
 On AVX-512 CPUs (with AVX512-BF16 dot products, or without them by widening bf16 in registers),
 `ringserve._kernels.linear_bf16` computes every bf16 projection: decoding a few sequences streams the weights from
 memory at several times the rate of PyTorch's bf16 path, and batches (many sequences, prefill) run packed weight
-panels at about three times its FLOP/s here. Large products split over torch's own OpenMP threads (the kernel module
-shares torch's libgomp). Everything else (other dtypes, devices, CPUs without AVX-512) is plain F.linear.
+panels at about three times its FLOP/s here. On AVX-512 CPUs, float32 products of 4 to 63 rows (batched decoding,
+short chunks) run `linear_f32`'s float32 weight panels, whose cost grows with the row count as PyTorch's does not.
+Large products split over torch's own OpenMP threads (the kernel module shares torch's libgomp). Everything else
+(other dtypes and row counts, devices, CPUs without AVX-512) is plain F.linear.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from torch import nn
 if TYPE_CHECKING:
     from ringserve.workers.attention.metadata import AttentionMetadata
 
-# Up to this many rows the native kernel's dot-product tiles take any K; from three rows on it packs weight panels
-# for an outer-product kernel, which needs K even (every llama-family width is), and otherwise PyTorch takes the
-# product. RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
+# bf16: up to this many rows the native kernel's dot-product tiles take any K; from three rows on it packs weight
+# panels for an outer-product kernel, which needs K even (every llama-family width is) where the CPU has AVX512-BF16,
+# and otherwise PyTorch takes the product. RINGSERVE_NATIVE_LINEAR=0 turns the kernel off.
 MAX_ANY_K_ROWS = 2
+# float32: the native float32 weight panels for this many rows (a range). Measured on SmolLM2's projections with
+# cold weights on an AVX-512 CPU without AVX512-BF16: 1.4x-2.4x PyTorch's GEMM from 4 to 24 rows (whose time nearly
+# doubles from 8 to 16 rows, then stays flat to 64, so a step's cost would not follow its row count), level at 64.
+# PyTorch's GEMV streams one or two rows faster, and from 64 rows its GEMM reaches more FLOP/s than these panels.
+F32_NATIVE_ROWS = range(4, 64)
 
 
 def _load_module() -> Any | None:
@@ -35,7 +42,7 @@ def _load_module() -> Any | None:
 
 _MODULE = _load_module()
 # AVX512-BF16 dot products where the CPU has them; on other AVX-512 CPUs the kernel widens bf16 to float32 in
-# registers and uses FMAs, still 1.6-3.4x PyTorch's bf16 path there for 1-64 rows (which has no native bf16 either).
+# registers and uses FMAs, still 1.6-3.6x PyTorch's bf16 path there for 1-256 rows (which has no native bf16 either).
 _KERNELS = _MODULE if _MODULE is not None and (_MODULE.has_avx512_bf16() or _MODULE.has_avx512f_linear()) and (
     os.environ.get("RINGSERVE_NATIVE_LINEAR", "1") != "0") else None  # fmt: skip
 # The paged decode attention, RMSNorm, RoPE and SiLU-and-multiply kernels run on any x86-64 CPU (AVX-512 when
@@ -55,10 +62,11 @@ def linear(
     dtypes suit it; there the residual is added before the output's one rounding (PyTorch rounds the product, then
     the sum)."""
     kernels = _KERNELS
+    dtype = x.dtype
     if (
         kernels is None
-        or x.dtype is not torch.bfloat16
-        or weight.dtype is not torch.bfloat16
+        or dtype not in _ATTENTION_DTYPES
+        or weight.dtype is not dtype
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -67,21 +75,26 @@ def linear(
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
         return _plain_linear(x, weight, bias, residual)  # (F.linear reports any shape error)
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows == 0 or (rows > MAX_ANY_K_ROWS and x.shape[-1] % 2 != 0):
-        return _plain_linear(x, weight, bias, residual)
-    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
-        return _plain_linear(x, weight, bias, residual)
     n, k = weight.shape
-    if residual is not None and (residual.dtype is not torch.bfloat16 or residual.device.type != "cpu"
+    if dtype is torch.float32:
+        if rows not in F32_NATIVE_ROWS or not kernels.has_avx512f_linear():
+            return _plain_linear(x, weight, bias, residual)
+        native = kernels.linear_f32
+    else:
+        if rows == 0 or (rows > MAX_ANY_K_ROWS and k % 2 != 0):
+            return _plain_linear(x, weight, bias, residual)
+        native = kernels.linear_bf16
+    if bias is not None and (bias.dtype is not dtype or not bias.is_contiguous()):
+        return _plain_linear(x, weight, bias, residual)
+    if residual is not None and (residual.dtype is not dtype or residual.device.type != "cpu"
                                  or residual.shape != (*x.shape[:-1], n)):  # fmt: skip
         return _plain_linear(x, weight, bias, residual)
     x2 = x.reshape(rows, k).contiguous()
     if residual is not None:
         residual = residual.contiguous()
-    out = torch.empty((rows, n), dtype=torch.bfloat16)
-    kernels.linear_bf16(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                        rows, n, k, threads=torch.get_num_threads(),
-                        residual=0 if residual is None else residual.data_ptr())  # fmt: skip
+    out = torch.empty((rows, n), dtype=dtype)
+    native(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k,
+           threads=torch.get_num_threads(), residual=0 if residual is None else residual.data_ptr())  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 
