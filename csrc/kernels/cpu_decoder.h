@@ -6,6 +6,11 @@
 // fused gate/up projection, SiLU-and-multiply, down projection + residual) in the same order with the same roundings,
 // so its output is bit-identical to the Python path's, then the final RMSNorm. Weights and caches are borrowed
 // (the Python model owns them and keeps them alive); working memory is owned and kept between calls.
+//
+// Every row is one query of the paged attention with its own block-table row and length, so a step may also carry
+// short prefill chunks: the caller gives each of a chunk's rows its sequence's table and its causal length (the
+// workers do so for chunks the Python path also sends to the paged kernel; see workers/attention/metadata.py). All
+// rows' K and V are written before any row attends, so a chunk's rows see each other.
 #pragma once
 
 #include <cstddef>

@@ -1,12 +1,14 @@
 """The native CPU paged decode-attention kernel (csrc/kernels/cpu_attention.cpp) against a dense float64 reference
 and against the PyTorch gather path it replaces: float32 and bfloat16, grouped-query heads, the AVX-512 and portable
-head sizes, non-contiguous block tables, strided queries, decode rows mixed with prefill chunks, both thread counts,
+head sizes, non-contiguous block tables, strided queries, decode rows mixed with short chunks (one query per row) and
+long ones (SDPA), both thread counts,
 and refusal of out-of-range indices."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ringserve.workers.attention.metadata import PAGED_MAX_PAIRS, PAGED_MAX_QUERY_LEN
 from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.model import cpu_ops
 
@@ -65,8 +67,14 @@ def test_bfloat16_decode_stays_close_to_the_reference() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_and_pytorch_paths_agree_in_a_mixed_step(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    # Prefill chunks (with and without a cached prefix) between the decode rows: only the decodes go native.
-    step = paged_step([(1, 40), (5, 5), (1, 3), (4, 30), (1, 64)], group=3, head_dim=64, dtype=dtype)
+    # Short chunks (with and without a cached prefix, one of exactly PAGED_MAX_QUERY_LEN rows) between the decode
+    # rows go native, each row one query with its causal length; a longer chunk, or one over PAGED_MAX_PAIRS deep
+    # into its context, goes to SDPA either way.
+    longest, deep = PAGED_MAX_QUERY_LEN, PAGED_MAX_PAIRS // 20 + 1
+    step = paged_step([(1, 40), (5, 5), (1, 3), (4, 30), (longest + 1, longest + 20), (longest, longest + 7), (1, 64),
+                       (20, deep)], group=3, head_dim=64, dtype=dtype)  # fmt: skip
+    short, long, rows = step.metadata.paged_split()
+    assert (short, long) == ([0, 1, 2, 3, 5, 6], [4, 7]) and rows.ids.numel() == 1 + 5 + 1 + 4 + longest + 1
     native, native_k, native_v = step.run(TorchSdpaBackend())
     monkeypatch.setattr(cpu_ops, "_ATTENTION", None)
     torch_path, torch_k, torch_v = step.run(TorchSdpaBackend())

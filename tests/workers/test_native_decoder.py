@@ -1,5 +1,6 @@
-"""The native decode step (csrc/kernels/cpu_decoder.h): bit-identical to the layer-by-layer path, used only where it
-applies, and refusing bad indices with a ValueError before it writes anything."""
+"""The native decoder (csrc/kernels/cpu_decoder.h) for decode steps and steps of short chunks: bit-identical to the
+layer-by-layer path, used only where it applies, and refusing bad indices with a ValueError before it writes
+anything."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.attention.metadata import PAGED_MAX_QUERY_LEN
 from ringserve.workers.loader import load_hf_model, load_model
 from ringserve.workers.model import KVCache, LlamaForCausalLM, cpu_ops
 from ringserve.workers.model.llama import NativeDecoder
@@ -67,7 +69,7 @@ def test_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(folder, monk
             for i, rows in enumerate(logits):
                 tokens[i].append(int(rows[-1].argmax()))
         runs[native] = (steps, tokens, cache)
-    assert calls[0] == 6  # every decode step, and no prefill
+    assert calls[0] == 7  # every step: the prompts are short chunks
     (plain_steps, plain_tokens, plain_cache), (native_steps, native_tokens, native_cache) = runs[False], runs[True]
     assert native_tokens == plain_tokens
     for plain, native in zip(plain_steps, native_steps, strict=True):
@@ -77,13 +79,36 @@ def test_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(folder, monk
         assert torch.equal(a, b)
 
 
-def test_mixed_steps_and_float32_models_keep_the_layer_by_layer_path(folder, monkeypatch):
+def test_short_chunks_beside_decodes_give_the_same_bits_as_the_layer_by_layer_path(folder, monkeypatch):
+    # A prompt longer than PAGED_MAX_QUERY_LEN (SDPA, layer by layer, either way), then steps mixing decode rows with
+    # short chunks deep into a cached context, which the native decoder takes whole.
+    calls = count_native_calls(monkeypatch)
+    long_prompt = [(7 * i) % 250 + 1 for i in range(PAGED_MAX_QUERY_LEN + 3)]
+    tables = [list(range(0, 20)), list(range(20, 40))]
+    runs = {}
+    for native in (False, True):
+        model, cache = bf16_model(folder, native)
+        steps = [forward_packed(model, [(long_prompt, 0, tables[0])], BLOCK)]
+        done = len(long_prompt)
+        steps.append(forward_packed(model, [([3], done, tables[0]), ([4, 5, 6], 0, tables[1])], BLOCK))
+        steps.append(forward_packed(model, [([9, 8, 7, 6, 5], done + 1, tables[0]), ([2], 3, tables[1])], BLOCK))
+        runs[native] = (steps, cache)
+    assert calls[0] == 2
+    (plain_steps, plain_cache), (native_steps, native_cache) = runs[False], runs[True]
+    for plain, native in zip(plain_steps, native_steps, strict=True):
+        for a, b in zip(plain, native, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(plain_cache.k + plain_cache.v, native_cache.k + native_cache.v, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_long_chunks_and_float32_models_keep_the_layer_by_layer_path(folder, monkeypatch):
     calls = count_native_calls(monkeypatch)
     model, _ = bf16_model(folder, True)
-    forward_packed(model, [([5, 9, 200], 0, [1]), ([4, 4], 0, [2])], BLOCK)
-    forward_packed(model, [([1], 3, [1]), ([8, 9], 2, [2])], BLOCK)  # a decode row beside a prefill chunk
+    longest = PAGED_MAX_QUERY_LEN
+    forward_packed(model, [(list(range(1, longest + 2)), 0, list(range(17))), ([4, 4], 0, [18])], BLOCK)
     assert calls[0] == 0
-    forward_packed(model, [([1], 4, [1, 3]), ([2], 4, [2, 4])], BLOCK)
+    forward_packed(model, [(list(range(1, longest + 1)), 0, list(range(19, 35)))], BLOCK)  # exactly the limit
     assert calls[0] == 1
     f32 = load_hf_model(folder, torch.float32)
     f32.fuse_projections()
@@ -134,6 +159,6 @@ def test_embedded_model_batch_decodes_the_same_tokens_either_way(monkeypatch):
             for i, t in enumerate(out.token_ids):
                 tokens[i].append(int(t))
         outputs[native] = (tokens, np.asarray(out.logprobs))
-    assert calls[0] == 8
+    assert calls[0] == 9  # the prompts (short chunks) and 8 decode steps
     assert outputs[True][0] == outputs[False][0]
     assert np.array_equal(outputs[True][1], outputs[False][1])

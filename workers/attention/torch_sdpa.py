@@ -1,7 +1,8 @@
 """Reference backend for any device: gather each context's blocks into contiguous K/V, then run SDPA.
 
-On CPU, decode rows (one query token) go to the native paged kernel (workers/model/cpu_ops.py), which reads K/V in
-place through the block tables. Elsewhere they are batched with a padded gather and a length mask. Prefill chunks
+On CPU, decode rows (one query token) and short chunks (up to PAGED_MAX_QUERY_LEN rows, each row one query with its
+causal length) go to the native paged kernel (workers/model/cpu_ops.py), which reads K/V in place through the block
+tables. Elsewhere decode rows are batched with a padded gather and a length mask. Prefill chunks
 are batched too: queries padded to the longest chunk, with a causal mask shifted by the tokens already in the cache
 (chunked prefill) and cut at each context's length; when no chunk has cached tokens SDPA's own causal path is used.
 So a mixed step is at most two SDPA calls per layer, whatever the number of sequences.
@@ -31,11 +32,14 @@ class TorchSdpaBackend:
     ) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        decode_seqs, prefill_seqs, decode_ids = metadata.decode_prefill_split()
-        if decode_seqs and not paged_decode_attention(q, k_cache, v_cache, metadata, decode_ids, scale, out):
-            self._decode(q, k_cache, v_cache, metadata, decode_seqs, scale, out)
-        if prefill_seqs:
-            self._prefill(q, k_cache, v_cache, metadata, prefill_seqs, scale, out)
+        short, long, paged = metadata.paged_split()
+        if short and not paged_decode_attention(q, k_cache, v_cache, paged, scale, out):
+            decode = [i for i in short if metadata.query_lens_cpu[i] == 1]
+            if decode:
+                self._decode(q, k_cache, v_cache, metadata, decode, scale, out)
+            long = sorted(long + [i for i in short if metadata.query_lens_cpu[i] > 1])
+        if long:
+            self._prefill(q, k_cache, v_cache, metadata, long, scale, out)
         return out
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from ringserve.workers.attention.metadata import AttentionMetadata
+    from ringserve.workers.attention.metadata import PagedRows
 
 # bf16: up to this many rows the native kernel's dot-product tiles take any K; from three rows on it packs weight
 # panels for an outer-product kernel, which needs K even (every llama-family width is) where the CPU has AVX512-BF16,
@@ -128,24 +128,22 @@ def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    seq_ids: torch.Tensor,
+    index: PagedRows,
     scale: float,
     out: torch.Tensor,
 ) -> bool:
-    """Writes the attention of decode sequences `seq_ids` (int32, on the CPU; one query row each) into `out` through
-    the native kernel, reading K/V in place through the block tables. Returns False, writing nothing, when the
-    kernel cannot take these tensors (not on CPU, another dtype, a KV cache dtype unlike the queries', unusual
-    strides); the caller then uses its PyTorch path."""
+    """Writes the attention of the query rows `index.ids` (one query each, see PagedRows: decode rows, or each row of
+    a short chunk with its causal length) into `out` through the native kernel, reading K/V in place through the
+    block tables. Returns False, writing nothing, when the kernel cannot take these tensors (not on CPU, another
+    dtype, a KV cache dtype unlike the queries', unusual strides); the caller then uses its PyTorch path."""
     kernels = _ATTENTION
     if kernels is None or q.device.type != "cpu" or q.dtype not in _ATTENTION_DTYPES:
         return False
     if k_cache.dtype is not q.dtype or v_cache.dtype is not q.dtype or out.dtype is not q.dtype:
         return False
-    md = metadata
-    tables, seq_lens, cu = md.block_tables, md.seq_lens, md.cu_seqlens_q
-    for index in (tables, seq_lens, cu):
-        if index.dtype is not torch.int32 or index.device.type != "cpu" or not index.is_contiguous():
+    tables, seq_lens, cu, ids = index.block_tables, index.seq_lens, index.cu_seqlens_q, index.ids
+    for t in (tables, seq_lens, cu, ids):
+        if t.dtype is not torch.int32 or t.device.type != "cpu" or not t.is_contiguous():
             return False
     if tables.dim() != 2 or seq_lens.numel() != tables.shape[0] or cu.numel() != tables.shape[0] + 1:
         return False  # a layout the kernel does not describe: PyTorch's path copes with it
@@ -154,7 +152,6 @@ def paged_decode_attention(
                                                             and v_cache.is_contiguous()):  # fmt: skip
         return False
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    ids = seq_ids if seq_ids.dtype is torch.int32 and seq_ids.is_contiguous() else seq_ids.to(torch.int32).contiguous()
     kernels.paged_decode_attention(
         q.dtype is torch.bfloat16, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         seq_lens.data_ptr(), cu.data_ptr(), ids.data_ptr(), out.data_ptr(), tokens, q.stride(0), heads, kv_heads,

@@ -413,13 +413,14 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
     def _decode_natively(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The final-normed hidden states of a decode step by the native decoder, or None where it does not apply
-        (a prefill row, a speculative tree, another dtype or device, tensor parallelism, the kernels missing)."""
+        """The final-normed hidden states of a step by the native decoder, or None where it does not apply (a chunk
+        longer than PAGED_MAX_QUERY_LEN or a speculative tree, another dtype or device, tensor parallelism, the kernels
+        missing). Every row is one query of the paged attention kernel, as on the layer-by-layer path."""
         md = get_attention_metadata()
-        query_lens = md.query_lens_cpu
-        if md.tree_masks or len(query_lens) != input_ids.shape[0] or not query_lens or max(query_lens) != 1:
+        if not md.query_lens_cpu or sum(md.query_lens_cpu) != input_ids.shape[0] or input_ids.device.type != "cpu":
             return None
-        if input_ids.device.type != "cpu":
+        _, long, rows = md.paged_split()
+        if long:
             return None
         decoder = self._native_decoder
         if decoder is None:
@@ -428,13 +429,13 @@ class LlamaForCausalLM(nn.Module):
             self._native_decoder = decoder
         if decoder is False:
             return None
-        for index in (md.slot_mapping, md.block_tables, md.seq_lens):
+        for index in (md.slot_mapping, rows.block_tables, rows.seq_lens):
             if index.device.type != "cpu" or not index.is_contiguous():
                 return None
-        if md.slot_mapping.dtype is not torch.int64 or md.block_tables.dtype is not torch.int32 or (
-                md.seq_lens.dtype is not torch.int32):  # fmt: skip
+        if md.slot_mapping.dtype is not torch.int64 or rows.block_tables.dtype is not torch.int32 or (
+                rows.seq_lens.dtype is not torch.int32):  # fmt: skip
             return None
-        return decoder.decode(input_ids, positions, md)
+        return decoder.decode(input_ids, positions, md.slot_mapping, rows.block_tables, rows.seq_lens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
         """Packed token ids and positions [num_tokens] -> logits for the metadata's logits rows: float32, or with
@@ -507,12 +508,13 @@ class NativeDecoder:
         norm = model.model.norm.weight
         return norm.dtype is torch.bfloat16 and norm.device.type == "cpu"
 
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-        """The final-normed hidden states [rows, hidden] of a decode step."""
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+               seq_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The final-normed hidden states [rows, hidden] of a step whose row r attends to positions
+        [0, seq_lens[r]) through block table row r (a decode row: its whole context; a chunk's row: causally)."""
         x = self._embed(input_ids).contiguous()
         normed = torch.empty_like(x)
         pos = positions.long().contiguous()  # no copy when it already is
-        slots, tables, seq_lens = metadata.slot_mapping, metadata.block_tables, metadata.seq_lens
         cos_sin = self._rotary.cos_sin(x.device)
         self._decoder.decode(x.data_ptr(), normed.data_ptr(), pos.data_ptr(), slots.data_ptr(), cos_sin.data_ptr(),
                              tables.data_ptr(), seq_lens.data_ptr(), x.shape[0], tables.shape[1],
