@@ -44,10 +44,12 @@ class TorchSdpaBackend:
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """[seqs, blocks] block ids -> [seqs, blocks * block_size, kv_heads, head_dim] contiguous context."""
-        # index_select, not advanced indexing: the latter is ~1000x slower on CPU for this shape.
+        # index_select of whole blocks as rows of a 2-D view: on CPU, index_select on the 4-D cache and advanced
+        # indexing are 100x slower for this shape (a 2,000-token context: 8 ms against 60 us).
         ids = block_tables[:, :num_blocks].reshape(-1).long()
-        _, block_size, kv_heads, head_dim = cache.shape
-        return cache.index_select(0, ids).view(block_tables.shape[0], num_blocks * block_size, kv_heads, head_dim)
+        total, block_size, kv_heads, head_dim = cache.shape
+        rows = cache.view(total, block_size * kv_heads * head_dim).index_select(0, ids)
+        return rows.view(block_tables.shape[0], num_blocks * block_size, kv_heads, head_dim)
 
     def _decode(
         self,
