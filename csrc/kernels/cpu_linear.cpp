@@ -30,7 +30,7 @@ constexpr std::size_t kLanes = 32;     // bf16 values per 512-bit register
 constexpr std::size_t kPrefetchRows = 16;
 // Products with at least this many weights (512 KiB of bf16) are split over two cores when the caller allows it.
 constexpr std::size_t kSplitElements = std::size_t{1} << 18;
-// From this many input rows (and an even K) the packed outer-product kernel below takes over.
+// With AVX512-BF16, from this many input rows (and an even K) the packed outer-product kernel below takes over.
 constexpr std::size_t kPackedMinRows = 3;
 
 template <class T>

@@ -53,6 +53,16 @@ def count_native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def assert_same_bits(plain_steps: list[list[torch.Tensor]], plain_cache: KVCache,
+                     native_steps: list[list[torch.Tensor]], native_cache: KVCache) -> None:  # fmt: skip
+    """Every step's logits and the whole KV cache equal, bit for bit, between the two paths."""
+    for plain, native in zip(plain_steps, native_steps, strict=True):
+        for a, b in zip(plain, native, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(plain_cache.k + plain_cache.v, native_cache.k + native_cache.v, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(folder, monkeypatch):
     calls = count_native_calls(monkeypatch)
     prompts = [[5, 9, 200, 3, 17, 8], [250, 1, 2], [7, 7, 7, 7, 7, 7, 7, 7, 7]]
@@ -70,13 +80,8 @@ def test_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(folder, monk
                 tokens[i].append(int(rows[-1].argmax()))
         runs[native] = (steps, tokens, cache)
     assert calls[0] == 7  # every step: the prompts are short chunks
-    (plain_steps, plain_tokens, plain_cache), (native_steps, native_tokens, native_cache) = runs[False], runs[True]
-    assert native_tokens == plain_tokens
-    for plain, native in zip(plain_steps, native_steps, strict=True):
-        for a, b in zip(plain, native, strict=True):
-            assert torch.equal(a, b)
-    for a, b in zip(plain_cache.k + plain_cache.v, native_cache.k + native_cache.v, strict=True):
-        assert torch.equal(a, b)
+    assert runs[True][1] == runs[False][1]
+    assert_same_bits(runs[False][0], runs[False][2], runs[True][0], runs[True][2])
 
 
 def test_short_chunks_beside_decodes_give_the_same_bits_as_the_layer_by_layer_path(folder, monkeypatch):
@@ -94,12 +99,7 @@ def test_short_chunks_beside_decodes_give_the_same_bits_as_the_layer_by_layer_pa
         steps.append(forward_packed(model, [([9, 8, 7, 6, 5], done + 1, tables[0]), ([2], 3, tables[1])], BLOCK))
         runs[native] = (steps, cache)
     assert calls[0] == 2
-    (plain_steps, plain_cache), (native_steps, native_cache) = runs[False], runs[True]
-    for plain, native in zip(plain_steps, native_steps, strict=True):
-        for a, b in zip(plain, native, strict=True):
-            assert torch.equal(a, b)
-    for a, b in zip(plain_cache.k + plain_cache.v, native_cache.k + native_cache.v, strict=True):
-        assert torch.equal(a, b)
+    assert_same_bits(*runs[False], *runs[True])
 
 
 def test_long_chunks_and_float32_models_keep_the_layer_by_layer_path(folder, monkeypatch):

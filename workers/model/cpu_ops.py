@@ -77,7 +77,7 @@ def linear(
     rows = x.numel() // max(x.shape[-1], 1)
     n, k = weight.shape
     if dtype is torch.float32:
-        if rows not in F32_NATIVE_ROWS or not kernels.has_avx512f_linear():
+        if rows not in F32_NATIVE_ROWS:  # (_KERNELS is set only where linear_f32 has its AVX-512 panels)
             return _plain_linear(x, weight, bias, residual)
         native = kernels.linear_f32
     else:
