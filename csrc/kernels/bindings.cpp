@@ -58,14 +58,17 @@ void linear_f32(std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::ui
   ringserve::kernels::linear_f32({m, n, k}, xs, ws, bs, ys, path, threads, rs);
 }
 
+// Which paged attention kernel a binding runs (kernels/cpu_attention.h).
+enum class Attention { kDecode, kChunk, kStep };
+
 // The tensors' layouts are described in kernels/cpu_attention.h; sizes are in values, not bytes.
-void paged_decode_attention(bool bf16, std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache,
-                            std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t cu_seqlens_q,
-                            std::uintptr_t seq_ids, std::uintptr_t out, std::size_t num_q_rows,
-                            std::size_t q_row_stride, std::size_t num_heads, std::size_t num_kv_heads,
-                            std::size_t head_dim, std::size_t num_blocks, std::size_t block_size,
-                            std::size_t num_seqs, std::size_t table_stride, std::size_t num_decode, float scale,
-                            int threads) {
+template <Attention kKind>
+void paged_attention(bool bf16, std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache,
+                     std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t cu_seqlens_q,
+                     std::uintptr_t seq_ids, std::uintptr_t out, std::size_t num_q_rows, std::size_t q_row_stride,
+                     std::size_t num_heads, std::size_t num_kv_heads, std::size_t head_dim, std::size_t num_blocks,
+                     std::size_t block_size, std::size_t num_seqs, std::size_t table_stride, std::size_t num_ids,
+                     float scale, int threads) {
   namespace k = ringserve::kernels;
   const k::PagedDecodeShape shape{num_q_rows, q_row_stride, num_heads,  num_kv_heads,
                                   head_dim,   num_blocks,   block_size, num_seqs,     table_stride};
@@ -75,16 +78,18 @@ void paged_decode_attention(bool bf16, std::uintptr_t q, std::uintptr_t k_cache,
   const k::PagedDecodeIndex index{view<const int32_t>(block_tables, num_seqs * table_stride),
                                   view<const int32_t>(seq_lens, num_seqs),
                                   view<const int32_t>(cu_seqlens_q, num_seqs + 1),
-                                  view<const int32_t>(seq_ids, num_decode)};
+                                  view<const int32_t>(seq_ids, num_ids)};
+  const auto run = [&](auto tag, auto decode, auto chunk, auto step) {
+    using T = decltype(tag);
+    const auto fn = kKind == Attention::kDecode ? decode : kKind == Attention::kChunk ? chunk : step;
+    fn(shape, index, view<const T>(q, q_size), view<const T>(k_cache, cache_size), view<const T>(v_cache, cache_size),
+       view<T>(out, out_size), scale, threads);
+  };
   py::gil_scoped_release release;
   if (bf16) {
-    k::paged_decode_attention_bf16(shape, index, view<const bf16_bits>(q, q_size),
-                                   view<const bf16_bits>(k_cache, cache_size),
-                                   view<const bf16_bits>(v_cache, cache_size), view<bf16_bits>(out, out_size), scale,
-                                   threads);
+    run(bf16_bits{}, k::paged_decode_attention_bf16, k::paged_chunk_attention_bf16, k::paged_attention_bf16);
   } else {
-    k::paged_decode_attention_f32(shape, index, view<const float>(q, q_size), view<const float>(k_cache, cache_size),
-                                  view<const float>(v_cache, cache_size), view<float>(out, out_size), scale, threads);
+    run(float{}, k::paged_decode_attention_f32, k::paged_chunk_attention_f32, k::paged_attention_f32);
   }
 }
 
@@ -180,18 +185,20 @@ std::unique_ptr<ringserve::kernels::DecoderBf16> make_decoder(
 
 void decoder_decode(ringserve::kernels::DecoderBf16& decoder, std::uintptr_t hidden, std::uintptr_t normed,
                     std::uintptr_t positions, std::uintptr_t slots, std::uintptr_t cos_sin,
-                    std::uintptr_t block_tables, std::uintptr_t seq_lens, std::size_t rows, std::size_t table_stride,
-                    int threads) {
+                    std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t cu_seqlens_q,
+                    std::size_t rows, std::size_t num_seqs, std::size_t table_stride, int threads) {
   const auto& d = decoder.dims();
   const ringserve::kernels::DecodeStepBf16 step{
       rows,
+      num_seqs,
       view<bf16_bits>(hidden, rows * d.hidden),
       view<bf16_bits>(normed, rows * d.hidden),
       view<const int64_t>(positions, rows),
       view<const int64_t>(slots, rows),
       view<const float>(cos_sin, 2 * d.max_position * d.head_dim),
-      view<const int32_t>(block_tables, rows * table_stride),
-      view<const int32_t>(seq_lens, rows),
+      view<const int32_t>(block_tables, num_seqs * table_stride),
+      view<const int32_t>(seq_lens, num_seqs),
+      view<const int32_t>(cu_seqlens_q, num_seqs + 1),
       table_stride};
   py::gil_scoped_release release;
   decoder.decode(step, threads);
@@ -216,13 +223,25 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("residual") = 0,
         "linear_bf16 for contiguous float32 memory: float32 weight panels (AVX-512F/BW CPUs; see has_avx512f_linear), "
         "else portable loops (force_portable picks those for tests).");
-  m.def("paged_decode_attention", &paged_decode_attention, py::arg("bf16"), py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("seq_ids"),
-        py::arg("out"), py::arg("num_q_rows"), py::arg("q_row_stride"), py::arg("num_heads"), py::arg("num_kv_heads"),
-        py::arg("head_dim"), py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"),
-        py::arg("table_stride"), py::arg("num_decode"), py::arg("scale"), py::arg("threads") = 1,
-        "Decode attention (one query per sequence) over the paged KV cache, read through the block tables; float32 "
-        "or bfloat16 (bf16=True) memory given by address. Raises ValueError on an out-of-range index or size.");
+  const auto attention_args = [](py::module_& mod, const char* name, auto fn, const char* doc) {
+    mod.def(name, fn, py::arg("bf16"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+            py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("seq_ids"), py::arg("out"), py::arg("num_q_rows"),
+            py::arg("q_row_stride"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+            py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"), py::arg("table_stride"),
+            py::arg("num_ids"), py::arg("scale"), py::arg("threads") = 1, doc);
+  };
+  attention_args(m, "paged_decode_attention", &paged_attention<Attention::kDecode>,
+                 "Decode attention (one query per listed sequence, at row cu_seqlens_q[seq]) over the paged KV cache, "
+                 "read through the block tables; float32 or bfloat16 (bf16=True) memory given by address. Raises "
+                 "ValueError on an out-of-range index or size.");
+  attention_args(m, "paged_chunk_attention", &paged_attention<Attention::kChunk>,
+                 "Causal attention of prefill chunks (rows cu_seqlens_q[seq] .. cu_seqlens_q[seq + 1] of each listed "
+                 "sequence, the last of its seq_lens[seq] positions) over the paged KV cache; as paged_decode_attention.");
+  attention_args(m, "paged_attention", &paged_attention<Attention::kStep>,
+                 "A step's causal attention by its own index: listed sequences with one query row take the decode "
+                 "kernel, those with more the chunk kernel.");
+  m.def("chunk_attention_vectorized", &ringserve::kernels::paged_chunk_attention_is_vectorized, py::arg("head_dim"),
+        "True when chunks of this head size run the AVX-512 tiles here (else portable loops, slower than SDPA).");
   m.def("rms_norm", &rms_norm, py::arg("bf16"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
         py::arg("dim"), py::arg("eps"), py::arg("threads") = 1,
         "out[rows, dim] = weight * (x * rsqrt(mean(x^2) + eps)) as Hugging Face's LlamaRMSNorm computes it, on "
@@ -254,10 +273,11 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("final_norm"))
       .def_property_readonly("num_layers", &ringserve::kernels::DecoderBf16::num_layers)
       .def("decode", &decoder_decode, py::arg("hidden"), py::arg("normed"), py::arg("positions"), py::arg("slots"),
-           py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("rows"), py::arg("table_stride"),
-           py::arg("threads") = 1,
-           "One decode step of `rows` sequences (one new token each): hidden [rows, hidden] (bf16) holds the "
-           "embeddings in and the last layer's output out, normed gets its final RMSNorm; positions and slots are "
-           "int64 [rows], cos_sin the float32 RoPE table, block_tables int32 [rows, table_stride], seq_lens int32 "
-           "[rows]. Raises ValueError on anything out of range, before writing.");
+           py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("rows"),
+           py::arg("num_seqs"), py::arg("table_stride"), py::arg("threads") = 1,
+           "One step of `rows` new tokens of `num_seqs` sequences (decode rows and prefill chunks): hidden "
+           "[rows, hidden] (bf16) holds the embeddings in and the last layer's output out, normed gets its final "
+           "RMSNorm; positions and slots are int64 [rows], cos_sin the float32 RoPE table, block_tables int32 "
+           "[num_seqs, table_stride], seq_lens int32 [num_seqs], cu_seqlens_q int32 [num_seqs + 1]. Raises "
+           "ValueError on anything out of range, before writing.");
 }

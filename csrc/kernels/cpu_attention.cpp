@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace ringserve::kernels {
@@ -105,17 +106,6 @@ void attend_scalar(const Job<T>& job, std::size_t seq, std::size_t kv_head) {
     T* out = job.out + (row * s.num_heads + kv_head * group + h) * hd;
     for (std::size_t d = 0; d < hd; ++d) store_scalar(out + d, acc[d] / sum);
   }
-}
-
-// Sum of the 16 lanes by halving (no _mm512_reduce_add_ps: see horizontal_sum in cpu_linear.cpp).
-__attribute__((target("avx512f"))) inline float sum16(__m512 v) {
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  const __m256 s8 = _mm256_add_ps(lo, hi);
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-  return _mm_cvtss_f32(s4);
 }
 
 // AVX-512 path (head_dim a multiple of 16), one whole sequence: each token row of K and V (every KV head, contiguous
@@ -399,42 +389,66 @@ constexpr const char* kOp = "paged_decode_attention";
 
 void check(bool ok, const std::string& what) { require(ok, kOp, what); }
 
-// Everything a call will read is checked before anything is computed, so a bad table never reads out of bounds.
-void validate(const PagedDecodeShape& s, const PagedDecodeIndex& index, std::size_t q_size, std::size_t k_size,
-              std::size_t v_size, std::size_t out_size) {
-  check(s.num_heads > 0 && s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0,
-        "num_heads must be a positive multiple of num_kv_heads");
-  check(s.head_dim > 0 && s.block_size > 0, "head_dim and block_size must be positive");
-  check(s.q_row_stride >= s.num_heads * s.head_dim, "q_row_stride is shorter than a row");
-  require_size(kOp, "q", q_size, s.num_q_rows == 0 ? 0 : (s.num_q_rows - 1) * s.q_row_stride + s.num_heads * s.head_dim);
-  require_size(kOp, "out", out_size, s.num_q_rows * s.num_heads * s.head_dim);
-  require_size(kOp, "k_cache", k_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
-  require_size(kOp, "v_cache", v_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
-  check_paged_decode_index(s, index);
+}  // namespace
+
+namespace {
+
+// The lengths and block ids of the sequences in `index` (what every kernel here reads through the block tables).
+void check_sequences(const char* op, const PagedDecodeShape& s, const PagedDecodeIndex& index) {
+  require(s.block_size > 0, op, "block_size must be positive");
+  require_size(op, "block_tables", index.block_tables.size(), s.num_seqs * s.table_stride);
+  require_size(op, "seq_lens", index.seq_lens.size(), s.num_seqs);
+  require_size(op, "cu_seqlens_q", index.cu_seqlens_q.size(), s.num_seqs + 1);
+  for (const int32_t seq : index.seq_ids) {
+    require(seq >= 0 && static_cast<std::size_t>(seq) < s.num_seqs, op,
+            "sequence id " + std::to_string(seq) + " out of range");
+    const auto i = static_cast<std::size_t>(seq);
+    const int32_t len = index.seq_lens[i];
+    require(len >= 1 && static_cast<std::size_t>(len) <= s.table_stride * s.block_size, op,
+            "sequence length " + std::to_string(len) + " does not fit its block table");
+    const std::size_t blocks = (static_cast<std::size_t>(len) + s.block_size - 1) / s.block_size;
+    for (std::size_t b = 0; b < blocks; ++b) {
+      const int32_t block = index.block_tables[i * s.table_stride + b];
+      require(block >= 0 && static_cast<std::size_t>(block) < s.num_blocks, op,
+              "block id " + std::to_string(block) + " out of range");
+    }
+  }
 }
 
 }  // namespace
 
 void check_paged_decode_index(const PagedDecodeShape& s, const PagedDecodeIndex& index) {
-  check(s.block_size > 0, "block_size must be positive");
-  require_size(kOp, "block_tables", index.block_tables.size(), s.num_seqs * s.table_stride);
-  require_size(kOp, "seq_lens", index.seq_lens.size(), s.num_seqs);
-  require_size(kOp, "cu_seqlens_q", index.cu_seqlens_q.size(), s.num_seqs + 1);
+  check_sequences(kOp, s, index);
   for (const int32_t seq : index.seq_ids) {
-    check(seq >= 0 && static_cast<std::size_t>(seq) < s.num_seqs, "sequence id " + std::to_string(seq) +
-                                                                      " out of range");
-    const auto i = static_cast<std::size_t>(seq);
-    const int32_t row = index.cu_seqlens_q[i], len = index.seq_lens[i];
+    const int32_t row = index.cu_seqlens_q[static_cast<std::size_t>(seq)];
     check(row >= 0 && static_cast<std::size_t>(row) < s.num_q_rows, "query row out of range");
-    check(len >= 1 && static_cast<std::size_t>(len) <= s.table_stride * s.block_size,
-          "sequence length " + std::to_string(len) + " does not fit its block table");
-    const std::size_t blocks = (static_cast<std::size_t>(len) + s.block_size - 1) / s.block_size;
-    for (std::size_t b = 0; b < blocks; ++b) {
-      const int32_t block = index.block_tables[i * s.table_stride + b];
-      check(block >= 0 && static_cast<std::size_t>(block) < s.num_blocks,
-            "block id " + std::to_string(block) + " out of range");
-    }
   }
+}
+
+void check_paged_chunk_index(const PagedDecodeShape& s, const PagedDecodeIndex& index) {
+  constexpr const char* op = "paged_chunk_attention";
+  check_sequences(op, s, index);
+  for (const int32_t seq : index.seq_ids) {
+    const auto i = static_cast<std::size_t>(seq);
+    const int32_t begin = index.cu_seqlens_q[i], end = index.cu_seqlens_q[i + 1];
+    require(begin >= 0 && end > begin && static_cast<std::size_t>(end) <= s.num_q_rows, op,
+            "query rows of sequence " + std::to_string(seq) + " out of range");
+    require(end - begin <= index.seq_lens[i], op,
+            "sequence " + std::to_string(seq) + " has more query rows than positions");
+  }
+}
+
+// Everything a call will read is checked before anything is computed, so a bad table never reads out of bounds.
+void check_paged_attention_sizes(const char* op, const PagedDecodeShape& s, std::size_t q_size, std::size_t k_size,
+                                 std::size_t v_size, std::size_t out_size) {
+  require(s.num_heads > 0 && s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, op,
+          "num_heads must be a positive multiple of num_kv_heads");
+  require(s.head_dim > 0 && s.block_size > 0, op, "head_dim and block_size must be positive");
+  require(s.q_row_stride >= s.num_heads * s.head_dim, op, "q_row_stride is shorter than a row");
+  require_size(op, "q", q_size, s.num_q_rows == 0 ? 0 : (s.num_q_rows - 1) * s.q_row_stride + s.num_heads * s.head_dim);
+  require_size(op, "out", out_size, s.num_q_rows * s.num_heads * s.head_dim);
+  require_size(op, "k_cache", k_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
+  require_size(op, "v_cache", v_size, s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim);
 }
 
 namespace {
@@ -443,7 +457,8 @@ template <class T>
 void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const T> q,
          std::span<const T> k_cache, std::span<const T> v_cache, std::span<T> out, float scale,
          int threads) {
-  validate(shape, index, q.size(), k_cache.size(), v_cache.size(), out.size());
+  check_paged_attention_sizes(kOp, shape, q.size(), k_cache.size(), v_cache.size(), out.size());
+  check_paged_decode_index(shape, index);
   const Job<T> job{shape, index, q.data(), k_cache.data(), v_cache.data(), out.data(), scale};
   const bool vector = has_avx512f() && shape.head_dim % kLanes == 0;
   const std::size_t items = index.seq_ids.size();
@@ -495,6 +510,57 @@ void paged_decode_attention_bf16(const PagedDecodeShape& shape, const PagedDecod
                                  std::span<const bf16_bits> v_cache, std::span<bf16_bits> out, float scale,
                                  int threads) {
   run(shape, index, q, k_cache, v_cache, out, scale, threads);
+}
+
+namespace {
+
+// The step's sequences split by query rows (one: decode; more: chunk), each list checked; the lists are the calling
+// thread's own, valid until its next call.
+std::pair<PagedDecodeIndex, PagedDecodeIndex> split_step(const PagedDecodeShape& shape, const PagedDecodeIndex& index) {
+  constexpr const char* op = "paged_attention";
+  require_size(op, "cu_seqlens_q", index.cu_seqlens_q.size(), shape.num_seqs + 1);
+  thread_local std::vector<int32_t> decodes, chunks;
+  decodes.clear();
+  chunks.clear();
+  for (const int32_t seq : index.seq_ids) {
+    require(seq >= 0 && static_cast<std::size_t>(seq) < shape.num_seqs, op,
+            "sequence id " + std::to_string(seq) + " out of range");
+    const auto i = static_cast<std::size_t>(seq);
+    (index.cu_seqlens_q[i + 1] - index.cu_seqlens_q[i] == 1 ? decodes : chunks).push_back(seq);
+  }
+  const PagedDecodeIndex decode_index{index.block_tables, index.seq_lens, index.cu_seqlens_q, decodes};
+  const PagedDecodeIndex chunk_index{index.block_tables, index.seq_lens, index.cu_seqlens_q, chunks};
+  check_paged_decode_index(shape, decode_index);
+  check_paged_chunk_index(shape, chunk_index);
+  return {decode_index, chunk_index};
+}
+
+template <class T, class Decode, class Chunk>
+void attend_step(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const T> q,
+                 std::span<const T> k_cache, std::span<const T> v_cache, std::span<T> out, float scale, int threads,
+                 Decode&& decode, Chunk&& chunk) {
+  check_paged_attention_sizes("paged_attention", shape, q.size(), k_cache.size(), v_cache.size(), out.size());
+  const auto [decodes, chunks] = split_step(shape, index);
+  if (!decodes.seq_ids.empty()) decode(shape, decodes, q, k_cache, v_cache, out, scale, threads);
+  if (!chunks.seq_ids.empty()) chunk(shape, chunks, q, k_cache, v_cache, out, scale, threads);
+}
+
+}  // namespace
+
+void check_paged_step_index(const PagedDecodeShape& shape, const PagedDecodeIndex& index) { split_step(shape, index); }
+
+void paged_attention_f32(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const float> q,
+                         std::span<const float> k_cache, std::span<const float> v_cache, std::span<float> out,
+                         float scale, int threads) {
+  attend_step(shape, index, q, k_cache, v_cache, out, scale, threads, paged_decode_attention_f32,
+              paged_chunk_attention_f32);
+}
+
+void paged_attention_bf16(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const bf16_bits> q,
+                          std::span<const bf16_bits> k_cache, std::span<const bf16_bits> v_cache,
+                          std::span<bf16_bits> out, float scale, int threads) {
+  attend_step(shape, index, q, k_cache, v_cache, out, scale, threads, paged_decode_attention_bf16,
+              paged_chunk_attention_bf16);
 }
 
 }  // namespace ringserve::kernels

@@ -61,6 +61,12 @@ void DecoderBf16::check_step(const DecodeStepBf16& step) const {
   check_size("", "positions", step.positions.size(), rows);
   check_size("", "slots", step.slots.size(), rows);
   check_size("", "cos_sin", step.cos_sin.size(), 2 * d.max_position * d.head_dim);
+  check_size("", "cu_seqlens_q", step.cu_seqlens_q.size(), step.num_seqs + 1);
+  check(step.cu_seqlens_q[0] == 0 && static_cast<std::size_t>(step.cu_seqlens_q[step.num_seqs]) == rows,
+        "cu_seqlens_q must run from 0 to rows");
+  for (std::size_t i = 0; i < step.num_seqs; ++i) {
+    check(step.cu_seqlens_q[i + 1] >= step.cu_seqlens_q[i], "cu_seqlens_q must not decrease");
+  }
   const std::size_t cache_slots = d.num_blocks * d.block_size;
   for (std::size_t r = 0; r < rows; ++r) {
     const int64_t position = step.positions[r];
@@ -72,25 +78,25 @@ void DecoderBf16::check_step(const DecodeStepBf16& step) const {
   }
 }
 
-void DecoderBf16::grow_scratch(std::size_t rows) {
+void DecoderBf16::grow_scratch(std::size_t rows, std::size_t num_seqs) {
   const DecoderDims& d = dims_;
+  if (sequence_ids_.size() < num_seqs) {
+    sequence_ids_.resize(num_seqs);
+    for (std::size_t i = 0; i < num_seqs; ++i) sequence_ids_[i] = static_cast<int32_t>(i);
+  }
   if (normed_.size() >= rows * d.hidden) return;
   normed_.resize(rows * d.hidden);
   qkv_.resize(rows * d.qkv_features());
   attention_.resize(rows * d.num_heads * d.head_dim);
   gate_up_.resize(rows * 2 * d.intermediate);
   activated_.resize(rows * d.intermediate);
-  query_starts_.resize(rows + 1);
-  sequence_ids_.resize(rows);
-  for (std::size_t r = 0; r <= rows; ++r) query_starts_[r] = static_cast<int32_t>(r);
-  for (std::size_t r = 0; r < rows; ++r) sequence_ids_[r] = static_cast<int32_t>(r);
 }
 
 void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
   check_step(step);
   const std::size_t rows = step.rows;
   if (rows == 0) return;
-  grow_scratch(rows);
+  grow_scratch(rows, step.num_seqs);
   const DecoderDims& d = dims_;
   const std::size_t qkv_n = d.qkv_features();
   const std::size_t attention_n = d.num_heads * d.head_dim;
@@ -112,11 +118,11 @@ void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
   const auto keys = std::as_bytes(all_qkv.subspan(attention_n, kv_span));
   const auto values = std::as_bytes(all_qkv.subspan(attention_n + kv_n, kv_span));
   const PagedDecodeShape attend{rows, qkv_n, d.num_heads, d.num_kv_heads, d.head_dim, d.num_blocks, d.block_size,
-                                rows, step.table_stride};
-  const PagedDecodeIndex index{step.block_tables, step.seq_lens, first(query_starts_, rows + 1),
-                               first(sequence_ids_, rows)};
+                                step.num_seqs, step.table_stride};
+  const PagedDecodeIndex index{step.block_tables, step.seq_lens, step.cu_seqlens_q, first(sequence_ids_, step.num_seqs)};
   const std::span<const bf16_bits> queries = all_qkv.first((rows - 1) * qkv_n + attention_n);
-  check_paged_decode_index(attend, index);  // lengths and block ids, before the first layer writes its KV
+  // Lengths, rows and block ids, before the first layer writes its KV (each layer's call checks them again: cheap).
+  check_paged_step_index(attend, index);
   constexpr LinearPath kFastest = LinearPath::kFastest;
 
   for (const DecoderLayerBf16& layer : layers_) {
@@ -126,8 +132,7 @@ void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
               step.cos_sin.first(table), step.cos_sin.subspan(table), threads);
     write_kv(kv_write, std::as_writable_bytes(layer.k_cache), std::as_writable_bytes(layer.v_cache), keys, values,
              step.slots);
-    paged_decode_attention_bf16(attend, index, queries, layer.k_cache, layer.v_cache, attention, d.attention_scale,
-                                threads);
+    paged_attention_bf16(attend, index, queries, layer.k_cache, layer.v_cache, attention, d.attention_scale, threads);
     // The residual add is folded into the projection (y may alias the residual).
     linear_bf16({rows, d.hidden, attention_n}, attention, layer.o_weight, {}, x, kFastest, threads, x);
     rms_norm_bf16(rows, d.hidden, x, layer.post_norm, normed, d.rms_eps, threads);

@@ -7,10 +7,10 @@
 // so its output is bit-identical to the Python path's, then the final RMSNorm. Weights and caches are borrowed
 // (the Python model owns them and keeps them alive); working memory is owned and kept between calls.
 //
-// Every row is one query of the paged attention with its own block-table row and length, so a step may also carry
-// short prefill chunks: the caller gives each of a chunk's rows its sequence's table and its causal length (the
-// workers do so for chunks the Python path also sends to the paged kernel; see workers/attention/metadata.py). All
-// rows' K and V are written before any row attends, so a chunk's rows see each other.
+// A step may carry prefill chunks as well as decode rows: it is given by the step's own index (each sequence's query
+// rows, length and block table), and each layer's attention runs the paged decode kernel for one-row sequences and
+// the causal chunk kernel for the others (paged_attention_bf16). All rows' K and V are written before any row
+// attends, so a chunk's rows see each other.
 #pragma once
 
 #include <cstddef>
@@ -52,16 +52,18 @@ struct DecoderLayerBf16 {
   std::span<bf16_bits> v_cache;
 };
 
-// One decode step: `rows` sequences, one new token each (row r is sequence r of the index).
+// One step: `rows` new tokens of `num_seqs` sequences; sequence i owns rows [cu_seqlens_q[i], cu_seqlens_q[i + 1]).
 struct DecodeStepBf16 {
   std::size_t rows = 0;
+  std::size_t num_seqs = 0;
   std::span<bf16_bits> hidden;              // [rows, hidden]: the embeddings in, the last layer's output out
   std::span<bf16_bits> normed;              // [rows, hidden]: the final RMSNorm of `hidden`
   std::span<const int64_t> positions;       // [rows]
   std::span<const int64_t> slots;           // [rows]: flat cache slot of each new token
   std::span<const float> cos_sin;           // [2, max_position, head_dim]
-  std::span<const int32_t> block_tables;    // [rows, table_stride]
-  std::span<const int32_t> seq_lens;        // [rows]: context length including the new token
+  std::span<const int32_t> block_tables;    // [num_seqs, table_stride]
+  std::span<const int32_t> seq_lens;        // [num_seqs]: context length including the new tokens
+  std::span<const int32_t> cu_seqlens_q;    // [num_seqs + 1]: 0, ..., rows, non-decreasing
   std::size_t table_stride = 0;
 };
 
@@ -80,7 +82,7 @@ class DecoderBf16 {
 
  private:
   void check_step(const DecodeStepBf16& step) const;
-  void grow_scratch(std::size_t rows);
+  void grow_scratch(std::size_t rows, std::size_t num_seqs);
 
   DecoderDims dims_;
   std::vector<DecoderLayerBf16> layers_;
@@ -91,8 +93,7 @@ class DecoderBf16 {
   std::vector<bf16_bits> attention_;  // [rows, num_heads * head_dim]
   std::vector<bf16_bits> gate_up_;    // [rows, 2 * intermediate]
   std::vector<bf16_bits> activated_;  // [rows, intermediate]
-  std::vector<int32_t> query_starts_;  // [rows + 1]: 0, 1, ..., rows
-  std::vector<int32_t> sequence_ids_;  // [rows]: 0, 1, ..., rows - 1
+  std::vector<int32_t> sequence_ids_;  // [num_seqs]: 0, 1, ..., num_seqs - 1
 };
 
 }  // namespace ringserve::kernels

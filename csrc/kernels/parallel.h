@@ -26,4 +26,19 @@ void for_each_item(std::size_t count, [[maybe_unused]] int threads, [[maybe_unus
   for (std::size_t i = 0; i < count; ++i) fn(i);
 }
 
+// The same with items handed out one at a time as threads free up (items of unequal cost; put the costliest first).
+template <class Fn>
+void for_each_item_dynamic(std::size_t count, [[maybe_unused]] int threads, [[maybe_unused]] bool worth_splitting,
+                           Fn&& fn) {
+#ifdef _OPENMP
+  if (worth_splitting && threads >= 2 && count >= 2) {
+    const auto n = static_cast<long>(count);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long i = 0; i < n; ++i) fn(static_cast<std::size_t>(i));
+    return;
+  }
+#endif
+  for (std::size_t i = 0; i < count; ++i) fn(i);
+}
+
 }  // namespace ringserve::kernels

@@ -45,6 +45,22 @@ __attribute__((target("avx512f"))) inline __m512 round16(__m512 v, bf16_bits /*t
   return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
 }
 
+// The 16 lanes' sum (kMax false) or maximum, by halving: 8 with 8, 4 with 4, 2 with 2, 1 with 1 (no
+// _mm512_reduce_*_ps: GCC 12 flags their undefined-vector operands, as in load16).
+template <bool kMax>
+__attribute__((target("avx512f"))) inline float reduce16(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 half = kMax ? _mm256_max_ps(lo, hi) : _mm256_add_ps(lo, hi);
+  const __m128 a = _mm256_castps256_ps128(half), b = _mm256_extractf128_ps(half, 1);
+  __m128 r = kMax ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
+  r = kMax ? _mm_max_ps(r, _mm_movehl_ps(r, r)) : _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = kMax ? _mm_max_ss(r, _mm_movehdup_ps(r)) : _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+__attribute__((target("avx512f"))) inline float sum16(__m512 v) { return reduce16<false>(v); }
+__attribute__((target("avx512f"))) inline float max16(__m512 v) { return reduce16<true>(v); }
+
 // e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
 // (relative error ~1e-7, below float32's), times 2^n by scalef. Arguments below -87 give 0.
 __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {

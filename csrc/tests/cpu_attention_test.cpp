@@ -1,5 +1,6 @@
-// The paged decode-attention kernel against a float64 reference: float32 and bf16, grouped-query heads, head sizes
-// on the AVX-512 path and off it, shuffled block tables, a subset of the sequences, strided queries, and refusal of
+// The paged decode- and chunk-attention kernels against a float64 reference: float32 and bf16, grouped-query heads,
+// head sizes on the AVX-512 path and off it, shuffled block tables, a subset of the sequences, strided queries, causal
+// chunks with and without cached context (and whole steps mixing them with decode rows), and refusal of
 // out-of-range indices before anything is written.
 #include <algorithm>
 #include <cmath>
@@ -19,6 +20,7 @@ struct Case {
   std::size_t heads, kv_heads, head_dim, block_size;
   std::vector<int32_t> lens;
   std::size_t q_row_stride = 0;  // 0: contiguous
+  std::vector<int32_t> q_lens{};   // query rows of each sequence (the last of its positions); empty: one each
 };
 
 struct Data {
@@ -38,13 +40,16 @@ Data make(const Case& c, std::mt19937& gen) {
   }
   blocks += 2;  // spare blocks nobody owns
   const std::size_t stride = c.q_row_stride ? c.q_row_stride : c.heads * c.head_dim;
-  d.shape = {seqs, stride, c.heads, c.kv_heads, c.head_dim, blocks, c.block_size, seqs, table_stride};
+  d.cu.assign(seqs + 1, 0);
+  for (std::size_t s = 0; s < seqs; ++s) d.cu[s + 1] = d.cu[s] + (c.q_lens.empty() ? 1 : c.q_lens[s]);
+  const auto rows = static_cast<std::size_t>(d.cu[seqs]);
+  d.shape = {rows, stride, c.heads, c.kv_heads, c.head_dim, blocks, c.block_size, seqs, table_stride};
   std::normal_distribution<float> normal;
   auto fill = [&](std::vector<float>& x, std::size_t n) {
     x.resize(n);
     for (auto& value : x) value = normal(gen);
   };
-  fill(d.q, (seqs - 1) * stride + c.heads * c.head_dim);
+  fill(d.q, (rows - 1) * stride + c.heads * c.head_dim);
   fill(d.k, blocks * c.block_size * c.kv_heads * c.head_dim);
   fill(d.v, blocks * c.block_size * c.kv_heads * c.head_dim);
   std::vector<int32_t> pool(blocks);
@@ -57,16 +62,16 @@ Data make(const Case& c, std::mt19937& gen) {
     for (std::size_t b = 0; b < need; ++b) d.tables[s * table_stride + b] = pool[next++];
   }
   d.lens = c.lens;
-  d.cu.resize(seqs + 1);
-  std::iota(d.cu.begin(), d.cu.end(), 0);
   return d;
 }
 
-// out[row, head, :] for one sequence, in float64.
-std::vector<double> reference(const Data& d, std::size_t seq, std::size_t head, float scale) {
+// out[row, head, :] for query row `r` of a sequence (causal: it sees its own position and those before), in float64.
+std::vector<double> reference(const Data& d, std::size_t seq, std::size_t head, float scale, std::size_t r = 0) {
   const auto& s = d.shape;
-  const std::size_t kv_head = head / (s.num_heads / s.num_kv_heads), len = static_cast<std::size_t>(d.lens[seq]);
-  const float* q = d.q.data() + static_cast<std::size_t>(d.cu[seq]) * s.q_row_stride + head * s.head_dim;
+  const auto q_len = static_cast<std::size_t>(d.cu[seq + 1] - d.cu[seq]);
+  const std::size_t kv_head = head / (s.num_heads / s.num_kv_heads);
+  const std::size_t len = static_cast<std::size_t>(d.lens[seq]) - q_len + r + 1;
+  const float* q = d.q.data() + (static_cast<std::size_t>(d.cu[seq]) + r) * s.q_row_stride + head * s.head_dim;
   std::vector<double> scores(len), out(s.head_dim, 0.0);
   auto at = [&](const std::vector<float>& cache, std::size_t pos) {
     const auto block = static_cast<std::size_t>(d.tables[seq * s.table_stride + pos / s.block_size]);
@@ -85,7 +90,11 @@ std::vector<double> reference(const Data& d, std::size_t seq, std::size_t head, 
   return out;
 }
 
-void check_case(const Case& c, int threads) {
+enum class Kernel { kDecode, kChunk, kStep };
+
+// Runs `kernel` in float32 and bf16 on every other sequence (or all, for whole steps) and checks each listed row
+// against the reference and each other row untouched.
+void check_case(const Case& c, int threads, Kernel kernel = Kernel::kDecode) {
   std::mt19937 gen(static_cast<unsigned>(c.heads * 131 + c.head_dim * 7 + c.lens.size()));
   Data d = make(c, gen);
   // Inputs rounded to bf16 values, so the float32 and bf16 runs and the reference all see the same numbers.
@@ -96,26 +105,37 @@ void check_case(const Case& c, int threads) {
   round(d.q, qb);
   round(d.k, kb);
   round(d.v, vb);
-  // Every other sequence: the rest stand for prefill chunks, whose rows the kernel must leave alone.
-  for (std::size_t s = 0; s < c.lens.size(); s += 2) d.ids.push_back(static_cast<int32_t>(s));
+  // Every other sequence: the rest stand for sequences another kernel computes, whose rows must be left alone.
+  const std::size_t every = kernel == Kernel::kStep ? 1 : 2;
+  for (std::size_t s = 0; s < c.lens.size(); s += every) d.ids.push_back(static_cast<int32_t>(s));
   const PagedDecodeIndex index{d.tables, d.lens, d.cu, d.ids};
   const float scale = 1.0F / std::sqrt(static_cast<float>(c.head_dim));
   const std::size_t row = c.heads * c.head_dim;
-  std::vector<float> out(c.lens.size() * row, NAN);
+  std::vector<float> out(d.shape.num_q_rows * row, NAN);
   std::vector<bf16_bits> outb(out.size(), 0xffff);
-  paged_decode_attention_f32(d.shape, index, d.q, d.k, d.v, out, scale, threads);
-  paged_decode_attention_bf16(d.shape, index, qb, kb, vb, outb, scale, threads);
+  if (kernel == Kernel::kDecode) {
+    paged_decode_attention_f32(d.shape, index, d.q, d.k, d.v, out, scale, threads);
+    paged_decode_attention_bf16(d.shape, index, qb, kb, vb, outb, scale, threads);
+  } else if (kernel == Kernel::kChunk) {
+    paged_chunk_attention_f32(d.shape, index, d.q, d.k, d.v, out, scale, threads);
+    paged_chunk_attention_bf16(d.shape, index, qb, kb, vb, outb, scale, threads);
+  } else {
+    paged_attention_f32(d.shape, index, d.q, d.k, d.v, out, scale, threads);
+    paged_attention_bf16(d.shape, index, qb, kb, vb, outb, scale, threads);
+  }
   for (std::size_t s = 0; s < c.lens.size(); ++s) {
-    for (std::size_t h = 0; h < c.heads; ++h) {
-      const std::size_t at = s * row + h * c.head_dim;
-      if (s % 2 != 0) {
-        for (std::size_t i = 0; i < c.head_dim; ++i) CHECK(std::isnan(out[at + i]) && outb[at + i] == 0xffff);
-        continue;
-      }
-      const auto ref = reference(d, s, h, scale);
-      for (std::size_t i = 0; i < c.head_dim; ++i) {
-        CHECK(std::abs(out[at + i] - ref[i]) < 2e-5);
-        CHECK(std::abs(bf16_to_float(outb[at + i]) - ref[i]) <= std::abs(ref[i]) / 128.0 + 1e-5);  // output rounding
+    for (auto r = static_cast<std::size_t>(d.cu[s]); r < static_cast<std::size_t>(d.cu[s + 1]); ++r) {
+      for (std::size_t h = 0; h < c.heads; ++h) {
+        const std::size_t at = r * row + h * c.head_dim;
+        if (s % every != 0) {
+          for (std::size_t i = 0; i < c.head_dim; ++i) CHECK(std::isnan(out[at + i]) && outb[at + i] == 0xffff);
+          continue;
+        }
+        const auto ref = reference(d, s, h, scale, r - static_cast<std::size_t>(d.cu[s]));
+        for (std::size_t i = 0; i < c.head_dim; ++i) {
+          CHECK(std::abs(out[at + i] - ref[i]) < 2e-5);
+          CHECK(std::abs(bf16_to_float(outb[at + i]) - ref[i]) <= std::abs(ref[i]) / 128.0 + 1e-5);  // output rounding
+        }
       }
     }
   }
@@ -136,6 +156,79 @@ TEST(float32_and_bf16_match_the_reference) {
     // Split by context positions, not sequence count: the long first sequence is one part of its own.
     check_case({9, 3, 64, 16, {2000, 3, 5, 900, 1, 1, 1, 40}}, threads);
   }
+}
+
+TEST(chunks_attend_causally_as_the_reference) {
+  for (int threads : {1, 2, 3}) {
+    // Fresh prompts (q_len = len), chunks deep into cached context, a one-row "chunk", tails not a multiple of 16.
+    check_case({9, 3, 64, 16, {5, 40, 17, 100, 300, 33}, 0, {5, 1, 17, 33, 64, 20}}, threads, Kernel::kChunk);
+    check_case({4, 4, 128, 8, {30, 300, 7}, 0, {7, 20, 7}}, threads, Kernel::kChunk);     // head_dim 128
+    check_case({8, 1, 64, 16, {700, 90}, 0, {40, 90}}, threads, Kernel::kChunk);           // a group of 8
+    check_case({6, 2, 24, 16, {50, 70, 18}, 0, {9, 70, 3}}, threads, Kernel::kChunk);       // off the vector path
+    check_case({9, 3, 64, 16, {20, 44, 61}, 15 * 64, {20, 4, 11}}, threads, Kernel::kChunk);  // strided queries
+    check_case({9, 3, 64, 4, {2040, 130}, 0, {16, 130}}, threads, Kernel::kChunk);         // deep, small blocks
+  }
+}
+
+// A chunk row's result depends on its own length only: the same bits whether its sequence's rows come as one prompt
+// or in chunks (tiled and split over context ranges differently) and whatever the thread count.
+TEST(chunk_rows_give_the_same_bits_however_the_prompt_is_chunked) {
+  std::mt19937 gen(9);
+  const std::vector<int32_t> lens{1300};
+  Data whole = make({9, 3, 64, 16, lens, 0, {1300}}, gen);
+  whole.ids = {0};
+  std::vector<float> all(whole.shape.num_q_rows * 9 * 64, NAN);
+  paged_chunk_attention_f32(whole.shape, {whole.tables, whole.lens, whole.cu, whole.ids}, whole.q, whole.k, whole.v,
+                            all, 0.125F, 1);
+  for (int threads : {1, 2, 3}) {
+    for (const auto& [begin, end] : {std::pair{0, 37}, {37, 600}, {600, 1290}, {1290, 1300}}) {
+      // The sequence's first `end` positions, of which rows [begin, end) are the chunk: its queries, same cache.
+      Data part = whole;
+      part.lens = {end};
+      part.cu = {0, end - begin};
+      part.shape.num_q_rows = static_cast<std::size_t>(end - begin);
+      part.q.assign(whole.q.begin() + begin * 9 * 64, whole.q.begin() + end * 9 * 64);
+      std::vector<float> out(part.q.size(), NAN);
+      paged_chunk_attention_f32(part.shape, {part.tables, part.lens, part.cu, part.ids}, part.q, part.k, part.v, out,
+                                0.125F, threads);
+      CHECK(std::equal(out.begin(), out.end(), all.begin() + begin * 9 * 64));
+    }
+  }
+}
+
+TEST(whole_steps_mix_decode_rows_and_chunks) {
+  for (int threads : {1, 2}) {
+    check_case({9, 3, 64, 16, {40, 7, 300, 1, 33, 600}, 0, {1, 7, 1, 1, 20, 256}}, threads, Kernel::kStep);
+    check_case({6, 2, 24, 16, {50, 8}, 0, {1, 8}}, threads, Kernel::kStep);
+  }
+}
+
+TEST(chunk_rows_out_of_range_are_refused_before_anything_is_written) {
+  std::mt19937 gen(5);
+  Data d = make({4, 2, 64, 4, {10, 6}, 0, {3, 6}}, gen);
+  d.ids = {0, 1};
+  std::vector<float> out(d.shape.num_q_rows * 4 * 64, NAN);
+  auto refused = [&] {
+    bool threw = false;
+    try {
+      paged_attention_f32(d.shape, {d.tables, d.lens, d.cu, d.ids}, d.q, d.k, d.v, out, 0.25F);
+    } catch (const std::invalid_argument&) {
+      threw = true;
+    }
+    CHECK(threw && std::all_of(out.begin(), out.end(), [](float x) { return std::isnan(x); }));
+  };
+  d.lens[1] = 5;  // six query rows, five positions
+  refused();
+  d.lens[1] = 6;
+  d.cu[2] = 10;  // rows past q
+  refused();
+  d.cu[2] = 9;
+  const int32_t saved = d.tables[0];
+  d.tables[0] = -1;  // the decode-free step still checks the chunk's blocks
+  refused();
+  d.tables[0] = saved;
+  paged_attention_f32(d.shape, {d.tables, d.lens, d.cu, d.ids}, d.q, d.k, d.v, out, 0.25F);
+  CHECK(std::none_of(out.begin(), out.end(), [](float x) { return std::isnan(x); }));
 }
 
 TEST(out_of_range_indices_are_refused_before_anything_is_written) {

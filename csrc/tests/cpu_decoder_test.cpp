@@ -167,6 +167,7 @@ struct Step {
   std::vector<int64_t> positions{4, 9, 0};
   std::vector<int32_t> seq_lens{5, 10, 1};
   std::vector<int32_t> tables{7, 2, 0, 1, 5, 11, 3, 0, 0};  // sequence 2's unused entries are padding
+  std::vector<int32_t> cu{0, 1, 2, 3};                       // one row per sequence
   std::vector<int64_t> slots;
   Bf16 hidden, normed;
 
@@ -184,7 +185,7 @@ struct Step {
   }
 
   DecodeStepBf16 view(const std::vector<float>& cos_sin) {
-    return {rows, hidden, normed, positions, slots, cos_sin, tables, seq_lens, stride};
+    return {rows, rows, hidden, normed, positions, slots, cos_sin, tables, seq_lens, cu, stride};
   }
 };
 

@@ -1,14 +1,13 @@
-"""The native CPU paged decode-attention kernel (csrc/kernels/cpu_attention.cpp) against a dense float64 reference
-and against the PyTorch gather path it replaces: float32 and bfloat16, grouped-query heads, the AVX-512 and portable
-head sizes, non-contiguous block tables, strided queries, decode rows mixed with short chunks (one query per row) and
-long ones (SDPA), both thread counts,
-and refusal of out-of-range indices."""
+"""The native CPU paged attention kernels (csrc/kernels/cpu_attention.cpp, cpu_chunk_attention.cpp) against a dense
+float64 reference and against the PyTorch gather path they replace: float32 and bfloat16, grouped-query heads, the
+AVX-512 and portable head sizes, non-contiguous block tables, strided queries, decode rows mixed with chunks (native
+up to NATIVE_MAX_CHUNK rows) and longer ones (SDPA), both thread counts, and refusal of out-of-range indices."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ringserve.workers.attention.metadata import PAGED_MAX_PAIRS, PAGED_MAX_QUERY_LEN
+from ringserve.workers.attention.metadata import NATIVE_MAX_CHUNK
 from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.model import cpu_ops
 
@@ -67,20 +66,27 @@ def test_bfloat16_decode_stays_close_to_the_reference() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_and_pytorch_paths_agree_in_a_mixed_step(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    # Short chunks (with and without a cached prefix, one of exactly PAGED_MAX_QUERY_LEN rows) between the decode
-    # rows go native, each row one query with its causal length; a longer chunk, or one over PAGED_MAX_PAIRS deep
-    # into its context, goes to SDPA either way.
-    longest, deep = PAGED_MAX_QUERY_LEN, PAGED_MAX_PAIRS // 20 + 1
+    # Chunks between the decode rows (fresh, with a cached prefix, deep into one, one of exactly NATIVE_MAX_CHUNK
+    # rows) go native where the chunk kernel has AVX-512 tiles for the head size; a longer one goes to SDPA either way.
+    longest = NATIVE_MAX_CHUNK
     step = paged_step([(1, 40), (5, 5), (1, 3), (4, 30), (longest + 1, longest + 20), (longest, longest + 7), (1, 64),
-                       (20, deep)], group=3, head_dim=64, dtype=dtype)  # fmt: skip
-    short, long, rows = step.metadata.paged_split()
-    assert (short, long) == ([0, 1, 2, 3, 5, 6], [4, 7]) and rows.ids.numel() == 1 + 5 + 1 + 4 + longest + 1
-    native, native_k, native_v = step.run(TorchSdpaBackend())
+                       (20, 1500)], group=3, head_dim=64, dtype=dtype)  # fmt: skip
+    chunks = cpu_ops.native_chunk_attention(64)
+    native, long, ids = step.metadata.paged_split(chunks)
+    assert (native, long) == (([0, 1, 2, 3, 5, 6, 7], [4]) if chunks else ([0, 2, 6], [1, 3, 4, 5, 7]))
+    assert ids.tolist() == native
+    native_out, native_k, native_v = step.run(TorchSdpaBackend())
     monkeypatch.setattr(cpu_ops, "_ATTENTION", None)
     torch_path, torch_k, torch_v = step.run(TorchSdpaBackend())
     atol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(native.float(), torch_path.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(native_out.float(), torch_path.float(), atol=atol, rtol=0)
     assert torch.equal(native_k, torch_k) and torch.equal(native_v, torch_v)
+
+
+def test_speculative_tree_chunks_stay_on_sdpa() -> None:
+    step = paged_step([(1, 40), (4, 30)], group=3, head_dim=64)
+    step.metadata.tree_masks = {1: torch.ones(4, 30, dtype=torch.bool).tril(26)}
+    assert step.metadata.paged_split(True)[:2] == ([0], [1])
 
 
 def test_queries_may_be_a_strided_view_of_a_fused_projection() -> None:
@@ -96,14 +102,14 @@ def test_queries_may_be_a_strided_view_of_a_fused_projection() -> None:
 
 
 def run_kernel(step: PagedStep, seqs: list[int], threads: int, tables: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               out: torch.Tensor | None = None, kernel: str = "paged_decode_attention") -> torch.Tensor:  # fmt: skip
     md = step.metadata
     tables = md.block_tables if tables is None else tables
     out = torch.full(step.q.shape, float("nan")) if out is None else out
     ids = torch.tensor(seqs, dtype=torch.int32)
     tokens, heads, head_dim = step.q.shape
     num_blocks, block_size, kv_heads, _ = step.k_cache.shape
-    cpu_ops._MODULE.paged_decode_attention(
+    getattr(cpu_ops._MODULE, kernel)(
         False, step.q.data_ptr(), step.k_cache.data_ptr(), step.v_cache.data_ptr(), tables.data_ptr(),
         md.seq_lens.data_ptr(), md.cu_seqlens_q.data_ptr(), ids.data_ptr(), out.data_ptr(), tokens, heads * head_dim,
         heads, kv_heads, head_dim, num_blocks, block_size, tables.shape[0], tables.shape[1], len(seqs), step.scale,
@@ -116,6 +122,23 @@ def test_two_threads_give_the_single_threaded_result() -> None:
     step = paged_step([(1, 300)] * 12, group=3, kv_heads=3, head_dim=64)
     seqs = list(range(12))
     assert torch.equal(run_kernel(step, seqs, threads=1), run_kernel(step, seqs, threads=2))
+    # Chunks: work items of one KV head and a tile of rows, handed out dynamically, each computed whole by one thread.
+    step = paged_step([(100, 100), (16, 900), (1, 50), (37, 37)], group=3, kv_heads=3, head_dim=64)
+    one = run_kernel(step, [0, 1, 2, 3], threads=1, kernel="paged_attention")
+    assert not torch.isnan(one).any()
+    assert torch.equal(one, run_kernel(step, [0, 1, 2, 3], threads=2, kernel="paged_attention"))
+
+
+def test_a_chunk_with_more_rows_than_positions_is_refused() -> None:
+    step = paged_step([(1, 40), (6, 20)], head_dim=64)
+    lens = step.metadata.seq_lens.clone()
+    step.metadata.seq_lens[1] = 5
+    out = torch.full(step.q.shape, float("nan"))
+    with pytest.raises(ValueError, match="more query rows than positions"):
+        run_kernel(step, [0, 1], threads=1, out=out, kernel="paged_attention")
+    assert torch.isnan(out).all()
+    step.metadata.seq_lens.copy_(lens)
+    assert not torch.isnan(run_kernel(step, [0, 1], threads=1, out=out, kernel="paged_attention")).any()
 
 
 def test_out_of_range_indices_are_refused_before_anything_is_written() -> None:

@@ -1,6 +1,10 @@
-"""The native decoder (csrc/kernels/cpu_decoder.h) for decode steps and steps of short chunks: bit-identical to the
-layer-by-layer path, used only where it applies, and refusing bad indices with a ValueError before it writes
-anything."""
+"""The native decoder (csrc/kernels/cpu_decoder.h) for decode steps and steps with prefill chunks: bit-identical to
+the layer-by-layer path, used only where it applies, and refusing bad indices with a ValueError before it writes
+anything.
+
+The tiny models' head size (16) is off the chunk kernel's AVX-512 tiles, where chunks normally go to SDPA; these tests
+send them to the native kernels anyway (its portable loops: the same kernel on both paths is what bit-identity is
+about) and lower NATIVE_MAX_CHUNK to LONGEST so that a chunk past it fits the tiny caches."""
 
 from __future__ import annotations
 
@@ -10,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
-from ringserve.workers.attention.metadata import PAGED_MAX_QUERY_LEN
+from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope, torch_sdpa
+from ringserve.workers.attention import metadata as metadata_module
 from ringserve.workers.loader import load_hf_model, load_model
-from ringserve.workers.model import KVCache, LlamaForCausalLM, cpu_ops
+from ringserve.workers.model import KVCache, LlamaForCausalLM, cpu_ops, llama
 from ringserve.workers.model.llama import NativeDecoder
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.parallel import TensorParallelShard, apply_tensor_parallel
@@ -23,6 +27,14 @@ pytestmark = pytest.mark.skipif(cpu_ops.native_decoder_module() is None,
                                 reason="needs the built kernels and AVX-512")  # fmt: skip
 
 BLOCK = 4
+LONGEST = 64  # the longest chunk the native kernels take in these tests
+
+
+@pytest.fixture(autouse=True)
+def native_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in (llama, torch_sdpa):
+        monkeypatch.setattr(module, "native_chunk_attention", lambda head_dim: True)
+    monkeypatch.setattr(metadata_module, "NATIVE_MAX_CHUNK", LONGEST)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2_attention_bias", "llama_one_kv_head"])
@@ -85,10 +97,10 @@ def test_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(folder, monk
 
 
 def test_short_chunks_beside_decodes_give_the_same_bits_as_the_layer_by_layer_path(folder, monkeypatch):
-    # A prompt longer than PAGED_MAX_QUERY_LEN (SDPA, layer by layer, either way), then steps mixing decode rows with
-    # short chunks deep into a cached context, which the native decoder takes whole.
+    # A prompt longer than LONGEST (SDPA, layer by layer, either way), then steps mixing decode rows with chunks deep
+    # into a cached context, which the native decoder takes whole.
     calls = count_native_calls(monkeypatch)
-    long_prompt = [(7 * i) % 250 + 1 for i in range(PAGED_MAX_QUERY_LEN + 3)]
+    long_prompt = [(7 * i) % 250 + 1 for i in range(LONGEST + 3)]
     tables = [list(range(0, 20)), list(range(20, 40))]
     runs = {}
     for native in (False, True):
@@ -105,7 +117,7 @@ def test_short_chunks_beside_decodes_give_the_same_bits_as_the_layer_by_layer_pa
 def test_long_chunks_and_float32_models_keep_the_layer_by_layer_path(folder, monkeypatch):
     calls = count_native_calls(monkeypatch)
     model, _ = bf16_model(folder, True)
-    longest = PAGED_MAX_QUERY_LEN
+    longest = LONGEST
     forward_packed(model, [(list(range(1, longest + 2)), 0, list(range(17))), ([4, 4], 0, [18])], BLOCK)
     assert calls[0] == 0
     forward_packed(model, [(list(range(1, longest + 1)), 0, list(range(19, 35)))], BLOCK)  # exactly the limit

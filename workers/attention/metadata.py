@@ -12,26 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# Which sequences the native paged kernel attends on CPU, one query per row reading K/V in place: decode rows, and
-# short chunks (new prompts, a chunked prefill's small steps, speculative verification) of at most
-# PAGED_MAX_QUERY_LEN rows and PAGED_MAX_PAIRS query-key pairs (rows x context). Each row reads its whole context, so
-# the kernel's cost grows with the pairs, while SDPA reads the gathered context once for all rows: with SmolLM2's
-# heads here the kernel is 3-4x faster for fresh prompts up to 64 tokens and level with SDPA at 16 rows x 1,000
-# positions. The rest go to SDPA.
-PAGED_MAX_QUERY_LEN = 64
-PAGED_MAX_PAIRS = 16384
-
-
-@dataclass(frozen=True)
-class PagedRows:
-    """Query rows as the native paged kernel indexes them: pseudo-sequence r has its query at packed row
-    cu_seqlens_q[r] and attends to positions [0, seq_lens[r]) through block_tables[r]; `ids` lists the ones to
-    compute."""
-
-    block_tables: torch.Tensor  # int32 [R, max_blocks]
-    seq_lens: torch.Tensor  # int32 [R]
-    cu_seqlens_q: torch.Tensor  # int32 [R + 1]
-    ids: torch.Tensor  # int32 [rows to compute]
+# The longest chunk the native CPU kernels attend (csrc/kernels/cpu_chunk_attention.cpp: causal, K/V read in place
+# through the block tables); longer ones go to SDPA, whose GEMM-based kernel is level with it from about 1,000 rows
+# of a fresh prompt and ahead beyond (measured with SmolLM2's heads on 2 cores), once the gather is paid.
+NATIVE_MAX_CHUNK = 512
 
 
 @dataclass
@@ -50,49 +34,27 @@ class AttentionMetadata:
     # Speculative trees: sequence index -> bool [query_len, seq_len], which context positions each query row sees
     # (replacing the causal rule for that sequence). None = every sequence is causal.
     tree_masks: dict[int, torch.Tensor] | None = None
-    _split: tuple[list[int], list[int], PagedRows] | None = field(default=None, init=False, repr=False,
-                                                                    compare=False)  # fmt: skip
+    _split: dict[bool, tuple[list[int], list[int], torch.Tensor]] = field(default_factory=dict, init=False,
+                                                                          repr=False, compare=False)  # fmt: skip
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    def paged_split(self) -> tuple[list[int], list[int], PagedRows]:
-        """(short sequences: decode rows and chunks within PAGED_MAX_QUERY_LEN and PAGED_MAX_PAIRS, without a tree
-        mask; the others; the short ones' query rows as the native paged kernel takes them), worked out by the first
-        layer that asks and reused by the rest (the step's layout does not change)."""
-        if self._split is None:
+    def paged_split(self, native_chunks: bool) -> tuple[list[int], list[int], torch.Tensor]:
+        """(sequences for the native paged kernels: decode rows, and with `native_chunks` chunks of at most
+        NATIVE_MAX_CHUNK rows, none with a tree mask; the others, for SDPA; the first as int32 ids), worked out by
+        the first layer that asks and reused by the rest (the step's layout does not change)."""
+        split = self._split.get(native_chunks)
+        if split is None:
             query_lens = np.asarray(self.query_lens_cpu, dtype=np.int64)
-            masked = np.zeros(len(query_lens), np.bool_)
+            native = (query_lens == 1) | (native_chunks & (query_lens <= NATIVE_MAX_CHUNK))
             if self.tree_masks:
-                masked[list(self.tree_masks)] = True
-            pairs = query_lens * np.asarray(self.seq_lens_cpu, dtype=np.int64)
-            chunk = (query_lens <= PAGED_MAX_QUERY_LEN) & (pairs <= PAGED_MAX_PAIRS)
-            is_short = ((query_lens == 1) | chunk) & ~masked
-            short = np.flatnonzero(is_short)
-            rows = self._paged_rows(query_lens, short)
-            self._split = (short.tolist(), np.flatnonzero(~is_short).tolist(), rows)
-        return self._split
-
-    def _paged_rows(self, query_lens: np.ndarray, short: np.ndarray) -> PagedRows:
-        counts = query_lens[short]
-        if not counts.size or counts.max() == 1:
-            # Decode rows only: the step's own index, one query per listed sequence.
-            ids = torch.from_numpy(short.astype(np.int32))
-            return PagedRows(self.block_tables, self.seq_lens, self.cu_seqlens_q, ids)
-        # Each query row of a short sequence is one pseudo-sequence of the kernel: its own packed row, its sequence's
-        # block table, and the causal length (what that token may see: the context before the chunk, then the chunk
-        # up to itself).
-        total = int(counts.sum())
-        offset = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)  # row within its chunk
-        starts = np.concatenate(([0], np.cumsum(query_lens)))[short]
-        seq_lens = np.asarray(self.seq_lens_cpu, dtype=np.int64)[short]
-        rows = np.repeat(starts, counts) + offset
-        lengths = np.repeat(seq_lens - counts + 1, counts) + offset
-        owner = torch.from_numpy(np.repeat(short, counts)).to(self.block_tables.device)
-        cu = torch.from_numpy(np.append(rows, int(query_lens.sum())).astype(np.int32))
-        tables = self.block_tables.index_select(0, owner)
-        return PagedRows(tables, torch.from_numpy(lengths.astype(np.int32)), cu, torch.arange(total, dtype=torch.int32))
+                native[list(self.tree_masks)] = False
+            ids = np.flatnonzero(native)
+            split = (ids.tolist(), np.flatnonzero(~native).tolist(), torch.from_numpy(ids.astype(np.int32)))
+            self._split[native_chunks] = split
+        return split
 
     @classmethod
     def build(

@@ -1,8 +1,8 @@
 """Reference backend for any device: gather each context's blocks into contiguous K/V, then run SDPA.
 
-On CPU, decode rows (one query token) and short chunks (within PAGED_MAX_QUERY_LEN rows and PAGED_MAX_PAIRS query-key
-pairs, each row one query with its causal length) go to the native paged kernel (workers/model/cpu_ops.py), which
-reads K/V in place through the block tables. Elsewhere decode rows are batched with a padded gather and a length
+On CPU, decode rows (one query token) and causal chunks of up to NATIVE_MAX_CHUNK rows (where the native chunk kernel
+is vectorized for the head size) go to the native paged kernels (workers/model/cpu_ops.py), which read K/V in place
+through the block tables. Elsewhere decode rows are batched with a padded gather and a length
 mask. Prefill chunks are batched too: queries padded to the longest chunk, with a causal mask shifted by the tokens
 already in the cache (chunked prefill) and cut at each context's length; when no chunk has cached tokens SDPA's own
 causal path is used.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from ringserve.workers.attention.backend import write_kv
 from ringserve.workers.attention.metadata import AttentionMetadata
-from ringserve.workers.model.cpu_ops import paged_decode_attention
+from ringserve.workers.model.cpu_ops import native_chunk_attention, paged_attention
 
 
 class TorchSdpaBackend:
@@ -33,12 +33,12 @@ class TorchSdpaBackend:
     ) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        short, long, paged = metadata.paged_split()
-        if short and not paged_decode_attention(q, k_cache, v_cache, paged, scale, out):
-            decode = [i for i in short if metadata.query_lens_cpu[i] == 1]
+        native, long, ids = metadata.paged_split(q.device.type == "cpu" and native_chunk_attention(q.shape[-1]))
+        if native and not paged_attention(q, k_cache, v_cache, metadata, ids, scale, out):
+            decode = [i for i in native if metadata.query_lens_cpu[i] == 1]
             if decode:
                 self._decode(q, k_cache, v_cache, metadata, decode, scale, out)
-            long = sorted(long + [i for i in short if metadata.query_lens_cpu[i] > 1])
+            long = sorted(long + [i for i in native if metadata.query_lens_cpu[i] > 1])
         if long:
             self._prefill(q, k_cache, v_cache, metadata, long, scale, out)
         return out

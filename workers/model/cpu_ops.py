@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from ringserve.workers.attention.metadata import PagedRows
+    from ringserve.workers.attention.metadata import AttentionMetadata
 
 # bf16: up to this many rows the native kernel's dot-product tiles take any K; from three rows on it packs weight
 # panels for an outer-product kernel, which needs K even (every llama-family width is) where the CPU has AVX512-BF16,
@@ -45,8 +45,8 @@ _MODULE = _load_module()
 # registers and uses FMAs, still 1.6-3.6x PyTorch's bf16 path there for 1-256 rows (which has no native bf16 either).
 _KERNELS = _MODULE if _MODULE is not None and (_MODULE.has_avx512_bf16() or _MODULE.has_avx512f_linear()) and (
     os.environ.get("RINGSERVE_NATIVE_LINEAR", "1") != "0") else None  # fmt: skip
-# The paged decode attention, RMSNorm, RoPE and SiLU-and-multiply kernels run on any x86-64 CPU (AVX-512 when
-# present); RINGSERVE_NATIVE_ATTENTION=0 turns them all off (PyTorch operations instead).
+# The paged attention, RMSNorm, RoPE and SiLU-and-multiply kernels run on any x86-64 CPU (AVX-512 when present);
+# RINGSERVE_NATIVE_ATTENTION=0 turns them all off (PyTorch operations instead).
 _ATTENTION = _MODULE if os.environ.get("RINGSERVE_NATIVE_ATTENTION", "1") != "0" else None
 _ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -124,24 +124,31 @@ def native_decoder_module() -> Any | None:
     return _DECODER
 
 
-def paged_decode_attention(
+def native_chunk_attention(head_dim: int) -> bool:
+    """True when prefill chunks of this head size should take the native paged kernel: its AVX-512 tiles (head_dim
+    64 or 128 on an AVX-512F CPU). Its portable loops are correct but slower than SDPA, which keeps the rest."""
+    return _ATTENTION is not None and bool(_ATTENTION.chunk_attention_vectorized(head_dim))
+
+
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    index: PagedRows,
+    metadata: AttentionMetadata,
+    ids: torch.Tensor,
     scale: float,
     out: torch.Tensor,
 ) -> bool:
-    """Writes the attention of the query rows `index.ids` (one query each, see PagedRows: decode rows, or each row of
-    a short chunk with its causal length) into `out` through the native kernel, reading K/V in place through the
-    block tables. Returns False, writing nothing, when the kernel cannot take these tensors (not on CPU, another
-    dtype, a KV cache dtype unlike the queries', unusual strides); the caller then uses its PyTorch path."""
+    """Writes the causal attention of the step's sequences `ids` (int32: decode rows and chunks, by the step's own
+    index) into `out` through the native kernels, reading K/V in place through the block tables. Returns False,
+    writing nothing, when they cannot take these tensors (not on CPU, another dtype, a KV cache dtype unlike the
+    queries', unusual strides or index layouts); the caller then uses its PyTorch path."""
     kernels = _ATTENTION
     if kernels is None or q.device.type != "cpu" or q.dtype not in _ATTENTION_DTYPES:
         return False
     if k_cache.dtype is not q.dtype or v_cache.dtype is not q.dtype or out.dtype is not q.dtype:
         return False
-    tables, seq_lens, cu, ids = index.block_tables, index.seq_lens, index.cu_seqlens_q, index.ids
+    tables, seq_lens, cu = metadata.block_tables, metadata.seq_lens, metadata.cu_seqlens_q
     for t in (tables, seq_lens, cu, ids):
         if t.dtype is not torch.int32 or t.device.type != "cpu" or not t.is_contiguous():
             return False
@@ -152,7 +159,7 @@ def paged_decode_attention(
                                                             and v_cache.is_contiguous()):  # fmt: skip
         return False
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    kernels.paged_decode_attention(
+    kernels.paged_attention(
         q.dtype is torch.bfloat16, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         seq_lens.data_ptr(), cu.data_ptr(), ids.data_ptr(), out.data_ptr(), tokens, q.stride(0), heads, kv_heads,
         head_dim, num_blocks, block_size, tables.shape[0], tables.shape[1], ids.numel(), scale,

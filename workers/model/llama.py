@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionBackend, get_attention_backend, get_attention_metadata
-from ringserve.workers.model.cpu_ops import Linear, linear, native_decoder_module
+from ringserve.workers.model.cpu_ops import Linear, linear, native_chunk_attention, native_decoder_module
 from ringserve.workers.model.cpu_ops import rms_norm as cpu_rms_norm
 from ringserve.workers.model.cpu_ops import rope_ as cpu_rope_
 from ringserve.workers.model.cpu_ops import silu_mul as cpu_silu_mul
@@ -413,13 +413,14 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
     def _decode_natively(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The final-normed hidden states of a step by the native decoder, or None where it does not apply (a chunk
-        longer than PAGED_MAX_QUERY_LEN or a speculative tree, another dtype or device, tensor parallelism, the kernels
-        missing). Every row is one query of the paged attention kernel, as on the layer-by-layer path."""
+        """The final-normed hidden states of a step by the native decoder, or None where it does not apply (a sequence
+        that the layer-by-layer path sends to SDPA: a chunk longer than NATIVE_MAX_CHUNK or with a speculative tree;
+        another dtype or device, tensor parallelism, the kernels missing). Its attention runs the same paged kernels
+        as the layer-by-layer path."""
         md = get_attention_metadata()
         if not md.query_lens_cpu or sum(md.query_lens_cpu) != input_ids.shape[0] or input_ids.device.type != "cpu":
             return None
-        _, long, rows = md.paged_split()
+        _, long, _ = md.paged_split(native_chunk_attention(self.config.head_dim))
         if long:
             return None
         decoder = self._native_decoder
@@ -429,13 +430,13 @@ class LlamaForCausalLM(nn.Module):
             self._native_decoder = decoder
         if decoder is False:
             return None
-        for index in (md.slot_mapping, rows.block_tables, rows.seq_lens):
+        for index in (md.slot_mapping, md.block_tables, md.seq_lens, md.cu_seqlens_q):
             if index.device.type != "cpu" or not index.is_contiguous():
                 return None
-        if md.slot_mapping.dtype is not torch.int64 or rows.block_tables.dtype is not torch.int32 or (
-                rows.seq_lens.dtype is not torch.int32):  # fmt: skip
+        if md.slot_mapping.dtype is not torch.int64 or any(
+                t.dtype is not torch.int32 for t in (md.block_tables, md.seq_lens, md.cu_seqlens_q)):  # fmt: skip
             return None
-        return decoder.decode(input_ids, positions, md.slot_mapping, rows.block_tables, rows.seq_lens)
+        return decoder.decode(input_ids, positions, md.slot_mapping, md.block_tables, md.seq_lens, md.cu_seqlens_q)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
         """Packed token ids and positions [num_tokens] -> logits for the metadata's logits rows: float32, or with
@@ -509,14 +510,15 @@ class NativeDecoder:
         return norm.dtype is torch.bfloat16 and norm.device.type == "cpu"
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-               seq_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The final-normed hidden states [rows, hidden] of a step whose row r attends to positions
-        [0, seq_lens[r]) through block table row r (a decode row: its whole context; a chunk's row: causally)."""
+               seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The final-normed hidden states [rows, hidden] of a step by its own index: sequence i owns rows
+        [cu_seqlens_q[i], cu_seqlens_q[i + 1]), the last of its seq_lens[i] positions, attending causally through
+        block table row i (int32 tables, lengths and offsets)."""
         x = self._embed(input_ids).contiguous()
         normed = torch.empty_like(x)
         pos = positions.long().contiguous()  # no copy when it already is
         cos_sin = self._rotary.cos_sin(x.device)
         self._decoder.decode(x.data_ptr(), normed.data_ptr(), pos.data_ptr(), slots.data_ptr(), cos_sin.data_ptr(),
-                             tables.data_ptr(), seq_lens.data_ptr(), x.shape[0], tables.shape[1],
-                             threads=torch.get_num_threads())  # fmt: skip
+                             tables.data_ptr(), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), x.shape[0],
+                             tables.shape[0], tables.shape[1], threads=torch.get_num_threads())  # fmt: skip
         return normed
