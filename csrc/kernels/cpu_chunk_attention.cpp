@@ -1,10 +1,10 @@
 // Causal attention of prefill chunks over the paged KV cache (see cpu_attention.h), flash-attention style: each work
-// item is one sequence's KV head, a tile of its query rows and a range of context positions. It walks the range 16
-// positions at a time; each 16 positions' keys are transposed (and widened to float32) once for every query vector of
-// the tile (a query row times a query head of the KV head's group), so a score tile is plain FMAs with no horizontal
-// sums, and the softmax is kept online (running max and sum per query vector), so the context is read once per item,
-// not once per row. Deep contexts are split into ranges of kKeyRange positions whose partial results (unnormalized
-// sums, max, denominator) are merged afterwards (flash-decoding), so two threads share even a single tile's work.
+// item is one sequence's KV head, a tile of its query rows and a range of context positions. It walks the range 64
+// positions at a time; their keys are transposed (and widened to float32) once for every query vector of the tile (a
+// query row times a query head of the KV head's group), so a score tile is plain FMAs with no horizontal sums, and
+// the softmax is kept online (running max and sum per query vector), so the context is read once per item, not once
+// per row. Deep contexts are split into ranges of kKeyRange positions whose partial results (unnormalized sums, max,
+// denominator) are merged afterwards (flash-decoding), so two threads share even a single tile's work.
 #include "kernels/cpu_attention.h"
 
 #include "kernels/parallel.h"
@@ -26,13 +26,21 @@ constexpr std::size_t kLanes = 16;
 // it takes when the rows are split for threads, so that a key tile's transpose is shared by enough of them.
 constexpr std::size_t kMaxItemVectors = 96;
 constexpr std::size_t kMinItemVectors = 16;
-// Query vectors scored together (independent FMA chains over head_dim); the buffers are padded by this many.
-constexpr std::size_t kScoreTile = 8;
+// Query vectors scored together (kScoreTile x kSub independent FMA chains over head_dim); the buffers are padded by
+// this many.
+constexpr std::size_t kScoreTile = 4;
+// Context positions per key tile (AVX-512 path): four registers of 16, so a tile's online-softmax bookkeeping (maxima,
+// sums, rescaling the running outputs) is shared by 64 positions, and each broadcast query value feeds four FMAs.
+// Measured against 16- and 32-position tiles: 1.3x and ~1.05x faster deep into a context, ~10 us slower on tiny
+// prompts (masked lanes).
+constexpr std::size_t kSub = 4;
+constexpr std::size_t kTile = kSub * kLanes;
 // Below this many query-key products (over all heads) a call stays on the calling thread.
 constexpr std::size_t kParallelWork = 8192;
 // Context positions one work item covers at most (AVX-512 path). The ranges start at fixed multiples of this, so a
 // row's result depends on its own length only, not on how the rows or the threads divide the work.
 constexpr std::size_t kKeyRange = 512;
+static_assert(kKeyRange % kTile == 0, "key ranges are whole tiles, so tiles sit at fixed positions");
 
 std::size_t job_query_len(const PagedDecodeIndex& index, std::size_t seq) {
   return static_cast<std::size_t>(index.cu_seqlens_q[seq + 1] - index.cu_seqlens_q[seq]);
@@ -90,9 +98,9 @@ struct Scratch {
   std::vector<float> max;     // [vectors]: running score maxima
   std::vector<float> sum;     // [vectors]: running softmax denominators
   std::vector<float> rescale;  // [vectors + pad]: this tile's correction of the running sums
-  std::vector<float> probs;   // [vectors + pad, 16]: this tile's softmax numerators
-  std::vector<float> keys;    // [head_dim, 16]: the tile's keys, transposed
-  std::vector<float> values;  // [16, head_dim]: the tile's values
+  std::vector<float> probs;   // [vectors + pad, kTile]: this tile's softmax numerators
+  std::vector<float> keys;    // [head_dim, kTile]: the tile's keys, transposed
+  std::vector<float> values;  // [kTile, head_dim]: the tile's values
 };
 
 Scratch& scratch() {
@@ -155,9 +163,9 @@ __attribute__((target("avx512f"))) void chunk_avx512(const Job<T>& job, const It
   w.max.assign(vectors, -std::numeric_limits<float>::infinity());
   w.sum.assign(vectors, 0.0F);
   w.rescale.assign(padded, 0.0F);
-  w.probs.assign(padded * kLanes, 0.0F);
-  w.keys.resize(kHd * kLanes);
-  w.values.resize(kLanes * kHd);
+  w.probs.assign(padded * kTile, 0.0F);
+  w.keys.resize(kHd * kTile);
+  w.values.resize(kTile * kHd);
   const std::size_t first_row = job.first_row(item.seq) + item.row_begin;
   const __m512 scale = _mm512_set1_ps(job.scale);
   for (std::size_t r = 0; r < rows; ++r) {
@@ -165,17 +173,22 @@ __attribute__((target("avx512f"))) void chunk_avx512(const Job<T>& job, const It
     float* dst = w.query.data() + r * group * kHd;
     for (std::size_t i = 0; i < group * kHd; i += kLanes) _mm512_storeu_ps(dst + i, _mm512_mul_ps(load16(q + i), scale));
   }
-  for (std::size_t tile = item.key_begin; tile < end; tile += kLanes) {
-    const std::size_t n = std::min(kLanes, end - tile);
-    std::size_t offsets[kLanes];
+  for (std::size_t tile = item.key_begin; tile < end; tile += kTile) {
+    const std::size_t n = std::min(kTile, end - tile);
+    std::size_t offsets[kTile];
     for (std::size_t j = 0; j < n; ++j) offsets[j] = job.offset(item.seq, tile + j, item.kv_head);
-    for (std::size_t v = 0; v < kVectors; ++v) {
-      __m512i r[kLanes];
-      for (std::size_t j = 0; j < kLanes; ++j) {
-        r[j] = j < n ? _mm512_castps_si512(load16(job.k_cache + offsets[j] + v * kLanes)) : _mm512_setzero_si512();
+    for (std::size_t u = 0; u < kSub; ++u) {
+      for (std::size_t v = 0; v < kVectors; ++v) {
+        __m512i r[kLanes];
+        for (std::size_t j = 0; j < kLanes; ++j) {
+          const std::size_t at = u * kLanes + j;
+          r[j] = at < n ? _mm512_castps_si512(load16(job.k_cache + offsets[at] + v * kLanes)) : _mm512_setzero_si512();
+        }
+        transpose16x16(r);  // r[d]: dimension v * 16 + d of the 16 positions
+        for (std::size_t d = 0; d < kLanes; ++d) {
+          _mm512_storeu_si512(w.keys.data() + (v * kLanes + d) * kTile + u * kLanes, r[d]);
+        }
       }
-      transpose16x16(r);  // r[d]: dimension v * 16 + d of the 16 positions
-      for (std::size_t d = 0; d < kLanes; ++d) _mm512_storeu_si512(w.keys.data() + (v * kLanes + d) * kLanes, r[d]);
     }
     for (std::size_t j = 0; j < n; ++j) {
       for (std::size_t v = 0; v < kVectors; ++v) {
@@ -185,29 +198,45 @@ __attribute__((target("avx512f"))) void chunk_avx512(const Job<T>& job, const It
     const std::size_t first = (tile > first_pos ? tile - first_pos : 0) * group;  // the first vector seeing the tile
     // Scores and the online softmax, kScoreTile query vectors at a time (the padding computes on zeros, unread).
     for (std::size_t i = first; i < vectors; i += kScoreTile) {
-      __m512 acc[kScoreTile];
-      for (auto& a : acc) a = _mm512_setzero_ps();
+      __m512 acc[kScoreTile][kSub];
+      for (auto& a : acc) {
+        for (auto& b : a) b = _mm512_setzero_ps();
+      }
       const float* q = w.query.data() + i * kHd;
       for (std::size_t d = 0; d < kHd; ++d) {
-        const __m512 k = _mm512_loadu_ps(w.keys.data() + d * kLanes);
-        for (std::size_t c = 0; c < kScoreTile; ++c) acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(q[c * kHd + d]), k, acc[c]);
+        __m512 k[kSub];
+        for (std::size_t u = 0; u < kSub; ++u) k[u] = _mm512_loadu_ps(w.keys.data() + d * kTile + u * kLanes);
+        for (std::size_t c = 0; c < kScoreTile; ++c) {
+          const __m512 qd = _mm512_set1_ps(q[c * kHd + d]);
+          for (std::size_t u = 0; u < kSub; ++u) acc[c][u] = _mm512_fmadd_ps(qd, k[u], acc[c][u]);
+        }
       }
       const std::size_t count = std::min(kScoreTile, vectors - i);
       alignas(64) float old_max[kLanes] = {};
       alignas(64) float new_max[kLanes] = {};
       float tile_sum[kScoreTile];
+      const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (std::size_t c = 0; c < count; ++c) {
         const std::size_t vec = i + c;
         const std::size_t visible = std::min(n, first_pos + vec / group + 1 - tile);  // at least 1 from `first` on
-        const auto mask = static_cast<__mmask16>(visible >= kLanes ? 0xffffU : (1U << visible) - 1U);
-        const float top = max16(_mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask,
-                                                   acc[c]));
+        __mmask16 mask[kSub];
+        __m512 top = minus_inf;
+        for (std::size_t u = 0; u < kSub; ++u) {
+          const std::size_t lanes = visible > u * kLanes ? std::min(kLanes, visible - u * kLanes) : 0;
+          mask[u] = static_cast<__mmask16>(lanes >= kLanes ? 0xffffU : (1U << lanes) - 1U);
+          top = _mm512_mask_max_ps(top, mask[u], top, acc[c][u]);
+        }
         old_max[c] = w.max[vec];
-        new_max[c] = std::max(old_max[c], top);
+        new_max[c] = std::max(old_max[c], max16(top));
         w.max[vec] = new_max[c];
-        const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(acc[c], _mm512_set1_ps(new_max[c]))));
-        _mm512_storeu_ps(w.probs.data() + vec * kLanes, p);
-        tile_sum[c] = sum16(p);
+        const __m512 shift = _mm512_set1_ps(new_max[c]);
+        __m512 total = _mm512_setzero_ps();
+        for (std::size_t u = 0; u < kSub; ++u) {
+          const __m512 p = _mm512_maskz_mov_ps(mask[u], exp16(_mm512_sub_ps(acc[c][u], shift)));
+          _mm512_storeu_ps(w.probs.data() + vec * kTile + u * kLanes, p);
+          total = _mm512_add_ps(total, p);
+        }
+        tile_sum[c] = sum16(total);
       }
       // e^(old max - new max) for the vectors at once; a first tile's -inf old max gives ~0 times a zero sum.
       alignas(64) float factor[kLanes];
@@ -225,12 +254,12 @@ __attribute__((target("avx512f"))) void chunk_avx512(const Job<T>& job, const It
         const __m512 f = _mm512_set1_ps(w.rescale[i + c]);
         for (std::size_t v = 0; v < kVectors; ++v) acc[c][v] = _mm512_mul_ps(_mm512_loadu_ps(out + c * kHd + v * kLanes), f);
       }
-      const float* probs = w.probs.data() + i * kLanes;
+      const float* probs = w.probs.data() + i * kTile;
       for (std::size_t j = 0; j < n; ++j) {
         __m512 val[kVectors];
         for (std::size_t v = 0; v < kVectors; ++v) val[v] = _mm512_loadu_ps(w.values.data() + j * kHd + v * kLanes);
         for (std::size_t c = 0; c < kWeighTile; ++c) {
-          const __m512 p = _mm512_set1_ps(probs[c * kLanes + j]);
+          const __m512 p = _mm512_set1_ps(probs[c * kTile + j]);
           for (std::size_t v = 0; v < kVectors; ++v) acc[c][v] = _mm512_fmadd_ps(p, val[v], acc[c][v]);
         }
       }
