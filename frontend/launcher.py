@@ -177,9 +177,9 @@ def otel_traces_protocol(environ: Mapping[str, str] = os.environ) -> str:
 def model_metadata(source: ModelSource) -> tuple[str, int, ModelTokenizer]:
     """(architecture, context length, tokenizer) from the model's own files; one GGUF read serves both."""
     if source.path.suffix == ".gguf":
-        from gguf import GGUFReader
+        from ringserve.backend.gguf_file import GGUFFile
 
-        reader = GGUFReader(str(source.path))
+        reader = GGUFFile(source.path)
         arch_field = reader.get_field("general.architecture")
         if arch_field is None:
             raise ModelNotFoundError(f"{source.path}: no general.architecture in the GGUF metadata")

@@ -180,3 +180,27 @@ def test_real_gguf_greedy_tokens_equal_transformers():
     assert generated == ref
     if path.name.startswith("SmolLM2-135M-Instruct"):
         assert generated[:7] == [7042, 30, 198, 198, 504, 2988, 314]
+
+
+@pytest.mark.skipif(not os.environ.get(GGUF_ENV), reason=f"set {GGUF_ENV} to a llama .gguf file")
+def test_fast_reader_reads_what_gguf_reads():
+    # GGUFFile (frontend and workers) reads through a plain view of the mapping; every field and tensor must be
+    # what gguf's own reader gives, and tensor data must stay read-only views of the file.
+    from ringserve.backend.gguf_file import GGUFFile
+
+    path = os.environ[GGUF_ENV]
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), key
+        assert mine.contents() == field.contents(), key
+    assert ours.data_offset == theirs.data_offset
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.tensor_type, mine.data_offset, mine.data.shape, mine.data.dtype) == (
+            tensor.tensor_type, tensor.data_offset, tensor.data.shape, tensor.data.dtype)  # fmt: skip
+        assert not mine.data.flags.writeable
+        assert np.shares_memory(mine.data, ours.data)
+    assert all(np.array_equal(m.data, t.data) for m, t in zip(ours.tensors[:8], theirs.tensors[:8], strict=True))

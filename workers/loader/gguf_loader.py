@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from ringserve.backend.gguf_file import GGUFFile
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
@@ -82,7 +83,7 @@ def load_gguf_model(
 ) -> LlamaForCausalLM:
     """Quantized blocks span whole rows, so each tensor is dequantized whole and then sliced to this rank's part."""
     path = str(path)
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     config = read_gguf_config(reader, path)
     arch = _field(reader, "general.architecture")
     shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
