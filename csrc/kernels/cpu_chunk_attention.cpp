@@ -40,6 +40,11 @@ constexpr std::size_t kParallelWork = 8192;
 // Context positions one work item covers at most (AVX-512 path). The ranges start at fixed multiples of this, so a
 // row's result depends on its own length only, not on how the rows or the threads divide the work.
 constexpr std::size_t kKeyRange = 512;
+// Partial results kept allocated between calls (per calling thread). They take (head_dim + 2) floats per query vector
+// per 512-position range it is split into: with SmolLM2's heads a 512-row chunk at depth 2,048 needs 4.6 MiB, a fresh
+// 2,048-token prompt 10.4 MiB, 2,048 rows at depth 4,096 30 MiB. A buffer over this size is freed after its call
+// instead of being held for the life of the thread.
+constexpr std::size_t kKeptPartialBytes = std::size_t{16} << 20;
 static_assert(kKeyRange % kTile == 0, "key ranges are whole tiles, so tiles sit at fixed positions");
 
 std::size_t job_query_len(const PagedDecodeIndex& index, std::size_t seq) {
@@ -388,6 +393,7 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   });
   const Merge* const tiles = merges.data();
   for_each_item(merges.size(), threads, split, [&](std::size_t i) { merge(job, tiles[i]); });
+  if (partials.capacity() * sizeof(float) > kKeptPartialBytes) std::vector<float>().swap(partials);
 }
 
 }  // namespace
