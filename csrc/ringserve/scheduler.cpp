@@ -680,7 +680,7 @@ double Scheduler::prefill_time_budget() const {
   if (config_.max_step_slowdown <= 0.0f || last_shape_.decode_rows == 0 || running_.empty() || !step_cost_.fitted()) {
     return std::numeric_limits<double>::infinity();
   }
-  return (config_.max_step_slowdown - 1.0) * step_cost_.base_ns();
+  return (config_.max_step_slowdown - 1.0) * step_cost_.base_ns(last_shape_.decode_rows);
 }
 
 size_t Scheduler::write_entries(StepPlan& plan) {

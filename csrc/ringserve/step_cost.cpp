@@ -1,6 +1,9 @@
 #include "ringserve/step_cost.h"
 
 #include <algorithm>
+#include <array>
+#include <tuple>
+#include <utility>
 #include <cmath>
 #include <limits>
 
@@ -9,12 +12,51 @@ namespace ringserve {
 namespace {
 constexpr size_t kMinDecodeSteps = 3;  // before the base counts
 
-// The determinant of the leading k x k block of `a` (k = 1, 2 or 3).
-double leading_det(const double a[3][3], int k) {
-  if (k == 1) return a[0][0];
-  if (k == 2) return a[0][0] * a[1][1] - a[0][1] * a[1][0];
-  return a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0]) +
-         a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]);
+// The features of the prefill fit, in the order the subsets below name them.
+enum Feature : uint8_t { kTokens, kPairs, kContext, kDecodes, kFeatures };
+// Solves the k x k system a x = b (a symmetric positive semi-definite, from normal equations) by Gaussian elimination
+// with partial pivoting. False when a is close to singular: its determinant at most 1e-9 x the product of its
+// diagonal (scale-free: the features differ by orders of magnitude).
+template <size_t N>
+bool solve(std::array<std::array<double, N>, N> a, std::array<double, N> b, size_t k, std::array<double, N>& x) {
+  double diagonal = 1;
+  for (size_t i = 0; i < k; ++i) diagonal *= a[i][i];
+  if (!(diagonal > 0)) return false;
+  double det = 1;
+  for (size_t c = 0; c < k; ++c) {
+    size_t pivot = c;
+    for (size_t r = c + 1; r < k; ++r) {
+      if (std::abs(a[r][c]) > std::abs(a[pivot][c])) pivot = r;
+    }
+    if (pivot != c) {
+      std::swap(a[pivot], a[c]);
+      std::swap(b[pivot], b[c]);
+      det = -det;
+    }
+    det *= a[c][c];
+    if (a[c][c] == 0) return false;
+    for (size_t r = c + 1; r < k; ++r) {
+      const double f = a[r][c] / a[c][c];
+      for (size_t j = c; j < k; ++j) a[r][j] -= f * a[c][j];
+      b[r] -= f * b[c];
+    }
+  }
+  if (!(std::abs(det) > 1e-9 * diagonal)) return false;
+  for (size_t c = k; c-- > 0;) {
+    double v = b[c];
+    for (size_t j = c + 1; j < k; ++j) v -= a[c][j] * x[j];
+    x[c] = v / a[c][c];
+  }
+  return true;
+}
+
+template <class T>
+double median_of(const T& items, size_t size, double (*key)(const typename T::value_type&)) {
+  std::array<double, std::tuple_size_v<T>> values{};
+  for (size_t i = 0; i < size; ++i) values[i] = key(items[i]);
+  const auto mid = values.begin() + static_cast<std::ptrdiff_t>(size / 2);
+  std::nth_element(values.begin(), mid, values.begin() + static_cast<std::ptrdiff_t>(size));
+  return *mid;
 }
 }  // namespace
 
@@ -25,67 +67,78 @@ void StepCostModel::observe(const StepShape& step, int64_t ns) {
   }
   if (step.prefill_tokens == 0) {
     if (step.decode_rows == 0) return;  // nothing ran
-    decode_ns_.push(static_cast<double>(ns));
+    decode_.push({static_cast<double>(step.decode_rows), static_cast<double>(ns)});
     refit_base();
     return;
   }
   // A step with prefill, with or without decodes (the weights are read once either way): what it adds to the base.
-  prefill_.push({static_cast<double>(step.prefill_tokens), step.prefill_pairs, step.prefill_context,
-                 static_cast<double>(ns)});
+  prefill_.push({static_cast<double>(step.decode_rows), static_cast<double>(step.prefill_tokens), step.prefill_pairs,
+                 step.prefill_context, static_cast<double>(ns)});
   refit_prefill();
 }
 
 void StepCostModel::refit_base() {
-  if (decode_ns_.size < kMinDecodeSteps) return;
-  std::array<double, kWindow> sorted{};
-  std::copy_n(decode_ns_.items.begin(), decode_ns_.size, sorted.begin());
-  const auto mid = sorted.begin() + static_cast<std::ptrdiff_t>(decode_ns_.size / 2);
-  std::nth_element(sorted.begin(), mid, sorted.begin() + static_cast<std::ptrdiff_t>(decode_ns_.size));
-  base_ns_ = *mid;
+  if (decode_.size < kMinDecodeSteps) return;
+  base_ns_ = median_of(decode_.items, decode_.size, [](const Decode& d) { return d.ns; });
+  base_rows_ = median_of(decode_.items, decode_.size, [](const Decode& d) { return d.rows; });
   has_base_ = true;
   refit_prefill();
 }
 
 void StepCostModel::refit_prefill() {
-  // Least squares through the origin (no prefill adds nothing) over the features tokens, pairs, context: the normal
-  // equations m x = rhs.
-  constexpr int kFeatures = 3;
-  double m[kFeatures][kFeatures] = {};
-  double rhs[kFeatures] = {};
+  // Least squares through the origin over the features, on every step kept: a prefill step's time beyond the base,
+  // and a decode-only one's (its features are its decode rows beyond the base's alone, so it informs per_decode only).
+  std::array<std::array<double, kFeatures>, kFeatures> m{};
+  std::array<double, kFeatures> rhs{};
   fitted_ = false;
   if (!has_base_ || prefill_.size == 0) return;
+  const auto add = [&](const std::array<double, kFeatures>& f, double extra) {
+    for (size_t r = 0; r < kFeatures; ++r) {
+      for (size_t c = 0; c < kFeatures; ++c) m[r][c] += f[r] * f[c];
+      rhs[r] += f[r] * extra;
+    }
+  };
   for (size_t i = 0; i < prefill_.size; ++i) {
     const Prefill& p = prefill_.items[i];
-    const double f[kFeatures] = {p.tokens, p.pairs, p.context};
-    for (int r = 0; r < kFeatures; ++r) {
-      for (int c = 0; c < kFeatures; ++c) m[r][c] += f[r] * f[c];
-      rhs[r] += f[r] * (p.ns - base_ns_);
-    }
+    add({p.tokens, p.pairs, p.context, p.decode_rows - base_rows_}, p.ns - base_ns_);
   }
-  // The first k features for k = 3, 2, 1 (all slopes, then without context, then tokens alone), solved by Cramer's
-  // rule: kept when they are far from dependent and every slope comes out non-negative (tokens: positive, prefill
-  // must cost something).
-  for (int k = kFeatures; k >= 1; --k) {
-    double diagonal = 1;
-    for (int i = 0; i < k; ++i) diagonal *= m[i][i];
-    const double det = leading_det(m, k);
-    if (!(det > 1e-9 * diagonal)) continue;
-    double x[kFeatures] = {};
-    bool valid = true;
-    for (int c = 0; c < k; ++c) {
-      double mc[kFeatures][kFeatures];
-      for (int r = 0; r < k; ++r) {
-        for (int j = 0; j < k; ++j) mc[r][j] = j == c ? rhs[r] : m[r][j];
-      }
-      x[c] = leading_det(mc, k) / det;
-      valid = valid && (c == 0 ? x[c] > 0 : x[c] >= 0);
+  for (size_t i = 0; i < decode_.size; ++i) {
+    const Decode& d = decode_.items[i];
+    add({0, 0, 0, d.rows - base_rows_}, d.ns - base_ns_);
+  }
+  // Non-negative least squares, small enough to do exactly: of the feature sets with tokens (prefill must cost
+  // something) whose fit is determined and has no negative slope, the one that explains the most (the smallest
+  // residual: at a least-squares solution it is the constant y'y less x'rhs).
+  double best = -std::numeric_limits<double>::infinity();
+  for (unsigned mask = 1; mask < (1U << kFeatures); mask += 2) {  // odd masks: kTokens is bit 0
+    std::array<size_t, kFeatures> which{};  // the set's features, in order
+    size_t k = 0;
+    for (size_t f = 0; f < kFeatures; ++f) {
+      if ((mask >> f) & 1U) which[k++] = f;
     }
-    if (!valid) continue;
-    per_token_ns_ = x[0];
-    per_pair_ns_ = x[1];
-    per_context_ns_ = x[2];
+    std::array<std::array<double, kFeatures>, kFeatures> a{};
+    std::array<double, kFeatures> b{};
+    for (size_t r = 0; r < k; ++r) {
+      for (size_t c = 0; c < k; ++c) a[r][c] = m[which[r]][which[c]];
+      b[r] = rhs[which[r]];
+    }
+    std::array<double, kFeatures> x{};
+    if (!solve(a, b, k, x) || !(x[0] > 0)) continue;
+    double explained = 0;
+    bool valid = true;
+    for (size_t i = 0; i < k; ++i) {
+      valid = valid && x[i] >= 0;
+      explained += x[i] * b[i];
+    }
+    if (!valid || !(explained > best)) continue;
+    best = explained;
+    std::array<double, kFeatures> slope{};
+    for (size_t i = 0; i < k; ++i) slope[which[i]] = x[i];
+    per_token_ns_ = slope[kTokens];
+    per_pair_ns_ = slope[kPairs];
+    per_context_ns_ = slope[kContext];
+    per_decode_ns_ = slope[kDecodes];
     fitted_ = true;
-    return;
   }
 }
 

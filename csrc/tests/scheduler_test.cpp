@@ -531,6 +531,33 @@ TEST(step_cost_model_learns_the_base_and_what_prefill_adds) {
   CHECK(!free_prefill.fitted());
 }
 
+TEST(step_cost_model_learns_what_each_decode_row_costs_from_the_steps_that_prefill) {
+  // Decode-only steps were seen with one request running; then, under load, only steps that also prefill.
+  StepCostModel m;
+  auto cost = [](int32_t decodes, int32_t tokens) { return int64_t{50'000} + 2'000 * decodes + 1'000 * tokens; };
+  for (int i = 0; i < 5; ++i) m.observe({.decode_rows = 1}, cost(1, 0));
+  for (int i = 0; i < 20; ++i) {
+    const int32_t decodes = 8 + (i * 7) % 41;
+    const int32_t tokens = 16 + (i * 13) % 64;
+    m.observe({.decode_rows = decodes, .prefill_tokens = tokens, .prefill_pairs = 1.0 * tokens * tokens,
+               .prefill_context = 1.0 * tokens},
+              cost(decodes, tokens));
+  }
+  CHECK(m.fitted() && m.base_ns() == 52'000 && m.base_decode_rows() == 1);
+  CHECK(std::abs(m.per_decode_ns() - 2'000) < 1e-3 && std::abs(m.per_token_ns() - 1'000) < 1e-3);
+  CHECK(m.per_pair_ns() < 1e-6 && m.per_context_ns() < 1e-3);
+  CHECK(std::abs(m.base_ns(48) - cost(48, 0)) < 1);
+  CHECK(m.base_ns(0) > 0);
+  // Decode rows that never vary determine no decode term; it stays 0 (a steady batch: the model as without it).
+  StepCostModel steady;
+  for (int i = 0; i < 5; ++i) steady.observe({.decode_rows = 8}, cost(8, 0));
+  for (int i = 0; i < 5; ++i) {
+    steady.observe({.decode_rows = 8, .prefill_tokens = 10 * (i + 1), .prefill_pairs = 1.0, .prefill_context = 1.0},
+                   cost(8, 10 * (i + 1)));
+  }
+  CHECK(steady.fitted() && steady.per_decode_ns() == 0 && steady.base_ns(40) == steady.base_ns());
+}
+
 TEST(step_cost_model_learns_what_a_rows_context_costs) {
   StepCostModel m;
   for (int i = 0; i < 4; ++i) m.observe({.decode_rows = 8}, 80'000);
@@ -573,7 +600,9 @@ struct TimedHarness : Harness {
   double per_token_ns;
   double per_pair_ns;
   double per_context_ns = 0;
+  double per_decode_ns = 0;  // per one-token row
   double last_ns = 0;  // the last timed step's cost
+  double last_decode_ns = 0;  // what a step of only its decodes would have cost
   TimedHarness(EngineConfig c, double fixed, double per_token, double per_pair)
       : Harness(c), fixed_ns(fixed), per_token_ns(per_token), per_pair_ns(per_pair) {}
 
@@ -586,7 +615,10 @@ struct TimedHarness : Harness {
     int prefill_rows = 0;
     int32_t prefill_tokens = 0;
     for (size_t i = 0; i < plan.sched_len.size(); ++i) {
-      if (plan.sched_len[i] <= 1) continue;
+      if (plan.sched_len[i] <= 1) {
+        true_ns += per_decode_ns;
+        continue;
+      }
       ++prefill_rows;
       prefill_tokens += plan.sched_len[i];
       true_ns += per_token_ns * plan.sched_len[i] + per_pair_ns * attention_pairs(plan.sched_start[i], plan.sched_len[i]) +
@@ -597,6 +629,7 @@ struct TimedHarness : Harness {
     CHECK(prefill_ns <= budget * (1 + 1e-9) ||
           (prefill_rows == 1 && prefill_tokens <= std::max(1, config.block_size / 4)));
     last_ns = true_ns;
+    last_decode_ns = fixed_ns + per_decode_ns * static_cast<double>(plan.sched_len.size() - prefill_rows);
     scheduler.observe_step_time(static_cast<int64_t>(true_ns));
     return plan.sched_len;
   }
@@ -660,6 +693,34 @@ TEST(the_guard_keeps_steps_within_the_slowdown_when_a_rows_context_costs) {
   }
   CHECK(over == 0 && guarded_steps > 10);
   CHECK(std::abs(h.scheduler.step_cost().per_context_ns() - 20) < 1);
+  h.run_to_completion();
+}
+
+TEST(under_load_the_guard_charges_decodes_to_the_decodes_and_the_waiting_prompts_keep_flowing) {
+  // One request decodes alone (the decode-only steps the base is learnt from), then 30 prompts arrive at once and
+  // every later step prefills beside a growing batch: each decode row costs 4 us on top of a 50 us step.
+  EngineConfig config = make_config(1'024, 64, 512, 16);
+  config.max_step_slowdown = 2.0f;
+  TimedHarness h(config, 50'000, 1'000, 0);
+  h.per_decode_ns = 4'000;
+  CHECK(h.add(prompt_of(1, iota_tokens(8), 400)));
+  for (int i = 0; i < 8; ++i) CHECK(!h.timed_step().empty());
+  for (uint64_t id = 2; id <= 48; ++id) CHECK(h.add(prompt_of(id, iota_tokens(64, 100 * static_cast<int32_t>(id)), 50)));
+  int steps = 0;
+  int over = 0;
+  while (h.tokens.size() < 48) {
+    CHECK(!h.timed_step().empty());
+    ++steps;
+    // The guard's promise, against the true cost: at most 2x what the step's decodes alone take (after a few steps
+    // to learn the decode term), unless the step is the guaranteed minimum of prefill.
+    if (steps > 6 && h.last_ns > 2 * h.last_decode_ns * 1.001) ++over;
+  }
+  // 3,008 prompt tokens, 26 steps: a step may add what its decodes take, 54 us with one, 100+ us with a dozen. When
+  // the decodes' growth was charged to the prefill tokens beside them (no decode term), this took 161 steps.
+  CHECK(steps <= 40);
+  CHECK(over == 0);
+  // Within 1%: a one-token prompt row here counts as a decode (the scheduler counts it as prefill).
+  CHECK(std::abs(h.scheduler.step_cost().per_decode_ns() - 4'000) < 40);
   h.run_to_completion();
 }
 
