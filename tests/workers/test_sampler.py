@@ -261,3 +261,43 @@ def test_plain_greedy_batches_take_the_native_pass_and_equal_pytorch(monkeypatch
     Sampler().sample(logits, batch(2, temperature=0.7))
     Sampler().sample(logits, SamplingBatch.build([0.0] * 2, [0] * 2, [1.0] * 2, num_logprobs=torch.tensor([0, 2])))
     assert calls == []
+
+
+def _lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_seeded_noise_is_its_definition_at_any_batch_size_and_thread_count(monkeypatch) -> None:
+    # The seeded stream is part of what a seed means (the same seed gives the same output across releases): each value
+    # is -log((h + 0.5) / 2**32), h the double lowbias32 hash of (seed, output index, vocab id), computed here with
+    # Python integers; the numpy version must give the same float32 bits however the rows are split over threads.
+    import math
+
+    import numpy as np
+    from ringserve.workers import sampler as sampler_module
+
+    seeds = [0, 1, 2**40 + 17, -(2**62) + 5, 2**63 - 1]
+    index = [0, 3, 7, 1 << 30, 2**31 + 9]
+
+    def expected(seed: int, out_index: int, vocab_id: int) -> float:
+        seed &= (1 << 64) - 1
+        key = _lowbias32(_lowbias32((seed & 0xFFFFFFFF) ^ _lowbias32(seed >> 32)) ^ (out_index & 0xFFFFFFFF))
+        first = _lowbias32((vocab_id * 0x9E3779B1 + key) & 0xFFFFFFFF)
+        bits = _lowbias32(first ^ _lowbias32(key ^ 0x85EBCA6B))
+        return float(np.float32(-math.log((bits + 0.5) / 4294967296.0)))
+
+    vocab = 3000
+    for parallel_from in (1 << 40, 1):  # one thread, then rows split over threads
+        monkeypatch.setattr(sampler_module, "_PARALLEL_NOISE_VALUES", parallel_from)
+        noise = sampler_module.seeded_exponential(torch.tensor(seeds), torch.tensor(index), vocab)
+        assert noise.shape == (len(seeds), vocab) and noise.dtype == torch.float32
+        for r, (seed, out_index) in enumerate(zip(seeds, index, strict=True)):
+            for v in (0, 1, 2, 1234, vocab - 1):
+                assert noise[r, v].item() == expected(seed, out_index, v), (seed, out_index, v)
+        alone = sampler_module.seeded_exponential(torch.tensor(seeds[2:3]), torch.tensor(index[2:3]), vocab)
+        assert torch.equal(alone[0], noise[2])
+    assert (noise > 0).all() and abs(noise.mean().item() - 1.0) < 0.05  # Exp(1)
