@@ -300,4 +300,7 @@ def test_seeded_noise_is_its_definition_at_any_batch_size_and_thread_count(monke
                 assert noise[r, v].item() == expected(seed, out_index, v), (seed, out_index, v)
         alone = sampler_module.seeded_exponential(torch.tensor(seeds[2:3]), torch.tensor(index[2:3]), vocab)
         assert torch.equal(alone[0], noise[2])
+    # The torch-ops version (what a GPU runs) computes the same function.
+    on_device = sampler_module._seeded_exponential_tensor(torch.tensor(seeds), torch.tensor(index), vocab)
+    assert torch.equal(on_device, noise)
     assert (noise > 0).all() and abs(noise.mean().item() - 1.0) < 0.05  # Exp(1)
