@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <array>
-#include <tuple>
-#include <utility>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 namespace ringserve {
 
@@ -14,11 +14,12 @@ constexpr size_t kMinDecodeSteps = 3;  // before the base counts
 
 // The features of the prefill fit, in the order the subsets below name them.
 enum Feature : uint8_t { kTokens, kPairs, kContext, kDecodes, kFeatures };
+using Vector = std::array<double, kFeatures>;
+using Matrix = std::array<Vector, kFeatures>;
 // Solves the k x k system a x = b (a symmetric positive semi-definite, from normal equations) by Gaussian elimination
 // with partial pivoting. False when a is close to singular: its determinant at most 1e-9 x the product of its
 // diagonal (scale-free: the features differ by orders of magnitude).
-template <size_t N>
-bool solve(std::array<std::array<double, N>, N> a, std::array<double, N> b, size_t k, std::array<double, N>& x) {
+bool solve(Matrix a, Vector b, size_t k, Vector& x) {
   double diagonal = 1;
   for (size_t i = 0; i < k; ++i) diagonal *= a[i][i];
   if (!(diagonal > 0)) return false;
@@ -88,11 +89,11 @@ void StepCostModel::refit_base() {
 void StepCostModel::refit_prefill() {
   // Least squares through the origin over the features, on every step kept: a prefill step's time beyond the base,
   // and a decode-only one's (its features are its decode rows beyond the base's alone, so it informs per_decode only).
-  std::array<std::array<double, kFeatures>, kFeatures> m{};
-  std::array<double, kFeatures> rhs{};
+  Matrix m{};
+  Vector rhs{};
   fitted_ = false;
   if (!has_base_ || prefill_.size == 0) return;
-  const auto add = [&](const std::array<double, kFeatures>& f, double extra) {
+  const auto add = [&](const Vector& f, double extra) {
     for (size_t r = 0; r < kFeatures; ++r) {
       for (size_t c = 0; c < kFeatures; ++c) m[r][c] += f[r] * f[c];
       rhs[r] += f[r] * extra;
@@ -116,13 +117,13 @@ void StepCostModel::refit_prefill() {
     for (size_t f = 0; f < kFeatures; ++f) {
       if ((mask >> f) & 1U) which[k++] = f;
     }
-    std::array<std::array<double, kFeatures>, kFeatures> a{};
-    std::array<double, kFeatures> b{};
+    Matrix a{};
+    Vector b{};
     for (size_t r = 0; r < k; ++r) {
       for (size_t c = 0; c < k; ++c) a[r][c] = m[which[r]][which[c]];
       b[r] = rhs[which[r]];
     }
-    std::array<double, kFeatures> x{};
+    Vector x{};
     if (!solve(a, b, k, x) || !(x[0] > 0)) continue;
     double explained = 0;
     bool valid = true;
@@ -132,7 +133,7 @@ void StepCostModel::refit_prefill() {
     }
     if (!valid || !(explained > best)) continue;
     best = explained;
-    std::array<double, kFeatures> slope{};
+    Vector slope{};
     for (size_t i = 0; i < k; ++i) slope[which[i]] = x[i];
     per_token_ns_ = slope[kTokens];
     per_pair_ns_ = slope[kPairs];

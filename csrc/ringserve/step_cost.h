@@ -12,7 +12,8 @@
 //   underestimated). The decode term matters under load: while requests keep arriving, nearly every step prefills,
 //   decode-only steps become rare and the base stays where it was when few requests ran; without the term the time
 //   that 48 decodes take beyond 1 was charged to the prefill tokens beside them, the guard let each step prefill only
-//   its floor, and the queue of waiting prompts grew without end (benchmarks/serve.py, 48 streams: the first token after 23 s).
+//   its floor, and the queue of waiting prompts grew without end (benchmarks/serve.py, 48 streams: the first token
+//   after 23 s).
 //   The fit is a non-negative least squares: of the sets of terms with tokens that the data determine and that come
 //   out non-negative, the one with the smallest residual. Decode rows that did not vary (a steady batch) determine no
 //   decode term, and the model is then what it was without one.
