@@ -14,8 +14,10 @@ Sections (each is timed and guarded: a failure is recorded under "errors" and th
   ModelRunner with engine-shaped step plans (as benchmarks/throughput.py does on CPU):
   offline_tok_s (N prompts x P tokens, G greedy outputs each, prefill under a 2048-token budget, then one decode
   batch) with the triton_paged backend and, as the baseline measured in the same run, with torch_sdpa;
-  single_stream_tok_s; bandwidth_bound_tok_s = copy bandwidth / weight bytes one decode step streams (every
-  weight once; an untied input embedding is only gathered, so it is left out) and the fraction reached.
+  hf_offline_tok_s, transformers `generate` on the same prompts (one static batch, same shape and dtype, random
+  weights), and offline_speedup_vs_hf; single_stream_tok_s; bandwidth_bound_tok_s = copy bandwidth / weight
+  bytes one decode step streams (every weight once; an untied input embedding is only gathered, so it is left
+  out) and the fraction reached.
 - attention: one layer's decode (and prefill) time of the Triton paged kernels against gather + SDPA, 8B
   attention shapes, a few batch x context sizes, with the largest output difference between the two.
 """
@@ -134,7 +136,8 @@ def synchronize(device: torch.device) -> None:
 
 def ensure_ringserve_importable() -> None:
     """`ringserve.workers` from this checkout, also where the dev layout (build/devpkg) was not built or did not
-    travel, as on a lent GPU machine: a throwaway `ringserve` package whose `workers` links to the source."""
+    travel, as on a lent GPU machine: a throwaway `ringserve` package whose `workers` and `backend` link to the
+    source."""
     try:
         import ringserve.workers  # noqa: F401
 
@@ -146,7 +149,8 @@ def ensure_ringserve_importable() -> None:
         root = Path(tempfile.mkdtemp(prefix="ringserve-pkg-"))
         (root / "ringserve").mkdir()
         (root / "ringserve" / "__init__.py").write_text('"""RingServe (linked by benchmarks/gpu.py)."""\n')
-        (root / "ringserve" / "workers").symlink_to(ROOT / "workers", target_is_directory=True)
+        for package in ("workers", "backend"):  # backend: its pure-Python modules (the GGUF reader), not _core
+            (root / "ringserve" / package).symlink_to(ROOT / package, target_is_directory=True)
     sys.path.insert(0, str(root))
     # The pytest subprocess imports it too.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
@@ -155,7 +159,7 @@ def ensure_ringserve_importable() -> None:
 
 def cuda_test_targets() -> list[str]:
     """The test files holding CUDA tests whose imports this machine has (a GPU image may lack `gguf`)."""
-    targets = ["tests/workers/test_triton_paged_attention.py"]
+    targets = ["tests/workers/test_triton_paged_attention.py", "tests/workers/test_sampler.py"]
     if importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("transformers") is not None:
         targets.append("tests/workers/test_model_runner.py")
     else:
@@ -330,6 +334,18 @@ def bench_model(
         progress(f"{shape} [{backend}]: {figures}")
         del runner
         free_device_memory()
+    del model  # transformers' copy of the shape takes its place
+    free_device_memory()
+    if importlib.util.find_spec("transformers") is not None:
+        progress(f"{shape} [transformers]: generate {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
+        try:
+            figures["hf_offline_tok_s"] = round(hf_offline_tok_s(shape, prompts, c.output_len, device, dtype), 1)
+            if "offline_tok_s" in figures:
+                figures["offline_speedup_vs_hf"] = round(figures["offline_tok_s"] / figures["hf_offline_tok_s"], 3)
+        except Exception as exc:
+            figures.setdefault("errors", {})["transformers"] = f"{type(exc).__name__}: {exc}"[:2000]
+            progress(f"{shape} [transformers]: FAILED\n{traceback.format_exc()}")
+        free_device_memory()
     if bandwidth:
         bound = bandwidth * 1e9 / figures["streamed_bytes_per_token"]
         figures["bandwidth_bound_tok_s"] = round(bound, 1)
@@ -339,8 +355,46 @@ def bench_model(
         figures[f"offline_speedup_vs_{backends[1]}"] = round(
             figures["offline_tok_s"] / figures[f"offline_tok_s_{backends[1]}"], 3
         )
-    del model
     return figures
+
+
+def hf_offline_tok_s(
+    shape: str, prompts: np.ndarray, output_len: int, device: torch.device, dtype: torch.dtype
+) -> float:
+    """The baseline from outside the project: transformers' `generate` over the same prompts as one static batch
+    (greedy, every output `output_len` long), a random-weight LlamaForCausalLM of the same shape and dtype."""
+    import transformers
+
+    cfg = SHAPES[shape]
+    config = transformers.LlamaConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_layers"], num_attention_heads=cfg["num_heads"],
+        num_key_value_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"],
+        tie_word_embeddings=cfg["tie_word_embeddings"], max_position_embeddings=8192, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    default_dtype = torch.get_default_dtype()
+    torch.manual_seed(0)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    ids = torch.from_numpy(prompts.astype(np.int64)).to(device)
+    mask = torch.ones_like(ids)
+    kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:2, :8], attention_mask=mask[:2, :8], max_new_tokens=3, **kwargs)  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    if out.shape != (prompts.shape[0], prompts.shape[1] + output_len):
+        raise RuntimeError(f"transformers generated {tuple(out.shape)}, not {prompts.shape[0]} x {output_len} more")
+    del hf, out
+    return prompts.shape[0] * output_len / elapsed
 
 
 def time_us(device: torch.device, run: Callable[[], Any], iters: int) -> float:

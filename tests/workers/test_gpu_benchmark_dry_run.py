@@ -35,6 +35,8 @@ def test_dry_run_fills_every_section_and_ends_with_one_json_line(tmp_path):
     if importlib.util.find_spec("triton") is not None:  # as on the GPU: triton_paged, then the baseline
         assert toy["attention_backend"] == "triton_paged"
         assert toy["offline_tok_s_torch_sdpa"] > 0 and toy["offline_speedup_vs_torch_sdpa"] > 0
+    if importlib.util.find_spec("transformers") is not None:  # the outside baseline, on the same prompts
+        assert toy["hf_offline_tok_s"] > 0 and toy["offline_speedup_vs_hf"] > 0
     assert toy["streamed_bytes_per_token"] == toy["weight_bytes"]  # tied embedding: streamed once, as the LM head
     for kind in ("attention_decode", "attention_prefill"):
         if importlib.util.find_spec("triton") is None:

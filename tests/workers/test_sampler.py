@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from ringserve.workers.sampler import Sampler, SamplingBatch
 
@@ -304,3 +305,76 @@ def test_seeded_noise_is_its_definition_at_any_batch_size_and_thread_count(monke
     on_device = sampler_module._seeded_exponential_tensor(torch.tensor(seeds), torch.tensor(index), vocab)
     assert torch.equal(on_device, noise)
     assert (noise > 0).all() and abs(noise.mean().item() - 1.0) < 0.05  # Exp(1)
+
+
+# ---- CUDA: the sampler on a GPU's tensors (skipped without one) ------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def full_batch(rows: int, vocab: int, device: str, seeds: list[int | None]) -> SamplingBatch:
+    """Every knob in use somewhere: temperature, top-k, top-p, min-p, the three penalties, min_tokens
+    suppression, top-n logprobs, greedy rows among sampled ones."""
+    gen = torch.Generator().manual_seed(rows)
+    b = SamplingBatch.build([0.0 if r % 5 == 4 else 0.6 + 0.15 * r for r in range(rows)],
+                            [(0, 40, 0, 7)[r % 4] for r in range(rows)], [(1.0, 0.9, 0.7)[r % 3] for r in range(rows)],
+                            seeds, device=device)  # fmt: skip
+    b.min_p = torch.tensor([(0.0, 0.05)[r % 2] for r in range(rows)], device=device)
+    b.output_index = torch.arange(rows, device=device) * 3
+    history = torch.randint(0, vocab, (rows, 24), generator=gen)
+    history[:, 20:] = -1
+    b.token_ids = history.to(device)
+    b.num_tokens = torch.full((rows,), 20, device=device)
+    b.num_prompt_tokens = torch.full((rows,), 12, device=device)
+    b.repetition_penalty = torch.tensor([(1.0, 1.3)[r % 2] for r in range(rows)], device=device)
+    b.frequency_penalty = torch.tensor([(0.0, 0.4, 0.2)[r % 3] for r in range(rows)], device=device)
+    b.presence_penalty = torch.tensor([(0.5, 0.0)[r % 2] for r in range(rows)], device=device)
+    b.suppress_token_ids = torch.tensor([[1, 2]] * rows, device=device)
+    b.suppress_active = torch.tensor([r % 3 == 0 for r in range(rows)], device=device)
+    b.num_logprobs = torch.tensor([r % 4 for r in range(rows)], device=device)
+    return b
+
+
+@needs_cuda
+def test_cuda_seeded_rows_sample_what_the_cpu_samples():
+    # A seed means the same tokens on either device: the noise is one function of (seed, output index, vocab id),
+    # and every mask and penalty is elementwise or per row.
+    rows, vocab = 24, 32000
+    logits = random_logits(rows=rows, vocab=vocab, seed=21)
+    seeds = [7919 * r - 2**40 for r in range(rows)]
+    cpu = Sampler(torch.Generator().manual_seed(0)).sample(logits, full_batch(rows, vocab, "cpu", seeds))
+    gpu = Sampler(torch.Generator("cuda").manual_seed(0)).sample(logits.cuda(), full_batch(rows, vocab, "cuda", seeds))
+    assert gpu.token_ids.device.type == "cuda"
+    assert gpu.token_ids.cpu().tolist() == cpu.token_ids.tolist()
+    torch.testing.assert_close(gpu.logprobs.cpu(), cpu.logprobs, atol=1e-4, rtol=1e-5)
+    assert gpu.top_token_ids is not None and cpu.top_token_ids is not None and gpu.top_logprobs is not None
+    assert gpu.top_token_ids.cpu().tolist() == cpu.top_token_ids.tolist()
+    torch.testing.assert_close(gpu.top_logprobs.cpu(), cpu.top_logprobs, atol=1e-4, rtol=1e-5)
+
+
+@needs_cuda
+def test_cuda_seeded_noise_equals_the_cpu_noise():
+    from ringserve.workers.sampler import seeded_exponential
+
+    seeds, index = torch.tensor([0, 5, 2**40 + 17, -(2**62) + 5, 2**63 - 1]), torch.tensor([0, 3, 7, 1 << 30, 9])
+    cpu = seeded_exponential(seeds, index, 128256)
+    gpu = seeded_exponential(seeds.cuda(), index.cuda(), 128256)
+    assert gpu.device.type == "cuda"
+    # The same float64 log on both sides; a last-bit difference in a libm may round one float32 apart.
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=0, rtol=2e-7)
+
+
+@needs_cuda
+@pytest.mark.parametrize("seeded", [False, True], ids=["generator", "seeds"])
+def test_cuda_sampled_frequencies_match_the_masked_softmax(seeded):
+    # 20000 draws of one row on the GPU, through top-k and min-p: the frequencies of the reference distribution.
+    torch.manual_seed(2)
+    row = torch.randn(12)
+    b = SamplingBatch.build([0.8] * 20000, [6] * 20000, [1.0] * 20000, list(range(20000)) if seeded else None,
+                            device="cuda")  # fmt: skip
+    b.min_p = torch.full((20000,), 0.1, device="cuda")
+    tokens, _ = Sampler(torch.Generator("cuda").manual_seed(3))(row.repeat(20000, 1).cuda(), b)
+    observed = torch.bincount(tokens.cpu(), minlength=12).double() / 20000
+    expected = reference_distribution(row, 0.8, 6, 1.0, 0.1)
+    assert torch.equal(observed > 0, expected > 0)
+    assert (observed - expected).abs().max().item() < 0.02
