@@ -300,6 +300,8 @@ def streamed_weight_bytes(model: Any) -> int:
 def bench_model(
     shape: str, counts: Counts, device: torch.device, dtype: torch.dtype, backends: list[str], bandwidth: float | None
 ) -> dict[str, Any]:
+    """backends[0] is measured twice, with CUDA graphs of decode steps (ModelRunner's default) and eagerly
+    (`_eager`); every other backend, the baseline, once."""
     from ringserve.workers.model_runner import ModelRunner
 
     figures: dict[str, Any] = {"shape": shape}
@@ -313,25 +315,34 @@ def bench_model(
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, model.config.vocab_size, size=(c.num_prompts, c.prompt_len))
     blocks = c.num_prompts * -(-(c.prompt_len + c.output_len) // 16) + 16
-    for i, backend in enumerate(backends):
+    variants = [(backends[0], "auto", ""), (backends[0], "off", "_eager")] + [(b, "off", f"_{b}") for b in backends[1:]]
+    for backend, graphs, suffix in variants:
         runner = None
         try:  # the baseline still gets measured when the first backend fails
             # ModelRunner binds its KV cache and backend to the model's layers, so the runners take turns.
-            runner = ModelRunner(model, block_size=16, num_kv_blocks=blocks, device=device, attention_backend=backend)
-            progress(f"{shape} [{backend}]: warm-up (kernel compilation)")
+            start = time.perf_counter()
+            runner = ModelRunner(model, block_size=16, num_kv_blocks=blocks, device=device, attention_backend=backend,
+                                 cuda_graphs=graphs)  # fmt: skip
+            synchronize(device)
+            if runner.graphs is not None and runner.graphs.capture_graphs:
+                figures["graph_capture_s"] = round(time.perf_counter() - start, 2)
+                figures["graph_batch_sizes"] = runner.graphs.sizes
+            label = backend + ("_eager" if suffix == "_eager" else "")
+            progress(f"{shape} [{label}]: warm-up (kernel compilation)")
             offline_tok_s(runner, prompts[:2, : min(16, c.prompt_len)], 3)  # compiles the prefill and decode kernels
-            progress(f"{shape} [{backend}]: offline {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
-            key = "offline_tok_s" if i == 0 else f"offline_tok_s_{backend}"
-            figures[key] = round(offline_tok_s(runner, prompts, c.output_len), 1)
-            if i == 0:
-                progress(f"{shape} [{backend}]: single stream, {c.single_stream_len} tokens")
+            single_stream_tok_s(runner, prompts[0, : min(16, c.prompt_len)], 3)  # batch 1: the split-K decode kernel
+            progress(f"{shape} [{label}]: offline {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
+            figures[f"offline_tok_s{suffix}"] = round(offline_tok_s(runner, prompts, c.output_len), 1)
+            if backend == backends[0]:
+                progress(f"{shape} [{label}]: single stream, {c.single_stream_len} tokens")
                 tok_s = single_stream_tok_s(runner, prompts[0], c.single_stream_len)
-                figures["single_stream_tok_s"] = round(tok_s, 1)
+                figures[f"single_stream_tok_s{suffix}"] = round(tok_s, 1)
                 figures["attention_backend"] = backend
+            figures.setdefault("cuda_graphs", {})[label] = runner.graphs is not None and runner.graphs.capture_graphs
         except Exception as exc:
-            figures.setdefault("errors", {})[backend] = f"{type(exc).__name__}: {exc}"[:2000]
-            progress(f"{shape} [{backend}]: FAILED\n{traceback.format_exc()}")
-        progress(f"{shape} [{backend}]: {figures}")
+            figures.setdefault("errors", {})[f"{backend}{suffix}"] = f"{type(exc).__name__}: {exc}"[:2000]
+            progress(f"{shape} [{backend}{suffix}]: FAILED\n{traceback.format_exc()}")
+        progress(f"{shape} [{backend}{suffix}]: {figures}")
         del runner
         free_device_memory()
     del model  # transformers' copy of the shape takes its place
@@ -351,10 +362,12 @@ def bench_model(
         figures["bandwidth_bound_tok_s"] = round(bound, 1)
         if "single_stream_tok_s" in figures:
             figures["single_stream_vs_bound"] = round(figures["single_stream_tok_s"] / bound, 3)
-    if len(backends) > 1 and f"offline_tok_s_{backends[1]}" in figures:
-        figures[f"offline_speedup_vs_{backends[1]}"] = round(
-            figures["offline_tok_s"] / figures[f"offline_tok_s_{backends[1]}"], 3
-        )
+    ratios = [(f"offline_speedup_vs_{b}", "offline_tok_s", f"offline_tok_s_{b}") for b in backends[1:]]
+    ratios += [("offline_speedup_vs_eager", "offline_tok_s", "offline_tok_s_eager"),
+               ("single_stream_speedup_vs_eager", "single_stream_tok_s", "single_stream_tok_s_eager")]  # fmt: skip
+    for key, measured, baseline in ratios:
+        if measured in figures and baseline in figures:
+            figures[key] = round(figures[measured] / figures[baseline], 3)
     return figures
 
 

@@ -225,6 +225,19 @@ class InputBatch:
             torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata, slots[sample]
         )
 
+    def decode_arrays(
+        self, slots: np.ndarray, starts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What `prepare` builds for a decode step (one token per slot, at `starts`), as host arrays for static
+        buffers (workers/cuda_graphs.py): token ids, positions, slot mapping, context lengths, block table rows."""
+        ones = np.ones(len(slots), np.int64)
+        self._validate(slots, starts, ones, np.zeros(len(slots), np.int64))
+        bs = self.block_size
+        ends = starts + 1
+        slot_mapping = self.block_table[slots, starts // bs].astype(np.int64) * bs + starts % bs
+        width = max(1, int(-(-ends.max() // bs)))
+        return self.token_ids[slots, starts], starts, slot_mapping, ends, self.block_table[slots, :width]
+
     def _validate(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, drafts: np.ndarray) -> None:
         in_range = (slots >= 0) & (slots < len(self.occupied))
         if not in_range.all() or not self.occupied[slots].all():

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from ringserve.workers.attention import attention_metadata_scope, get_attention_backend
+from ringserve.workers.cuda_graphs import GRAPH_MODES, DecodeGraphs, GraphMode
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
 from ringserve.workers.sampler import Sampler
@@ -168,6 +169,8 @@ class ModelRunner:
         proposer: Proposer | None = None,
         kv_cache: KVCache | None = None,
         kv_connector: Any = None,
+        cuda_graphs: GraphMode = "auto",
+        max_graph_batch: int = 256,
     ) -> None:
         model.fuse_projections()  # inference only from here on: one GEMM for q/k/v and one for gate/up
         self.model = model
@@ -180,14 +183,47 @@ class ModelRunner:
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for_memory(self.config, block_size, kv_dtype, kv_cache_memory_gib)
         self.num_kv_blocks = num_kv_blocks
+        backend = get_attention_backend(attention_backend, self.device)
+        graph_mode = self._graph_mode(cuda_graphs, backend, kv_cache)
         # A given cache (e.g. views into a KV connector's shared region) must match num_kv_blocks and block_size.
-        self.kv_cache = kv_cache or KVCache.allocate(self.config, num_kv_blocks, block_size, kv_dtype, self.device)
+        # Decode graphs get one more block, which no request owns: their padding rows write and read it.
+        self.kv_cache = kv_cache or KVCache.allocate(
+            self.config, num_kv_blocks + (graph_mode != "off"), block_size, kv_dtype, self.device
+        )
         self.kv_connector = kv_connector  # workers/kv_connector.KvConnector, for KvPull records (disaggregation)
         self.kv_pulls: list[Any] = []  # KvPulls to run before the next plan
-        model.bind_kv_cache(self.kv_cache, get_attention_backend(attention_backend, self.device))
+        model.bind_kv_cache(self.kv_cache, backend)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
         self.batch = InputBatch(block_size, num_kv_blocks, self.config.max_position, self.device)
         self.proposer = proposer  # None: lookahead in a plan is ignored (no drafts, one token per slot)
+        self.graphs: DecodeGraphs | None = None
+        if graph_mode != "off":
+            self.graphs = DecodeGraphs(
+                model, block_size=block_size, scratch_block=num_kv_blocks, max_position=self.config.max_position,
+                max_batch=max_graph_batch, device=self.device, capture=graph_mode == "auto",
+            )  # fmt: skip
+            try:
+                self.graphs.capture()
+            except Exception:  # a model or driver that cannot be captured still serves, eagerly
+                log.exception("capturing CUDA graphs of decode steps failed; decode steps run eagerly")
+                self.graphs = None
+
+    def _graph_mode(self, requested: GraphMode, backend: Any, kv_cache: KVCache | None) -> GraphMode:
+        """With "auto", graphs only where they apply: CUDA, the triton_paged backend (its decode kernel reads
+        lengths and tables on the device; gather + SDPA plans on the host), no forward hooks (tensor parallelism's
+        all-reduce), a cache of our own (the scratch block)."""
+        if requested not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs={requested!r}: must be one of {', '.join(GRAPH_MODES)}")
+        if requested == "off":
+            return "off"
+        hooks = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
+        eligible = backend.name == "triton_paged" and not hooks and kv_cache is None
+        if requested == "static":
+            if not eligible:
+                raise ValueError("static decode buffers need the triton_paged backend, no tensor parallelism and "
+                                 "a KV cache of the runner's own")  # fmt: skip
+            return "static"
+        return "auto" if eligible and self.device.type == "cuda" else "off"
 
     def tokens_of(self, slot: int) -> list[int]:
         """Every token the slot holds (prompt, outputs and sampled tokens)."""
@@ -214,28 +250,35 @@ class ModelRunner:
         lookahead = np.asarray(getattr(plan, "sched_lookahead", ()), np.int64).reshape(-1)
         if self.proposer is not None and len(lookahead) and lookahead.any():
             return self._execute_speculative(plan, slots, lookahead)
-        step = self.batch.prepare(
-            slots,
-            np.asarray(plan.sched_start, np.int64).reshape(-1),
-            np.asarray(plan.sched_len, np.int64).reshape(-1),
-            np.asarray(plan.sched_sample, np.bool_).reshape(-1),
-        )
-        with torch.inference_mode(), attention_metadata_scope(step.metadata):
-            # The sampler widens to float32 itself where it needs to (exactly), so plain steps skip that copy.
-            logits = self.model(step.input_ids, step.positions, float_logits=False)
-        if self.proposer is not None:
-            self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
-        if not len(step.sampled_slots):
+        starts = np.asarray(plan.sched_start, np.int64).reshape(-1)
+        lens = np.asarray(plan.sched_len, np.int64).reshape(-1)
+        sample = np.asarray(plan.sched_sample, np.bool_).reshape(-1)
+        graphs = self.graphs
+        if graphs is not None and self.proposer is None and len(slots) <= graphs.max_batch and (lens == 1).all():
+            with torch.inference_mode():
+                logits = graphs.run(*self.batch.decode_arrays(slots, starts))
+                if not sample.all():
+                    logits = logits[torch.from_numpy(np.flatnonzero(sample)).to(logits.device)]
+            sampled_slots = slots[sample]
+        else:
+            step = self.batch.prepare(slots, starts, lens, sample)
+            with torch.inference_mode(), attention_metadata_scope(step.metadata):
+                # The sampler widens to float32 itself where it needs to (exactly), so plain steps skip that copy.
+                logits = self.model(step.input_ids, step.positions, float_logits=False)
+            if self.proposer is not None:
+                self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
+            sampled_slots = step.sampled_slots
+        if not len(sampled_slots):
             return StepOutput(plan.step_id, *_empty_result())
-        if self.batch.plain_greedy(step.sampled_slots):
+        if self.batch.plain_greedy(sampled_slots):
             out = self.sampler.greedy(logits)
         else:
-            out = self.sampler.sample(logits, self.batch.sampling_batch(step.sampled_slots))
+            out = self.sampler.sample(logits, self.batch.sampling_batch(sampled_slots))
         tokens = out.token_ids.cpu().numpy()
-        self.batch.append_sampled(step.sampled_slots, tokens)
+        self.batch.append_sampled(sampled_slots, tokens)
         return StepOutput(
             plan.step_id,
-            step.sampled_slots.astype(np.int32),
+            sampled_slots.astype(np.int32),
             tokens.astype(np.int32),
             out.logprobs.cpu().numpy().astype(np.float32),
             None if out.top_token_ids is None else out.top_token_ids.cpu().numpy().astype(np.int32),
@@ -401,7 +444,6 @@ class ModelRunner:
         for j, i in enumerate(verified_rows.tolist()):
             tokens[i], logprobs[i] = verdict.token_ids[j], verdict.logprobs[j]
 
-
     def _run_kv_pulls(self) -> None:
         """Pulls each admitted remote-KV request's prompt blocks; on any failure computes them here instead."""
         from ringserve.workers import kv_connector as kvc
@@ -419,8 +461,13 @@ class ModelRunner:
                     self.kv_connector.pull(peers[rank], pull.remote_block_ids, pull.local_block_ids)
                     moved = self.kv_connector.bytes_pulled - before_bytes
                     seconds = max(self.kv_connector.seconds_pulling - before_s, 1e-9)
-                    log.info("KV pull: %d blocks, %d bytes in %.3f ms (%.3f GiB/s)", len(pull.local_block_ids),
-                             moved, seconds * 1e3, moved / seconds / (1 << 30))
+                    log.info(
+                        "KV pull: %d blocks, %d bytes in %.3f ms (%.3f GiB/s)",
+                        len(pull.local_block_ids),
+                        moved,
+                        seconds * 1e3,
+                        moved / seconds / (1 << 30),
+                    )
                 except (kvc.KvTransferError, kvc.KvHandshakeError) as exc:
                     log.warning("KV pull for slot %d failed, computing its prompt locally: %s", pull.slot, exc)
                     failed = True

@@ -271,6 +271,85 @@ def test_tiny_llama_generates_the_same_tokens_with_either_backend():
     assert greedy_tokens(triton_runner) == reference
 
 
+# ---- decode graphs' static buffers (workers/cuda_graphs.py), run eagerly: padding rows, scratch block --------
+
+
+def sampled_request(slot: int, tokens: list[int], blocks: list[int], seed: int | None) -> SimpleNamespace:
+    """A request that samples (temperature 0.8, top-k 20) with a seed, or greedily without one."""
+    request = new_request(slot, tokens, blocks)
+    if seed is not None:
+        request.temperature, request.top_k, request.seed, request.has_seed = 0.8, 20, seed, True
+    return request
+
+
+def graph_scenario(runner: ModelRunner, device: str = "cpu", rounds: int = 3) -> dict[int, list[int]]:
+    """Three requests (two seeded samplers, one greedy) prefilled together, then decode steps of 3, 2 and 1 rows
+    (padded to 4, 2 and 1), one step with a row that is scheduled but not sampled, then a finish."""
+    prompts = {0: [3, 9, 27, 81, 4], 1: list(range(40, 57)), 2: [7, 7, 1]}
+    tables = {0: [2, 5], 1: [0, 3, 4], 2: [1]}
+    seeds = {0: 11, 1: None, 2: 5}
+    requests = [sampled_request(s, prompts[s], tables[s], seeds[s]) for s in (0, 1, 2)]
+    first = runner.execute(step_plan(0, [(s, 0, len(prompts[s]), True) for s in (0, 1, 2)], new_requests=requests))
+    got = {int(s): [int(t)] for s, t in zip(first.slots, first.token_ids, strict=True)}
+    step = 1
+    for live in ([0, 1, 2], [0, 2], [2]):
+        for r in range(rounds):
+            sched = [(s, len(prompts[s]) + len(got[s]) - 1, 1, True) for s in live]
+            appends = [SimpleNamespace(slot=2, block_ids=[6])] if live == [0, 2] and r == 0 else []
+            out = runner.execute(step_plan(step, sched, block_appends=appends))
+            for s, t in zip(out.slots, out.token_ids, strict=True):
+                got[int(s)].append(int(t))
+            step += 1
+    # Slot 0 decodes one more token's KV without sampling (a decode row with sample=False).
+    out = runner.execute(
+        step_plan(
+            step, [(0, len(prompts[0]) + len(got[0]) - 1, 1, False), (2, len(prompts[2]) + len(got[2]) - 1, 1, True)]
+        )
+    )
+    assert [int(s) for s in out.slots] == [2]
+    got[2].append(int(out.token_ids[0]))
+    return got
+
+
+@in_interpreter
+def test_static_decode_buffers_give_the_eager_tokens_and_write_only_the_scratch_block():
+    model = tiny_llama()
+    kwargs = dict(block_size=8, num_kv_blocks=8, attention_backend="triton_paged")
+    eager = ModelRunner(copy.deepcopy(model), cuda_graphs="off", **kwargs)
+    static = ModelRunner(model, cuda_graphs="static", max_graph_batch=16, **kwargs)
+    assert static.graphs is not None and static.graphs.sizes == [1, 2, 4, 8, 16] and static.graphs.scratch_block == 8
+    assert static.kv_cache.num_blocks == 9 and static.num_kv_blocks == 8  # the engine still sees 8
+    want = graph_scenario(eager)
+    assert graph_scenario(static) == want
+    # Padding rows wrote into the scratch block, and nowhere else no request owns (block 7).
+    assert static.kv_cache.k[0][8].abs().sum() > 0
+    assert static.kv_cache.k[0][7].abs().sum() == 0 and static.kv_cache.v[1][7].abs().sum() == 0
+    for layer in range(2):  # every block a request owns holds the same keys and values, to rounding (a padded
+        # batch multiplies its rows by other kernels than an unpadded one)
+        torch.testing.assert_close(static.kv_cache.k[layer][:7], eager.kv_cache.k[layer][:7])
+        torch.testing.assert_close(static.kv_cache.v[layer][:7], eager.kv_cache.v[layer][:7])
+
+
+def test_graph_sizes_and_where_graphs_apply():
+    from ringserve.workers.cuda_graphs import graph_batch_sizes
+
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(256)[-3:] == [224, 240, 256]
+    with pytest.raises(ValueError, match="max_batch"):
+        graph_batch_sizes(0)
+    model = tiny_llama()
+    # "auto" on CPU, or with gather + SDPA, is eager: no graphs, no scratch block.
+    runner = ModelRunner(copy.deepcopy(model), block_size=8, num_kv_blocks=8, attention_backend="torch_sdpa")
+    assert runner.graphs is None and runner.kv_cache.num_blocks == 8
+    with pytest.raises(ValueError, match="triton_paged"):
+        ModelRunner(copy.deepcopy(model), block_size=8, num_kv_blocks=8, attention_backend="torch_sdpa",
+                    cuda_graphs="static")  # fmt: skip
+    with pytest.raises(ValueError, match="cuda_graphs='always'"):
+        ModelRunner(copy.deepcopy(model), block_size=8, num_kv_blocks=8, cuda_graphs="always")  # type: ignore[arg-type]
+
+
 # ---- choosing the backend -------------------------------------------------------------------------------------
 
 
@@ -454,6 +533,49 @@ def test_cuda_float32_kernels_match_reference_tightly():
 @needs_cuda
 def test_cuda_auto_picks_triton_paged():
     assert get_attention_backend("auto", "cuda").name == "triton_paged"
+
+
+@needs_cuda
+@pytest.mark.parametrize("max_position", [256, 4096], ids=["one-split", "split-k"])
+def test_cuda_graphs_replay_the_eager_tokens(max_position):
+    # 256 positions: one split per context in both modes. 4096: the graphs' decode kernel splits every context for
+    # the longest one (eager splits for the step's), so its sums run in another order. Padded batches multiply by
+    # other GEMM kernels too: tokens match, KV blocks to rounding.
+    model = tiny_llama(head_dim=64, device="cuda")
+    model.config.max_position = max_position
+    kwargs = dict(block_size=8, num_kv_blocks=8, device="cuda", attention_backend="triton_paged")
+    eager = ModelRunner(copy.deepcopy(model), cuda_graphs="off", **kwargs)
+    graphs = ModelRunner(model, cuda_graphs="auto", max_graph_batch=16, **kwargs)
+    assert eager.graphs is None and graphs.graphs is not None and graphs.graphs.capture_graphs
+    assert sorted(graphs.graphs._graphs) == [1, 2, 4, 8, 16]
+    assert graph_scenario(graphs, rounds=4) == graph_scenario(eager, rounds=4)
+    torch.testing.assert_close(graphs.kv_cache.k[1][:8], eager.kv_cache.k[1][:8], atol=1e-5, rtol=1e-5)
+    assert graphs.kv_cache.k[0][7].abs().sum() == 0  # no request owns block 7: only the scratch block takes padding
+
+
+@needs_cuda
+def test_cuda_graphs_serve_a_batch_that_grows_and_shrinks_past_sixteen():
+    # 1..20 sequences decoding side by side: each step's tokens equal the eager runner's. float32, so that the
+    # padded batch's other GEMM kernels change logits by rounding only, far below a greedy margin.
+    model = tiny_llama(head_dim=64, device="cuda")
+    kwargs = dict(block_size=16, num_kv_blocks=64, device="cuda", attention_backend="triton_paged")
+    runners = [ModelRunner(copy.deepcopy(model), cuda_graphs="off", **kwargs),
+               ModelRunner(model, cuda_graphs="auto", max_graph_batch=32, **kwargs)]  # fmt: skip
+    outputs: list[list[list[int]]] = [[], []]
+    for r, runner in enumerate(runners):
+        lengths = {}
+        for slot in range(20):
+            prompt = [(slot * 7 + i) % 120 + 1 for i in range(3 + slot)]
+            blocks = [slot * 3, slot * 3 + 1, slot * 3 + 2]
+            out = runner.execute(step_plan(slot, [(slot, 0, len(prompt), True)],
+                                           new_requests=[new_request(slot, prompt, blocks)]))  # fmt: skip
+            lengths[slot] = len(prompt) + 1
+            live = list(range(slot + 1))[-(slot % 5 + 1) * 4 :]  # 4, 8, ... up to 20 rows, then fewer
+            out = runner.execute(step_plan(100 + slot, [(s, lengths[s] - 1, 1, True) for s in live]))
+            outputs[r].append([int(t) for t in out.token_ids])
+            for s in live:
+                lengths[s] += 1
+    assert outputs[1] == outputs[0]
 
 
 @needs_cuda

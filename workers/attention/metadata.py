@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Speculative trees: sequence index -> bool [query_len, seq_len], which context positions each query row sees
     # (replacing the causal rule for that sequence). None = every sequence is causal.
     tree_masks: dict[int, torch.Tensor] | None = None
+    # int32 [num_seqs] on the device, 0..num_seqs-1, when every sequence is a decode and the caller keeps the ids
+    # (a CUDA graph's static buffers: the paged backend must not upload a fresh id tensor inside the capture).
+    decode_ids: torch.Tensor | None = None
     _split: dict[bool, tuple[list[int], list[int], torch.Tensor]] = field(default_factory=dict, init=False,
                                                                           repr=False, compare=False)  # fmt: skip
 

@@ -425,7 +425,10 @@ class TritonPagedBackend:
         if md is not self._layout_of or self._layout is None:
             decodes = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
             prefills = [i for i, n in enumerate(md.query_lens_cpu) if n > 1]
-            ids = torch.tensor(decodes + prefills, dtype=torch.int32).to(md.seq_lens.device, non_blocking=True)
+            if md.decode_ids is not None and not prefills:
+                ids = md.decode_ids
+            else:
+                ids = torch.tensor(decodes + prefills, dtype=torch.int32).to(md.seq_lens.device, non_blocking=True)
             self._layout = _StepLayout(
                 decode_ids=ids[: len(decodes)],
                 prefill_ids=ids[len(decodes) :],
