@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "torch_sdpa", "triton_paged"],
         help="workers' attention (auto = triton_paged on CUDA, torch_sdpa on CPU); env RINGSERVE_ATTENTION_BACKEND",
     )  # fmt: skip
+    p.add_argument(
+        "--cuda-graphs", default=os.environ.get("RINGSERVE_CUDA_GRAPHS", "auto"), choices=["auto", "off"],
+        help="workers' decode steps as CUDA graphs (auto = on CUDA where they apply); env RINGSERVE_CUDA_GRAPHS",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -86,6 +90,7 @@ def worker_command(args: argparse.Namespace, rank: int, step_ring: str, result_r
         "--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
         "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--kv-cache-dtype", args.kv_cache_dtype,
         "--attention-backend", args.attention_backend,
+        "--cuda-graphs", args.cuda_graphs, "--max-graph-batch", str(args.max_num_seqs),
         "--step-ring", step_ring, "--result-ring", result_ring, "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     if args.num_kv_blocks is not None:

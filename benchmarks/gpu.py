@@ -318,6 +318,7 @@ def bench_model(
     variants = [(backends[0], "auto", ""), (backends[0], "off", "_eager")] + [(b, "off", f"_{b}") for b in backends[1:]]
     for backend, graphs, suffix in variants:
         runner = None
+        label = backend + ("_eager" if suffix == "_eager" else "")
         try:  # the baseline still gets measured when the first backend fails
             # ModelRunner binds its KV cache and backend to the model's layers, so the runners take turns.
             start = time.perf_counter()
@@ -327,7 +328,6 @@ def bench_model(
             if runner.graphs is not None and runner.graphs.capture_graphs:
                 figures["graph_capture_s"] = round(time.perf_counter() - start, 2)
                 figures["graph_batch_sizes"] = runner.graphs.sizes
-            label = backend + ("_eager" if suffix == "_eager" else "")
             progress(f"{shape} [{label}]: warm-up (kernel compilation)")
             offline_tok_s(runner, prompts[:2, : min(16, c.prompt_len)], 3)  # compiles the prefill and decode kernels
             single_stream_tok_s(runner, prompts[0, : min(16, c.prompt_len)], 3)  # batch 1: the split-K decode kernel
@@ -340,9 +340,9 @@ def bench_model(
                 figures["attention_backend"] = backend
             figures.setdefault("cuda_graphs", {})[label] = runner.graphs is not None and runner.graphs.capture_graphs
         except Exception as exc:
-            figures.setdefault("errors", {})[f"{backend}{suffix}"] = f"{type(exc).__name__}: {exc}"[:2000]
-            progress(f"{shape} [{backend}{suffix}]: FAILED\n{traceback.format_exc()}")
-        progress(f"{shape} [{backend}{suffix}]: {figures}")
+            figures.setdefault("errors", {})[label] = f"{type(exc).__name__}: {exc}"[:2000]
+            progress(f"{shape} [{label}]: FAILED\n{traceback.format_exc()}")
+        progress(f"{shape} [{label}]: {figures}")
         del runner
         free_device_memory()
     del model  # transformers' copy of the shape takes its place

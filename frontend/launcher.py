@@ -109,6 +109,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--attention-backend", "auto", str,
          "workers' attention kernels (default %(default)s = triton_paged on CUDA when triton is installed, "
          "torch_sdpa on CPU)", choices=["auto", "torch_sdpa", "triton_paged"])
+    flag("--cuda-graphs", "auto", str,
+         "decode steps as CUDA graphs captured at start, for batches up to --max-num-seqs (default %(default)s = on "
+         "CUDA with triton_paged attention and one worker; off = eager, like vLLM's --enforce-eager)",
+         choices=["auto", "off"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env_default("--enable-prefix-caching", True, parse_bool),
                    help="share the KV blocks of equal prompt prefixes (default on) "
@@ -208,6 +212,7 @@ def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, ma
         "--spec-max-batch", str(args.spec_max_batch), "--spec-min-acceptance", str(args.spec_min_acceptance),
         "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max),
         "--kv-cache-dtype", args.kv_cache_dtype, "--attention-backend", args.attention_backend,
+        "--cuda-graphs", args.cuda_graphs,
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
         "--eos-token-ids", *map(str, eos_token_ids),
     ]  # fmt: skip

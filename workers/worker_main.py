@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
         help="auto = triton_paged on CUDA (when triton is installed), torch_sdpa elsewhere",
     )  # fmt: skip
+    p.add_argument(
+        "--cuda-graphs", choices=("auto", "off"), default="auto",
+        help="decode steps as CUDA graphs captured at start (auto = on CUDA with triton_paged and one rank)",
+    )  # fmt: skip
+    p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured (max-num-seqs)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must equal the engine's)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (overrides the budget)")
     p.add_argument(
@@ -214,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend,
             kv_cache=kv_cache,
             kv_connector=connector,
+            cuda_graphs=args.cuda_graphs,
+            max_graph_batch=args.max_graph_batch,
         )
         if args.speculation:
             runner.proposer = make_proposer(
@@ -225,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"worker {args.rank}/{args.world_size}: {args.model} ({args.dtype}, KV {args.kv_cache_dtype}) on {device}, "
             f"{runner.num_kv_blocks} KV blocks of {args.block_size}, {threads} threads, "
-            f"attention {args.attention_backend}" + (f", speculation {args.draft}" if args.speculation else "")
+            f"attention {args.attention_backend}"
+            + (f", CUDA graphs for batches up to {runner.graphs.max_batch}" if runner.graphs is not None else "")
+            + (f", speculation {args.draft}" if args.speculation else "")
             + (f" tree {args.spec_tree}" if args.spec_tree else ""),
             file=sys.stderr,
             flush=True,

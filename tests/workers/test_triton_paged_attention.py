@@ -379,11 +379,15 @@ def test_serve_flags_carry_the_backend_choice_down_to_the_worker():
     from ringserve.workers.worker_main import parse_args as worker_args
 
     engine = engine_args(["--request-ring", "/q", "--event-ring", "/e", "--model", "m", "--max-model-len", "64",
-                          "--attention-backend", "triton_paged"])  # fmt: skip
+                          "--attention-backend", "triton_paged", "--cuda-graphs", "off", "--max-num-seqs", "48"])
     command = worker_command(engine, 0, "/s", "/r")
     assert command[command.index("--attention-backend") + 1] == "triton_paged"
     worker = worker_args(command[command.index("--rank") :])
     assert worker.attention_backend == "triton_paged"
+    assert worker.cuda_graphs == "off" and worker.max_graph_batch == 48  # graphs only as large as a step can be
+    default = worker_args(worker_command(engine_args(["--request-ring", "/q", "--event-ring", "/e", "--model", "m",
+                                                      "--max-model-len", "64"]), 0, "/s", "/r")[3:])
+    assert default.cuda_graphs == "auto" and default.max_graph_batch == 256
     with pytest.raises(SystemExit):
         worker_args(["--model", "m", "--step-ring", "/s", "--result-ring", "/r", "--attention-backend", "flash"])
 
