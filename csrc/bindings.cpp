@@ -881,8 +881,7 @@ PYBIND11_MODULE(_core, m) {
                                const StepCostModel& m = s.step_cost();
                                if (!m.fitted()) return py::none();
                                return py::make_tuple(m.base_ns(), m.per_token_ns(), m.per_pair_ns(),
-                                                     m.per_context_ns(), m.per_decode_ns(), m.base_decode_rows(),
-                                                     m.per_prefill_step_ns());
+                                                     m.per_context_ns(), m.per_decode_ns(), m.base_decode_rows());
                              })
       .def("check_invariants", &Scheduler::check_invariants)
       .def("block_ref_count", [](const Scheduler& s, int32_t id) { return s.block_pool().ref_count(id); },

@@ -13,7 +13,7 @@ namespace {
 constexpr size_t kMinDecodeSteps = 3;  // before the base counts
 
 // The features of the prefill fit, in the order the subsets below name them.
-enum Feature : uint8_t { kTokens, kPairs, kContext, kDecodes, kPrefills, kFeatures };
+enum Feature : uint8_t { kTokens, kPairs, kContext, kDecodes, kFeatures };
 using Vector = std::array<double, kFeatures>;
 using Matrix = std::array<Vector, kFeatures>;
 // Solves the k x k system a x = b (a symmetric positive semi-definite, from normal equations) by Gaussian elimination
@@ -101,11 +101,11 @@ void StepCostModel::refit_prefill() {
   };
   for (size_t i = 0; i < prefill_.size; ++i) {
     const Prefill& p = prefill_.items[i];
-    add({p.tokens, p.pairs, p.context, p.decode_rows - base_rows_, 1}, p.ns - base_ns_);
+    add({p.tokens, p.pairs, p.context, p.decode_rows - base_rows_}, p.ns - base_ns_);
   }
   for (size_t i = 0; i < decode_.size; ++i) {
     const Decode& d = decode_.items[i];
-    add({0, 0, 0, d.rows - base_rows_, 0}, d.ns - base_ns_);
+    add({0, 0, 0, d.rows - base_rows_}, d.ns - base_ns_);
   }
   // Non-negative least squares, small enough to do exactly: of the feature sets with tokens (prefill must cost
   // something) whose fit is determined and has no negative slope, the one that explains the most (the smallest
@@ -139,7 +139,6 @@ void StepCostModel::refit_prefill() {
     per_pair_ns_ = slope[kPairs];
     per_context_ns_ = slope[kContext];
     per_decode_ns_ = slope[kDecodes];
-    per_prefill_step_ns_ = slope[kPrefills];
     fitted_ = true;
   }
 }

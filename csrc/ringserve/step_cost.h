@@ -14,12 +14,6 @@
 //   that 48 decodes take beyond 1 was charged to the prefill tokens beside them, the guard let each step prefill only
 //   its floor, and the queue of waiting prompts grew without end (benchmarks/serve.py, 48 streams: the first token
 //   after 23 s).
-//   A last term is a fixed cost of any step that prefills, whatever its size: with CUDA graphs of decode-only steps
-//   (workers/cuda_graphs.py), a step that prefills runs eagerly, and on an H200 that was ~15 ms more than the graph
-//   replay of a 1B model. Left in the data, that fixed cost was charged to the prefill tokens (and decode rows), the
-//   guard let each step prefill only its floor, and time to first token grew from 44 ms to 8 s at 64 streams
-//   (benchmarks/serve.py). No chunk size avoids it, so the guard does not count it: its time goes to what the
-//   prefill rows add (row_ns).
 //   The fit is a non-negative least squares: of the sets of terms with tokens that the data determine and that come
 //   out non-negative, the one with the smallest residual. Decode rows that did not vary (a steady batch) determine no
 //   decode term, and the model is then what it was without one.
@@ -58,8 +52,6 @@ class StepCostModel {
   double base_ns() const { return base_ns_; }  // a decode-only step of base_decode_rows() decodes
   double base_decode_rows() const { return base_rows_; }
   double per_decode_ns() const { return per_decode_ns_; }
-  // What any step that prefills costs beyond the base and its rows (see above); not in row_ns.
-  double per_prefill_step_ns() const { return per_prefill_step_ns_; }
   // A decode-only step of `decode_rows` decodes (fitted() must hold); never below a tenth of the base.
   double base_ns(int32_t decode_rows) const {
     return std::max(0.1 * base_ns_, base_ns_ + per_decode_ns_ * (static_cast<double>(decode_rows) - base_rows_));
@@ -109,7 +101,6 @@ class StepCostModel {
   double base_ns_ = 0;
   double base_rows_ = 0;
   double per_decode_ns_ = 0;
-  double per_prefill_step_ns_ = 0;
   double per_token_ns_ = 0;
   double per_pair_ns_ = 0;
   double per_context_ns_ = 0;

@@ -558,39 +558,6 @@ TEST(step_cost_model_learns_what_each_decode_row_costs_from_the_steps_that_prefi
   CHECK(steady.fitted() && steady.per_decode_ns() == 0 && steady.base_ns(40) == steady.base_ns());
 }
 
-TEST(step_cost_model_keeps_a_fixed_cost_of_prefill_steps_out_of_what_prefill_tokens_cost) {
-  // CUDA graphs: a decode-only step replays in 5 ms; any step that prefills runs eagerly, 15 ms more, plus 2 us per
-  // prefill token and 20 us per decode row beyond the base's.
-  StepCostModel m;
-  auto cost = [](int32_t decodes, int32_t tokens) {
-    return tokens == 0 ? int64_t{5'000'000} + 1'000 * (decodes - 16)
-                       : int64_t{20'000'000} + 2'000 * tokens + 20'000 * (decodes - 16);
-  };
-  for (int i = 0; i < 5; ++i) m.observe({.decode_rows = 16}, cost(16, 0));
-  for (int i = 0; i < 12; ++i) {
-    const int32_t decodes = 16 + (i * 5) % 17;
-    const int32_t tokens = 64 + (i * 97) % 900;
-    m.observe({.decode_rows = decodes, .prefill_tokens = tokens, .prefill_pairs = 1.0 * tokens * tokens,
-               .prefill_context = 1.0 * tokens},
-              cost(decodes, tokens));
-  }
-  CHECK(m.fitted() && m.base_ns() == 5'000'000);
-  CHECK(std::abs(m.per_prefill_step_ns() - 15'000'000) < 1 && std::abs(m.per_token_ns() - 2'000) < 1e-6);
-  CHECK(std::abs(m.per_decode_ns() - 20'000) < 1e-6);
-  // The guard's allowance at slowdown 2, one base, buys 2,500 prompt tokens: the 15 ms are not charged to them.
-  CHECK(m.max_tokens_within(0, m.base_ns()) == 2'500);
-  // Where no such fixed cost exists (the CPU, here), the term is 0 and the fit is what it was without it.
-  StepCostModel plain;
-  for (int i = 0; i < 5; ++i) plain.observe({.decode_rows = 16}, 5'000'000);
-  for (int i = 0; i < 12; ++i) {
-    const int32_t tokens = 64 + (i * 97) % 900;
-    plain.observe({.decode_rows = 16, .prefill_tokens = tokens, .prefill_pairs = 1.0 * tokens * tokens,
-                   .prefill_context = 1.0 * tokens},
-                  5'000'000 + 2'000 * tokens);
-  }
-  CHECK(plain.fitted() && plain.per_prefill_step_ns() < 1e-3 && std::abs(plain.per_token_ns() - 2'000) < 1e-6);
-}
-
 TEST(step_cost_model_learns_what_a_rows_context_costs) {
   StepCostModel m;
   for (int i = 0; i < 4; ++i) m.observe({.decode_rows = 8}, 80'000);
