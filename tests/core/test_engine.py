@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -495,10 +496,23 @@ def test_serve_passes_the_decode_latency_guard_to_the_engine_config(tmp_path: Pa
     for flags, want in (([], launcher.DEFAULT_MAX_STEP_SLOWDOWN), (["--max-step-slowdown", "3.5"], 3.5),
                         (["--max-step-slowdown", "0"], 0.0)):  # fmt: skip
         args = parser.parse_args(flags)
-        assert launcher.check_serve_arguments(args) is None
-        cmd = launcher.engine_command(args, source, "float32", 128, [EOS], "/req", "/evt")
+        with mock.patch.object(launcher, "nvidia_gpu_present", return_value=False):
+            assert launcher.check_serve_arguments(args) is None
+            cmd = launcher.engine_command(args, source, "float32", 128, [EOS], "/req", "/evt")
         assert engine_main.engine_config(engine_main.parse_args(cmd[3:])).max_step_slowdown == want
-    for bad in ("0.5", "-1", "nan"):
+    # auto: the default, except where the workers replay decode steps as CUDA graphs (an NVIDIA GPU, one rank,
+    # the Triton backend, --cuda-graphs auto): there the guard is off.
+    args = parser.parse_args([])
+    for gpu, extra, want in ((False, {}, launcher.DEFAULT_MAX_STEP_SLOWDOWN), (True, {}, 0.0),
+                             (True, {"cuda_graphs": "off"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"tensor_parallel_size": 2}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"attention_backend": "torch_sdpa"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN)):
+        with mock.patch.object(launcher, "nvidia_gpu_present", return_value=gpu):
+            settings = argparse.Namespace(**{**vars(args), **extra})
+            assert launcher.resolve_max_step_slowdown(settings) == want, (gpu, extra)
+    with mock.patch.object(launcher, "nvidia_gpu_present", return_value=True):
+        assert launcher.resolve_max_step_slowdown(parser.parse_args(["--max-step-slowdown", "2"])) == 2.0
+    for bad in ("0.5", "-1", "nan", "fast"):
         message = launcher.check_serve_arguments(parser.parse_args(["--max-step-slowdown", bad]))
         assert message is not None and "--max-step-slowdown must be 0 (off) or >= 1" in message
     config = _core.EngineConfig()
