@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -244,10 +245,11 @@ def nvidia_gpu_present() -> bool:
 
 
 def decode_graphs_expected(args: argparse.Namespace) -> bool:
-    """The workers will replay decode steps as CUDA graphs (workers/cuda_graphs.py: an NVIDIA GPU, --cuda-graphs
-    auto, the Triton paged attention, one rank)."""
+    """The workers will replay decode steps as CUDA graphs (workers/cuda_graphs.py and ModelRunner: an NVIDIA GPU,
+    --cuda-graphs auto, the Triton paged attention, one rank, no speculation, a KV cache of the worker's own)."""
     return (nvidia_gpu_present() and args.cuda_graphs == "auto" and args.attention_backend in ("auto", "triton_paged")
-            and args.tensor_parallel_size == 1)  # fmt: skip
+            and importlib.util.find_spec("triton") is not None and args.tensor_parallel_size == 1
+            and args.num_speculative_tokens == 0 and kv_transfer_backend(args) == "none")  # fmt: skip
 
 
 def resolve_max_step_slowdown(args: argparse.Namespace) -> float:

@@ -506,7 +506,9 @@ def test_serve_passes_the_decode_latency_guard_to_the_engine_config(tmp_path: Pa
     for gpu, extra, want in ((False, {}, launcher.DEFAULT_MAX_STEP_SLOWDOWN), (True, {}, 0.0),
                              (True, {"cuda_graphs": "off"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
                              (True, {"tensor_parallel_size": 2}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
-                             (True, {"attention_backend": "torch_sdpa"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN)):
+                             (True, {"attention_backend": "torch_sdpa"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"num_speculative_tokens": 3}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"kv_transfer": "shm"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN)):
         with mock.patch.object(launcher, "nvidia_gpu_present", return_value=gpu):
             settings = argparse.Namespace(**{**vars(args), **extra})
             assert launcher.resolve_max_step_slowdown(settings) == want, (gpu, extra)
