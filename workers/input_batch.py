@@ -200,8 +200,8 @@ class InputBatch:
             row_slot = np.repeat(slots, lens)
             positions = np.repeat(starts, lens) + (np.arange(cu[-1]) - np.repeat(cu[:-1], lens))
         input_ids = self.token_ids[row_slot, positions]
-        slot_mapping = self.block_table[row_slot, positions // bs].astype(np.int64) * bs + positions % bs
-        table_width = max(1, int(-(-ends.max() // bs)))
+        slot_mapping = self._cache_slots(row_slot, positions)
+        table_width = self._table_width(ends)
         if num_drafts is None:
             logits_rows = cu[1:][sample] - 1
         else:
@@ -232,11 +232,18 @@ class InputBatch:
         buffers (workers/cuda_graphs.py): token ids, positions, slot mapping, context lengths, block table rows."""
         ones = np.ones(len(slots), np.int64)
         self._validate(slots, starts, ones, np.zeros(len(slots), np.int64))
-        bs = self.block_size
         ends = starts + 1
-        slot_mapping = self.block_table[slots, starts // bs].astype(np.int64) * bs + starts % bs
-        width = max(1, int(-(-ends.max() // bs)))
-        return self.token_ids[slots, starts], starts, slot_mapping, ends, self.block_table[slots, :width]
+        tables = self.block_table[slots, : self._table_width(ends)]
+        return self.token_ids[slots, starts], starts, self._cache_slots(slots, starts), ends, tables
+
+    def _cache_slots(self, row_slot: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The flat KV cache slot (block id x block size + offset) of each row's position, int64."""
+        bs = self.block_size
+        return self.block_table[row_slot, positions // bs].astype(np.int64) * bs + positions % bs
+
+    def _table_width(self, ends: np.ndarray) -> int:
+        """Block table columns that reach the longest context (at least one)."""
+        return max(1, int(-(-ends.max() // self.block_size)))
 
     def _validate(self, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray, drafts: np.ndarray) -> None:
         in_range = (slots >= 0) & (slots < len(self.occupied))

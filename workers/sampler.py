@@ -268,7 +268,7 @@ def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab: i
             part.result()
     else:
         _noise_rows(key, key2, vocab, out)
-    return torch.from_numpy(out).to(seeds.device)
+    return torch.from_numpy(out)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
