@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -49,7 +48,7 @@ if "--dry-run" in sys.argv:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-if TYPE_CHECKING:  # imported at run time once the package is linked (see ensure_ringserve_importable)
+if TYPE_CHECKING:  # imported at run time once the package is importable (ensure_ringserve_importable)
     from ringserve.workers.model_runner import StepPlan
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -135,26 +134,18 @@ def synchronize(device: torch.device) -> None:
 
 
 def ensure_ringserve_importable() -> None:
-    """`ringserve.workers` from this checkout, also where the dev layout (build/devpkg) was not built or did not
-    travel, as on a lent GPU machine: a throwaway `ringserve` package whose `workers` and `backend` link to the
-    source."""
+    """`ringserve.workers` from this checkout, also where it is not installed, as on a lent GPU machine: the
+    checkout's root holds the package (ringserve/ links to workers/ and backend/, whose pure-Python modules need no
+    build), so the root goes on sys.path, and on PYTHONPATH for the pytest subprocess."""
     try:
         import ringserve.workers  # noqa: F401
 
         return
     except ImportError:
         pass
-    root = ROOT / "build" / "devpkg"
-    if not (root / "ringserve" / "workers").exists():
-        root = Path(tempfile.mkdtemp(prefix="ringserve-pkg-"))
-        (root / "ringserve").mkdir()
-        (root / "ringserve" / "__init__.py").write_text('"""RingServe (linked by benchmarks/gpu.py)."""\n')
-        for package in ("workers", "backend"):  # backend: its pure-Python modules (the GGUF reader), not _core
-            (root / "ringserve" / package).symlink_to(ROOT / package, target_is_directory=True)
-    sys.path.insert(0, str(root))
-    # The pytest subprocess imports it too.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    progress(f"ringserve.workers imported from {root}")
+    sys.path.insert(0, str(ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    progress(f"ringserve.workers imported from {ROOT}")
 
 
 def cuda_test_targets() -> list[str]:

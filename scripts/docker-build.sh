@@ -18,7 +18,7 @@ if ! docker info >/dev/null 2>&1; then
   exit 1
 fi
 
-version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -n 1)
+version=$(sed -n 's/^__version__ = "\([^"]*\)".*/\1/p' ringserve/__init__.py | head -n 1)
 tag=${TAG:-$version}
 build() {  # variant (cpu|cuda), then extra docker build arguments
   local variant=$1; shift

