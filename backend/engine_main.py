@@ -18,8 +18,8 @@ from types import FrameType
 
 from ringserve import _core
 from ringserve.backend.process import die_with_parent, stop_child, worker_environment
-from ringserve.backend.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
-from ringserve.backend.spec_tree import DraftTree
+from ringserve.formats.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
+from ringserve.formats.spec_tree import DraftTree
 
 log = logging.getLogger("ringserve.engine")
 

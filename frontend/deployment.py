@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 from ringserve.backend.process import engine_environment, stop_child, wait_for_exit
-from ringserve.backend.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
+from ringserve.formats.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
 from ringserve.frontend.catalog import ModelError
 from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
 from ringserve.frontend.tokenizer import ModelTokenizer

@@ -162,7 +162,7 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
         problem = check_handle(kv, pre)
         if problem is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        from ringserve.backend.kv_peer import pack_peer_infos
+        from ringserve.formats.kv_peer import pack_peer_infos
 
         transfer = KvTransfer(
             "pull", first_token_id=pre.first_token_id, first_logprob=pre.first_logprob,
@@ -189,7 +189,7 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
 
 def check_handle(kv: LocalKv, pre: dpb.PrefillResponse) -> str | None:
     """The handshake: why this server cannot use the handle's blocks, or None."""
-    from ringserve.backend.kv_peer import KvHandshakeError, KvPeerInfo, check_compatible
+    from ringserve.formats.kv_peer import KvHandshakeError, KvPeerInfo, check_compatible
 
     h = pre.handle
     if h.backend != kv.backend:

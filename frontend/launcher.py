@@ -184,7 +184,7 @@ def otel_traces_protocol(environ: Mapping[str, str] = os.environ) -> str:
 def model_metadata(source: ModelSource) -> tuple[str, int, ModelTokenizer]:
     """(architecture, context length, tokenizer) from the model's own files; one GGUF read serves both."""
     if source.path.suffix == ".gguf":
-        from ringserve.backend.gguf_file import GGUFFile
+        from ringserve.formats.gguf_file import GGUFFile
 
         reader = GGUFFile(source.path)
         arch_field = reader.get_field("general.architecture")
@@ -299,7 +299,7 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
     if args.draft != "ngram" and not args.draft.startswith("layers:") and not Path(args.draft).exists():
         return f"--draft {args.draft!r}: expected ngram, layers:N or an existing draft model path"
     if getattr(args, "spec_tree", ""):
-        from ringserve.backend.spec_tree import DraftTree
+        from ringserve.formats.spec_tree import DraftTree
 
         if args.num_speculative_tokens == 0:
             return "--spec-tree needs --num-speculative-tokens > 0 (the tree's depth)"

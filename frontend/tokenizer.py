@@ -158,7 +158,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> ModelTokenizer:
 def tokenizer_from_gguf(source: str | os.PathLike[str] | Any) -> ModelTokenizer:
     """`source` is a path or an open `gguf.GGUFReader` (reuse the model loader's; opening one takes a while)."""
     import gguf
-    from ringserve.backend.gguf_file import GGUFFile
+    from ringserve.formats.gguf_file import GGUFFile
 
     reader = source if isinstance(source, gguf.GGUFReader) else GGUFFile(os.fspath(source))
 

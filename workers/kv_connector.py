@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from ringserve.backend.kv_peer import (
+from ringserve.formats.kv_peer import (
     BACKEND_NAMES,
     KvHandshakeError,
     KvPeerInfo,

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from ringserve.backend.spec_tree import DraftTree
+from ringserve.formats.spec_tree import DraftTree
 from ringserve.workers.attention import ATTENTION_BACKENDS
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ringserve.backend.kv_peer import KvPeerInfo
+from ringserve.formats.kv_peer import KvPeerInfo
 from ringserve.frontend.disagg import LocalKv, check_handle
 from ringserve.frontend.router import Upstream, choose_prefill, estimate_prompt_tokens, least_loaded, prompt_prefix
 from ringserve.internal import disagg_pb2 as dpb

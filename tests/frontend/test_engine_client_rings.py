@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from ringserve.backend.segments import new_segment_name
+from ringserve.formats.segments import new_segment_name
 from ringserve.frontend.engine_client import EngineClient, SamplingOptions
 from ringserve.frontend.server import build_server, describe_model
 from ringserve.frontend.tokenizer import ModelTokenizer

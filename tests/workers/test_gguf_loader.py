@@ -186,7 +186,7 @@ def test_real_gguf_greedy_tokens_equal_transformers():
 def test_fast_reader_reads_what_gguf_reads():
     # GGUFFile (frontend and workers) reads through a plain view of the mapping; every field and tensor must be
     # what gguf's own reader gives, and tensor data must stay read-only views of the file.
-    from ringserve.backend.gguf_file import GGUFFile
+    from ringserve.formats.gguf_file import GGUFFile
 
     path = os.environ[GGUF_ENV]
     ours, theirs = GGUFFile(path), gguf.GGUFReader(path)

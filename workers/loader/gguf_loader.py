@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from ringserve.backend.gguf_file import GGUFFile
+from ringserve.formats.gguf_file import GGUFFile
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM

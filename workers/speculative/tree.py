@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from ringserve.backend.spec_tree import DraftTree
+from ringserve.formats.spec_tree import DraftTree
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.sampler import GREEDY_TEMPERATURE, Sampler, SamplingBatch, _select, sampling_distribution

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_TREE_NODES = 64  # the engine's lookahead slots per request per step (kMaxLookaheadSlots)
+# The engine's lookahead slots per request per step: kMaxLookaheadSlots (records.h), until _core exposes it.
+MAX_TREE_NODES = 64
 
 
 @dataclass(frozen=True)
