@@ -40,7 +40,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from live_server import LiveServer, live_server
-from ringserve.frontend.launcher import DEFAULT_MAX_STEP_SLOWDOWN
+from ringserve.formats.engine_args import DEFAULT_MAX_STEP_SLOWDOWN
 from ringserve.frontend.model_source import embedded_model_path
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc

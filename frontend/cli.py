@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 import grpc
-from ringserve.frontend.cli_env import env_default, env_help, parse_bool
+from ringserve.formats.cli_env import env_default, env_help, parse_bool
 from ringserve.frontend.security import (
     SecurityConfigError,
     add_channel_security_arguments,

@@ -13,8 +13,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,28 +20,23 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
-from ringserve.backend.process import engine_environment, stop_child, wait_for_exit
-from ringserve.formats.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
+from ringserve.backend.engine_process import EngineProcess
+from ringserve.formats.engine_args import EngineArgs
 from ringserve.frontend.catalog import ModelError
 from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
 from ringserve.frontend.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
-# (request ring name, event ring name) -> the engine process's argv.
-EngineCommand = Callable[[str, str], list[str]]
-
-
 class EngineReplica:
     """One engine process serving one model: its rings, its process and the client that talks to it."""
 
-    def __init__(self, index: int, command: EngineCommand, *, log_level: str = "INFO") -> None:
+    def __init__(self, index: int, engine_args: EngineArgs, *, log_level: str = "INFO") -> None:
         self.index = index
-        self._command = command
+        self._engine_args = engine_args
         self._log_level = log_level
-        self.process: subprocess.Popen[bytes] | None = None
+        self.engine: EngineProcess | None = None
         self.client: EngineClient | None = None
-        self._rings: list[Any] = []
         self._watch: asyncio.Task[None] | None = None
         self.outstanding_tokens = 0
         self.state = "STARTING"  # STARTING, READY, DRAINING, STOPPED, FAILED
@@ -59,25 +52,17 @@ class EngineReplica:
 
     async def start(self, timeout_s: float) -> Any:
         """Start the engine and wait for its EngineReady; on any failure everything started is stopped again."""
-        from ringserve import _core
-
         try:
-            request_ring = _core.ShmRing.create(new_segment_name("req"), REQUEST_RING_BYTES, 1)
-            self._rings.append(request_ring)
-            event_ring = _core.ShmRing.create(new_segment_name("evt"), EVENT_RING_BYTES, 1)
-            self._rings.append(event_ring)
-            env = {**engine_environment(dict(os.environ)), "RINGSERVE_LOG_LEVEL": self._log_level.upper()}
-            command = self._command(request_ring.name, event_ring.name)
-            self.process = await asyncio.to_thread(subprocess.Popen, command, env=env)
-            self.client = EngineClient(request_ring, event_ring)
+            self.engine = await EngineProcess.start(self._engine_args, log_level=self._log_level)
+            self.client = EngineClient(self.engine.request_ring, self.engine.event_ring)
             self.client.start()
-            self._watch = asyncio.create_task(self._watch_process(self.process))
+            self._watch = asyncio.create_task(self._watch_process(self.engine))
             ready = asyncio.create_task(self.client.wait_ready(timeout_s))
             await asyncio.wait({ready, self._watch}, return_when=asyncio.FIRST_COMPLETED)
             if not ready.done():
                 ready.cancel()
                 raise ModelError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"the engine exited with code {self.process.poll()} while loading the model (see the "
+                                 f"the engine exited with code {self.engine.poll()} while loading the model (see the "
                                  "server log)")  # fmt: skip
             self.ready = ready.result()
         except BaseException:
@@ -87,9 +72,9 @@ class EngineReplica:
         self.state = "READY"
         return self.ready
 
-    async def _watch_process(self, process: subprocess.Popen[bytes]) -> None:
+    async def _watch_process(self, engine: EngineProcess) -> None:
         """Fails the client when the engine process exits."""
-        code = await wait_for_exit(process)
+        code = await engine.wait()
         if self.state not in ("STOPPED", "DRAINING") and self.client is not None:
             self.state = "FAILED"
             self.client.fail(f"the engine process of replica {self.index} exited with code {code}")
@@ -110,16 +95,14 @@ class EngineReplica:
         self.state = "STOPPED" if self.state != "FAILED" else "FAILED"
         code: int | None = None
         if self.client is not None:
-            if self.client.failure is None and self.process is not None and self.process.poll() is None:
+            if self.client.failure is None and self.engine is not None and self.engine.poll() is None:
                 await self.client.shutdown_engine(timeout=5.0)
             await self.client.close(f"model replica {self.index} was stopped")
-        if self.process is not None:
-            code = await asyncio.to_thread(stop_child, self.process, 15.0)
+        if self.engine is not None:
+            code = await self.engine.stop(15.0)
+            self.engine = None
         if self._watch is not None:
             self._watch.cancel()
-        for ring in self._rings:
-            ring.unlink()
-        self._rings.clear()
         return code
 
 
@@ -130,7 +113,7 @@ class ModelDeployment:
     name: str
     url: str
     tokenizer: ModelTokenizer
-    command: EngineCommand
+    engine_args: EngineArgs  # resolved for this model (backend.engine_process.resolve_engine_args)
     start_timeout_s: float = 600.0
     log_level: str = "INFO"
     info: Any = None  # pb.ModelInfo, filled once the first replica is ready
@@ -145,7 +128,7 @@ class ModelDeployment:
     # -- replicas -------------------------------------------------------------------------------------------
 
     async def add_replica(self) -> EngineReplica:
-        replica = EngineReplica(next(self._replica_ids), self.command, log_level=self.log_level)
+        replica = EngineReplica(next(self._replica_ids), self.engine_args, log_level=self.log_level)
         await replica.start(self.start_timeout_s)
         assert replica.client is not None
         replica.client.add_failure_listener(lambda message: self._on_replica_failure(replica, message))
@@ -195,7 +178,7 @@ class ModelDeployment:
 
     def describe_replicas(self) -> list[dict[str, Any]]:
         return [{"id": f"engine-{r.index}", "status": r.state if r.failure is None else "FAILED",
-                 "pid": r.process.pid if r.process is not None else None,
+                 "pid": r.engine.pid if r.engine is not None else None,
                  "outstandingTokens": r.outstanding_tokens} for r in self.replicas]  # fmt: skip
 
     # -- GenerationEngine -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from ringserve.frontend.cli_env import env_default, env_help
+from ringserve.formats.cli_env import env_default, env_help
 from ringserve.frontend.security import ChannelSecurity, SecurityConfigError, open_channel, probe_security
 
 HEALTHY = 0

@@ -7,21 +7,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from ringserve.backend.engine_process import resolve_engine_args
+from ringserve.formats.cli_env import env_default, env_help, parse_bool
+from ringserve.formats.engine_args import EngineArgs, add_engine_arguments
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
-from ringserve.frontend.cli_env import env_default, env_help, parse_bool
 from ringserve.frontend.deployment import ModelDeployment
 from ringserve.frontend.disagg import model_identity
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
@@ -48,13 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ringserve.serve")
 
-# The decode-latency guard's default: a step that prefills while requests decode may take at most 2x a decode-only
-# step (by the engine's estimate; measured steps scatter around it, so the p99 lands near 2.6x on a busy small CPU).
-# On a GPU that rarely cuts the token budget (a prefill token costs little next to a step's fixed cost); on a CPU it
-# keeps streams within issue #3's 3x inter-token latency while a long prompt is prefilled.
-DEFAULT_MAX_STEP_SLOWDOWN = 2.0
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Flags follow vLLM's names where vLLM has the same knob; each also reads RINGSERVE_<FLAG>."""
 
@@ -67,64 +61,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--model", EMBEDDED_MODEL_NAME, str,
          "a .gguf file, a Hugging Face folder, or the embedded model's name (default %(default)s)")
     flag("--served-model-name", "", str, "name clients use in GenerateRequest.model (default: from --model)")
-    flag("--dtype", "auto", str, "weights and activations dtype (default %(default)s = bfloat16 where the CPU has "
-         "AVX512-BF16 or an NVIDIA GPU is present, else float32)", choices=["auto", "float32", "bfloat16", "float16"])
-    flag("--tensor-parallel-size", 1, int, "worker processes the model is split across (default %(default)s)")
-    flag("--max-num-seqs", 256, int, "most sequences running in one step (default %(default)s)")
-    flag("--max-num-batched-tokens", 2048, int, "token budget of one engine step (default %(default)s)")
+    add_engine_arguments(p)  # --dtype ... --kv-transfer: the settings each engine replica gets
     flag("--max-waiting-requests", DEFAULT_MAX_WAITING_REQUESTS, int,
          "requests admitted but not yet scheduled by the engine before new ones get RESOURCE_EXHAUSTED; a request "
          "with n > 1 takes n places (default %(default)s; 0 = unbounded)")
-    flag("--max-model-len", 0, int, "context length limit (default: the model's)")
-    flag("--block-size", 16, int, "tokens per KV cache block (default %(default)s)")
-    flag("--long-prefill-token-threshold", 0, int,
-         "most prompt tokens one request may prefill per step (default %(default)s = no cap)")
-    flag("--max-step-slowdown", "auto", str,
-         "decode-latency guard: while requests decode, a step's prefill chunks are cut so that its time (fitted "
-         "online from measured steps) stays within this many times a decode-only step; running streams keep their "
-         f"pace while long prompts arrive, at the cost of a later first token for those prompts (default auto: "
-         f"{DEFAULT_MAX_STEP_SLOWDOWN:g}, but off where the workers replay decode steps as CUDA graphs: a step that "
-         "prefills then runs eagerly and costs several decode steps whatever its chunk, and the guard would only "
-         "hold prompts back; 0 = off: only the token budget bounds a step)")
-    flag("--priority-aging-ms", 1000, int,
-         "a waiting request's priority value improves by one per this many ms waited, so better-priority traffic "
-         "cannot starve it (default %(default)s; 0 = strict priority)")
-    flag("--num-speculative-tokens", 0, int,
-         "speculative decoding: draft tokens the workers propose and verify per decode step (default %(default)s = "
-         "off; at most 8); greedy output is unchanged and sampling keeps the model's distribution")
-    flag("--draft", "ngram", str,
-         "speculative proposer: ngram (prompt lookup, no model), layers:N (the model's first N layers + LM head) or "
-         "a draft model path with the same vocabulary (default %(default)s)")
-    flag("--spec-tree", "", str,
-         "multi-candidate speculation: WxD proposes the drafter's top W tokens at each of the first D positions, "
-         "then greedy chains down to --num-speculative-tokens, and verifies the whole tree in one pass (e.g. 2x2; "
-         "with --draft ngram the branches are what followed different earlier matches; default: one chain)")
-    flag("--spec-max-batch", 16, int,
-         "no speculation in a step where more requests run: big batches are compute bound (default %(default)s; "
-         "0 = no limit)")
-    flag("--spec-min-acceptance", 0.25, float,
-         "a request whose recent draft acceptance rate falls below this decodes without drafts for a while "
-         "(default %(default)s)")
-    flag("--prompt-lookup-min", 2, int, "ngram proposer: shortest n-gram matched (default %(default)s)")
-    flag("--prompt-lookup-max", 4, int, "ngram proposer: longest n-gram matched (default %(default)s)")
-    flag("--kv-cache-dtype", "auto", str, "KV cache dtype (default %(default)s = the weights')",
-         choices=["auto", "float32", "bfloat16", "float16"])
-    flag("--attention-backend", "auto", str,
-         "workers' attention kernels (default %(default)s = triton_paged on CUDA when triton is installed, "
-         "torch_sdpa on CPU)", choices=["auto", "torch_sdpa", "triton_paged"])
-    flag("--cuda-graphs", "auto", str,
-         "decode steps as CUDA graphs captured at start, for batches up to --max-num-seqs (default %(default)s = on "
-         "CUDA with triton_paged attention and one worker; off = eager, like vLLM's --enforce-eager)",
-         choices=["auto", "off"])
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=env_default("--enable-prefix-caching", True, parse_bool),
-                   help="share the KV blocks of equal prompt prefixes (default on) "
-                        + env_help("--enable-prefix-caching"))
-    flag("--num-kv-blocks", 0, int, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
-    flag("--kv-cache-memory-gib", 1.0, float, "KV cache memory budget per worker in GiB (default %(default)s)")
-    flag("--worker-threads", 0, int,
-         "torch CPU threads per worker process (default 0: the usable CPUs divided among the tensor-parallel ranks; "
-         "on a machine shared with other busy processes fewer threads avoid stalls)")
     flag("--engine-start-timeout", 600.0, float, "seconds to wait for the model to load (default %(default)s)")
     flag("--shutdown-grace", 5.0, float,
          "seconds in-flight streams get to finish on SIGTERM, and when a model is unregistered or scaled down "
@@ -159,12 +99,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--metrics-stats-interval", 1.0, float,
          "seconds between engine stats queries when the engine pushes none (default %(default)s)")
     # Disaggregated prefill/decode (DESIGN.md §8): a router sends prompts to prefill servers and decoding to decode
-    # servers; their workers move KV blocks through the --kv-transfer backend.
+    # servers; their workers move KV blocks through the --kv-transfer backend (an engine flag, above).
     flag("--role", "both", str, "both = ordinary server; prefill / decode = a disaggregated deployment's part "
          "(default %(default)s)", choices=["both", "prefill", "decode"])
-    flag("--kv-transfer", "auto", str, "KV transfer backend between prefill and decode servers: shm (same host), "
-         "nixl (NIXL over UCX: RDMA, TCP), none; auto = shm for --role prefill/decode, none for both",
-         choices=["auto", "none", "shm", "nixl"])
     flag("--kv-pin-timeout", 30.0, float, "seconds a prefill server keeps a request's KV blocks pinned waiting for "
          "the decode server's pull (default %(default)s)")
     add_server_security_arguments(p)  # --tls-*, --api-key(-file), --max-message-size-mib
@@ -199,78 +136,6 @@ def model_metadata(source: ModelSource) -> tuple[str, int, ModelTokenizer]:
     return arch, int(config.get("max_position_embeddings", 2048)), load_tokenizer(source.path)
 
 
-def engine_command(args: argparse.Namespace, source: ModelSource, dtype: str, max_model_len: int,
-                   eos_token_ids: list[int], request_ring: str, event_ring: str) -> list[str]:  # fmt: skip
-    cmd = [
-        sys.executable, "-m", "ringserve.backend.engine_main",
-        "--request-ring", request_ring, "--event-ring", event_ring, "--model", str(source.path), "--dtype", dtype,
-        "--tensor-parallel-size", str(args.tensor_parallel_size), "--block-size", str(args.block_size),
-        "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-model-len", str(max_model_len), "--kv-cache-memory-gib", str(args.kv_cache_memory_gib),
-        "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-        "--max-step-slowdown", str(resolve_max_step_slowdown(args)),
-        "--priority-aging-ms", str(args.priority_aging_ms),
-        "--num-speculative-tokens", str(args.num_speculative_tokens), "--draft", args.draft,
-        "--spec-tree", args.spec_tree,
-        "--spec-max-batch", str(args.spec_max_batch), "--spec-min-acceptance", str(args.spec_min_acceptance),
-        "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max),
-        "--kv-cache-dtype", args.kv_cache_dtype, "--attention-backend", args.attention_backend,
-        "--cuda-graphs", args.cuda_graphs,
-        "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
-        "--eos-token-ids", *map(str, eos_token_ids),
-    ]  # fmt: skip
-    if args.num_kv_blocks > 0:
-        cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.worker_threads > 0:
-        cmd += ["--worker-threads", str(args.worker_threads)]
-    transfer = kv_transfer_backend(args)
-    if transfer != "none":
-        cmd += ["--kv-transfer", transfer, "--kv-info-dir", args.kv_info_dir,
-                "--model-id", model_identity(str(source.path), source.name, dtype)]  # fmt: skip
-    return cmd
-
-
-def native_bf16_cpu() -> bool:
-    """True when this CPU runs the workers' native bf16 kernels (AVX512-BF16), which make bf16 the fast CPU dtype."""
-    try:
-        from ringserve import _kernels
-    except ImportError:
-        return False
-    return bool(_kernels.has_avx512_bf16())
-
-
-def nvidia_gpu_present() -> bool:
-    """An NVIDIA driver is loaded (the workers then run on CUDA), found without importing torch here."""
-    return Path("/proc/driver/nvidia/version").exists()
-
-
-def decode_graphs_expected(args: argparse.Namespace) -> bool:
-    """The workers will replay decode steps as CUDA graphs (workers/cuda_graphs.py and ModelRunner: an NVIDIA GPU,
-    --cuda-graphs auto, the Triton paged attention, one rank, no speculation, a KV cache of the worker's own)."""
-    return (nvidia_gpu_present() and args.cuda_graphs == "auto" and args.attention_backend in ("auto", "triton_paged")
-            and importlib.util.find_spec("triton") is not None and args.tensor_parallel_size == 1
-            and args.num_speculative_tokens == 0 and kv_transfer_backend(args) == "none")  # fmt: skip
-
-
-def resolve_max_step_slowdown(args: argparse.Namespace) -> float:
-    """--max-step-slowdown auto: the default guard, or none where decode steps are CUDA graphs. Measured on an H200
-    (benchmarks/serve.py, 1B shape, 64 streams): with graphs and the guard at 2, steps that prefill (eager, ~15 ms
-    more than a graph replay) were held to the guard's floor and the p99 first token took 8.5 s; with graphs and no
-    guard, 74 ms. Raises ValueError for a value that is not a number."""
-    value = str(args.max_step_slowdown)
-    if value == "auto":
-        return 0.0 if decode_graphs_expected(args) else DEFAULT_MAX_STEP_SLOWDOWN
-    return float(value)
-
-
-def resolve_dtype(choice: str) -> str:
-    """--dtype auto: bfloat16 where it is the fast exact-enough choice (a GPU, or a CPU with the native bf16
-    kernels), else float32 (bf16 arithmetic without AVX512-BF16 is emulated and slower than float32)."""
-    if choice != "auto":
-        return choice
-    return "bfloat16" if nvidia_gpu_present() or native_bf16_cpu() else "float32"
-
-
 def kv_transfer_backend(args: argparse.Namespace) -> str:
     choice = getattr(args, "kv_transfer", "none")
     if choice == "auto":
@@ -278,47 +143,21 @@ def kv_transfer_backend(args: argparse.Namespace) -> str:
     return choice
 
 
+def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine flags of `ringserve serve`, with --kv-transfer auto made for --role. A ValueError names a flag."""
+    return dataclasses.replace(EngineArgs.from_namespace(args), kv_transfer=kv_transfer_backend(args))
+
+
 def check_serve_arguments(args: argparse.Namespace) -> str | None:
-    """An error message saying what to change, or None."""
+    """An error message saying what to change, or None; EngineArgs checks the engine flags."""
     if getattr(args, "data_parallel_size", 1) < 1:
         return f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})"
-    if args.tensor_parallel_size < 1:
-        return f"--tensor-parallel-size must be at least 1 (got {args.tensor_parallel_size})"
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})"
+    try:
+        serve_engine_args(args)
+    except ValueError as error:
+        return str(error)
     if args.max_waiting_requests < 0:
         return f"--max-waiting-requests must be >= 0 (0 = unbounded; got {args.max_waiting_requests})"
-    if not 0 <= args.num_speculative_tokens <= 8:
-        return f"--num-speculative-tokens must be in [0, 8] (0 = off; got {args.num_speculative_tokens})"
-    if args.spec_max_batch < 0 or not 0.0 <= args.spec_min_acceptance <= 1.0:
-        return "--spec-max-batch must be >= 0 and --spec-min-acceptance in [0, 1]"
-    if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
-        return (f"--prompt-lookup-min ({args.prompt_lookup_min}) must be >= 1 and <= --prompt-lookup-max "
-                f"({args.prompt_lookup_max})")  # fmt: skip
-    if args.draft != "ngram" and not args.draft.startswith("layers:") and not Path(args.draft).exists():
-        return f"--draft {args.draft!r}: expected ngram, layers:N or an existing draft model path"
-    if getattr(args, "spec_tree", ""):
-        from ringserve.formats.spec_tree import DraftTree
-
-        if args.num_speculative_tokens == 0:
-            return "--spec-tree needs --num-speculative-tokens > 0 (the tree's depth)"
-        try:
-            DraftTree.parse(args.spec_tree, args.num_speculative_tokens)
-        except ValueError as error:
-            return str(error)
-    try:
-        slowdown = resolve_max_step_slowdown(args)
-    except ValueError:
-        slowdown = float("nan")
-    if not (slowdown == 0 or slowdown >= 1):
-        return f"--max-step-slowdown must be 0 (off) or >= 1, or auto (got {args.max_step_slowdown})"
-    if args.priority_aging_ms < 0:
-        return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {args.priority_aging_ms})"
-    if getattr(args, "worker_threads", 0) < 0:
-        return f"--worker-threads must be >= 0 (0 = automatic; got {args.worker_threads})"
-    if args.max_model_len < 0 or args.num_kv_blocks < 0 or args.kv_cache_memory_gib <= 0:
-        return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
     if args.role != "both" and kv_transfer_backend(args) == "none":
         return f"--role {args.role} needs a KV transfer backend: --kv-transfer shm or nixl"
     if kv_transfer_backend(args) != "none" and (getattr(args, "models_config", "")
@@ -432,12 +271,24 @@ def load_models_config(path: str) -> tuple[list[ModelSpec], str | None]:
     return specs, default
 
 
+def engine_args_for_model(settings: EngineArgs, source: ModelSource, eos_token_ids: Sequence[int],
+                          context_length: int) -> EngineArgs:  # fmt: skip
+    """`settings` made for one model: its path and end-of-sequence ids, the `auto` choices resolved for it and this
+    host, and the identity the KV handshake compares where KV blocks move between servers."""
+    settings = dataclasses.replace(settings, model_path=str(source.path), eos_token_ids=tuple(eos_token_ids))
+    settings = resolve_engine_args(settings, context_length)
+    if settings.kv_transfer == "none":
+        return settings
+    return dataclasses.replace(settings, model_id=model_identity(str(source.path), source.name, settings.dtype))
+
+
 class ModelLauncher:
     """Starts a model's engine replicas for the ModelManager (startup models and RegisterModel alike)."""
 
-    def __init__(self, args: argparse.Namespace, catalog: ModelCatalog, tracer: RequestTracer | None,
-                 metrics: ServingMetrics | None) -> None:  # fmt: skip
+    def __init__(self, args: argparse.Namespace, engine: EngineArgs, catalog: ModelCatalog,
+                 tracer: RequestTracer | None, metrics: ServingMetrics | None) -> None:  # fmt: skip
         self._args = args
+        self._engine = engine
         self._catalog = catalog
         self._tracer = tracer
         self._metrics = metrics
@@ -447,17 +298,18 @@ class ModelLauncher:
         """Metadata read before the event loop started, so a startup model is not read twice."""
         self._metadata[str(metadata.source.path)] = metadata
 
-    def settings(self, spec: ModelSpec) -> argparse.Namespace:
-        """The server's flags with the spec's own settings over them."""
+    def settings(self, spec: ModelSpec) -> EngineArgs:
+        """The server's engine flags with the spec's own settings over them."""
         overrides = {name: getattr(spec, name) for name in ("tensor_parallel_size", "dtype", "max_model_len",
                                                             "max_num_seqs", "kv_cache_memory_gib", "num_kv_blocks")
                      if getattr(spec, name) is not None}  # fmt: skip
-        return argparse.Namespace(**{**vars(self._args), **overrides})
+        try:
+            return dataclasses.replace(self._engine, **overrides)
+        except ValueError as error:
+            raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
 
     async def load(self, spec: ModelSpec, model: ServedModel) -> None:
         settings = self.settings(spec)
-        if (error := check_serve_arguments(settings)) is not None:
-            raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, error)
         metadata = self._metadata.pop(spec.path, None)
         if metadata is None:
             try:
@@ -465,15 +317,11 @@ class ModelLauncher:
             except (ModelNotFoundError, OSError, ValueError) as exc:
                 raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, f"url: {exc}") from None
         source, tokenizer = metadata.source, metadata.tokenizer
-        dtype = resolve_dtype(settings.dtype)
-        max_model_len = min(settings.max_model_len or metadata.context_length, metadata.context_length)
-
-        def command(request_ring: str, event_ring: str) -> list[str]:
-            return engine_command(settings, source, dtype, max_model_len, tokenizer.eos_token_ids, request_ring,
-                                  event_ring)  # fmt: skip
-
-        deployment = ModelDeployment(name=spec.name, url=str(source.path), tokenizer=tokenizer, command=command,
-                                     start_timeout_s=settings.engine_start_timeout, log_level=settings.log_level)
+        settings = engine_args_for_model(settings, source, tokenizer.eos_token_ids, metadata.context_length)
+        dtype = settings.dtype
+        deployment = ModelDeployment(name=spec.name, url=str(source.path), tokenizer=tokenizer, engine_args=settings,
+                                     start_timeout_s=self._args.engine_start_timeout,
+                                     log_level=self._args.log_level)  # fmt: skip
         model.deployment, model.url, model.max_num_seqs = deployment, str(source.path), settings.max_num_seqs
         try:
             log.info("loading model %s from %s (%d engine replica(s), tensor parallel %d)", spec.name, source.path,
@@ -493,10 +341,10 @@ class ModelLauncher:
 
             metrics = self._metrics if self._metrics.model_name == spec.name else self._metrics.for_model(spec.name)
             model.metrics = metrics
-            model.stats_feed = EngineStatsFeed(deployment, metrics, settings.metrics_stats_interval)
+            model.stats_feed = EngineStatsFeed(deployment, metrics, self._args.metrics_stats_interval)
             model.stats_feed.start()
         servicer = GenerationServicer(deployment, tokenizer, info, tracer=self._tracer, metrics=metrics,
-                                      max_waiting_requests=settings.max_waiting_requests)
+                                      max_waiting_requests=self._args.max_waiting_requests)
         self._catalog.attach(model, servicer, deployment, info)
         log.info("model %s is serving (%d KV blocks of %d tokens per replica)", spec.name,
                  replica.ready.num_total_blocks, replica.ready.block_size)  # fmt: skip
@@ -520,7 +368,8 @@ def startup_models(args: argparse.Namespace) -> tuple[list[ModelSpec], str | Non
 
 
 async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], default_model: str | None,
-                              metadata: list[LoadedMetadata], security: ServerSecurity | None = None) -> int:
+                              metadata: list[LoadedMetadata], security: ServerSecurity | None = None,
+                              engine: EngineArgs | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -529,7 +378,8 @@ async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], 
     tracer = start_tracing(args, max(m.context_length for m in metadata))
     metrics, metrics_http = start_metrics(args, specs[0].name)
     catalog = ModelCatalog()
-    launcher = ModelLauncher(args, catalog, tracer, metrics)
+    engine = engine if engine is not None else serve_engine_args(args)
+    launcher = ModelLauncher(args, engine, catalog, tracer, metrics)
     for loaded in metadata:
         launcher.remember(loaded)
     manager = ModelManager(catalog, launcher.load, drain_s=args.shutdown_grace,
@@ -616,7 +466,10 @@ def run_serve(args: argparse.Namespace) -> int:
         log.info("removed stale shared-memory segment %s left by a dead process", name)
     kv_info_dir = tempfile.TemporaryDirectory(prefix="ringserve-kv-")  # the workers' KV peer infos
     args.kv_info_dir = kv_info_dir.name
+    engine = serve_engine_args(args)
+    if engine.kv_transfer != "none":
+        engine = dataclasses.replace(engine, kv_info_dir=kv_info_dir.name)
     try:
-        return asyncio.run(serve_until_stopped(args, specs, default_model, metadata, security))
+        return asyncio.run(serve_until_stopped(args, specs, default_model, metadata, security, engine))
     finally:
         kv_info_dir.cleanup()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from ringserve.frontend.cli_env import env_default, env_help, parse_bool
+from ringserve.formats.cli_env import env_default, env_help, parse_bool
 
 DEFAULT_MAX_MESSAGE_MIB = 64
 # Services answered without an API key: probes and tooling need them, and they reveal no model output.

@@ -1,4 +1,4 @@
-"""Worker process entry point: `python -m ringserve.workers.worker_main --step-ring ... --result-ring ...`.
+"""Worker process entry point: `python -m ringserve.workers.worker_main --rank R --step-ring ... --engine-args JSON`.
 
 Reads StepPlans from the step ring, runs them on the persistent batch, and (rank 0) writes StepResults to the
 result ring. Records are the typed binary layouts of `ringserve._core`; nothing here is pickled.
@@ -18,8 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from ringserve.formats.spec_tree import DraftTree
-from ringserve.workers.attention import ATTENTION_BACKENDS
+from ringserve.formats.engine_args import EngineArgs
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects
 from ringserve.workers.parallel import init_distributed
@@ -32,58 +31,25 @@ _MAX_FAILURE_MESSAGE = 4000  # keep WorkerFailed well under any ring's max_recor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This worker's rank and rings, and the engine's EngineArgs (`args.engine`; its tensor-parallel size is the
+    world size)."""
     p = argparse.ArgumentParser(prog="python -m ringserve.workers.worker_main", description=__doc__)
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
-    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size (MASTER_ADDR/PORT when > 1)")
-    p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face folder (config.json + safetensors)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weight dtype")
-    p.add_argument(
-        "--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-        help="KV cache dtype (auto = the weights' dtype)",
-    )  # fmt: skip
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
-    p.add_argument(
-        "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-        help="auto = triton_paged on CUDA (when triton is installed), torch_sdpa elsewhere",
-    )  # fmt: skip
-    p.add_argument(
-        "--cuda-graphs", choices=("auto", "off"), default="auto",
-        help="decode steps as CUDA graphs captured at start (auto = on CUDA with triton_paged and one rank)",
-    )  # fmt: skip
-    p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured (max-num-seqs)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (must equal the engine's)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (overrides the budget)")
-    p.add_argument(
-        "--kv-cache-memory-gib", type=float, default=1.0, help="KV cache budget when --num-kv-blocks is unset"
-    )
     p.add_argument("--step-ring", required=True, help="shared-memory name of the step ring (engine -> workers)")
     p.add_argument("--result-ring", required=True, help="shared-memory name of the result ring (rank 0 -> engine)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the engine) is gone")
     p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: usable CPUs)")
-    p.add_argument(
-        "--draft", default="ngram",
-        help="speculative proposer for plans with lookahead: ngram (prompt lookup), layers:N (the target's first N "
-        "layers + LM head) or a draft checkpoint path (GGUF or HF folder, the target's vocabulary)",
-    )  # fmt: skip
-    p.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the ngram proposer matches")
-    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram proposer matches")
-    p.add_argument("--speculation", action="store_true", help="build the proposer (the engine plans lookahead)")
-    p.add_argument("--spec-tree", default="", help="WxD: draft a tree (top-W at the first D positions, then chains)")
-    p.add_argument("--spec-depth", type=int, default=0, help="the tree's depth (--num-speculative-tokens)")
-    p.add_argument(
-        "--kv-transfer", choices=("none", "shm", "nixl"), default="none",
-        help="disaggregation: keep the KV cache in a shared region and serve / pull blocks through this backend",
-    )  # fmt: skip
-    p.add_argument("--kv-info-dir", default=None, help="where each rank writes its KV peer info (rank<r>.bin)")
-    p.add_argument("--model-id", default="", help="model identity the KV handshake compares")
+    p.add_argument("--engine-args", required=True, help="the EngineArgs JSON (ringserve/formats/engine_args.py)")
     args = p.parse_args(argv)
-    if args.world_size < 1:
-        p.error(f"--world-size {args.world_size} must be at least 1")
-    if not 0 <= args.rank < args.world_size:
-        p.error(f"--rank {args.rank} is outside [0, --world-size {args.world_size})")
-    if args.block_size < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
-        p.error("--block-size and --num-kv-blocks must be positive")
+    try:
+        args.engine = EngineArgs.from_json(args.engine_args)
+    except ValueError as error:
+        p.error(str(error))
+    if unresolved := args.engine.unresolved():
+        p.error(f"engine arguments {', '.join(unresolved)} must be resolved by the frontend")
+    if not 0 <= args.rank < args.engine.tensor_parallel_size:
+        p.error(f"--rank {args.rank} is outside [0, --tensor-parallel-size {args.engine.tensor_parallel_size})")
     return args
 
 
@@ -151,11 +117,11 @@ def serve_steps(
 
 
 def make_kv_connector(
-    args: argparse.Namespace, model: Any, kv_dtype: torch.dtype | None, device: torch.device
+    engine: EngineArgs, rank: int, model: Any, kv_dtype: torch.dtype | None, device: torch.device
 ) -> tuple[Any, Any]:
     """With --kv-transfer: the KV cache as views into a shared region, its connector, and this rank's peer info
     written to --kv-info-dir (the frontend hands it out in KV handles). (None, None) otherwise."""
-    if args.kv_transfer == "none":
+    if engine.kv_transfer == "none":
         return None, None
     if device.type != "cpu":
         raise RuntimeError("--kv-transfer keeps the KV cache in host shared memory; this build supports it on CPU only")
@@ -165,17 +131,17 @@ def make_kv_connector(
 
     config = model.config
     dtype = kv_dtype or next(model.parameters()).dtype
-    blocks = args.num_kv_blocks or kv_blocks_for_memory(config, args.block_size, dtype, args.kv_cache_memory_gib)
-    region = KvRegion(config.num_layers, blocks, args.block_size, config.num_kv_heads, config.head_dim, dtype,
-                      role=f"kv{args.rank}")  # fmt: skip
+    blocks = engine.num_kv_blocks or kv_blocks_for_memory(config, engine.block_size, dtype, engine.kv_cache_memory_gib)
+    region = KvRegion(config.num_layers, blocks, engine.block_size, config.num_kv_heads, config.head_dim, dtype,
+                      role=f"kv{rank}")  # fmt: skip
     try:
-        connector = KvConnector(args.kv_transfer, region, model_id=args.model_id, tp_rank=args.rank,
-                                tp_size=args.world_size)  # fmt: skip
+        connector = KvConnector(engine.kv_transfer, region, model_id=engine.model_id, tp_rank=rank,
+                                tp_size=engine.tensor_parallel_size)  # fmt: skip
     except BaseException:
         region.unlink()
         raise
-    if args.kv_info_dir:
-        path = os.path.join(args.kv_info_dir, f"rank{args.rank}.bin")
+    if engine.kv_info_dir:
+        path = os.path.join(engine.kv_info_dir, f"rank{rank}.bin")
         with open(path + ".tmp", "wb") as f:
             f.write(connector.info.encode())
         os.replace(path + ".tmp", path)  # readers never see a partial file
@@ -184,6 +150,8 @@ def make_kv_connector(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    engine: EngineArgs = args.engine
+    world_size = engine.tensor_parallel_size
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s")  # fmt: skip
@@ -201,46 +169,48 @@ def main(argv: list[str] | None = None) -> int:
 
     connector = None
     try:
-        threads = args.num_threads or max(1, len(os.sched_getaffinity(0)) // args.world_size)
+        threads = engine.worker_threads or max(1, len(os.sched_getaffinity(0)) // world_size)
         torch.set_num_threads(threads)
         device = worker_device(args.device, args.rank)
-        init_distributed(args.rank, args.world_size, device)
-        model = load_model(args.model, parse_dtype(args.dtype), device, args.rank, args.world_size)
-        kv_dtype = None if args.kv_cache_dtype == "auto" else parse_dtype(args.kv_cache_dtype)
-        kv_cache, connector = make_kv_connector(args, model, kv_dtype, device)
+        init_distributed(args.rank, world_size, device)
+        dtype = parse_dtype(engine.dtype)
+        model = load_model(engine.model_path, dtype, device, args.rank, world_size)
+        kv_dtype = None if engine.kv_cache_dtype == "auto" else parse_dtype(engine.kv_cache_dtype)
+        kv_cache, connector = make_kv_connector(engine, args.rank, model, kv_dtype, device)
         runner = ModelRunner(
             model,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            block_size=engine.block_size,
+            num_kv_blocks=engine.num_kv_blocks or None,
+            kv_cache_memory_gib=engine.kv_cache_memory_gib,
             device=device,
             seed=args.seed,
             kv_cache_dtype=kv_dtype,
-            attention_backend=args.attention_backend,
+            attention_backend=engine.attention_backend,
             kv_cache=kv_cache,
             kv_connector=connector,
-            cuda_graphs=args.cuda_graphs,
-            max_graph_batch=args.max_graph_batch,
+            cuda_graphs=engine.cuda_graphs,
+            max_graph_batch=engine.max_num_seqs,  # graphs only as large as a step can be
         )
-        if args.speculation:
+        speculation = engine.num_speculative_tokens > 0  # the engine then plans lookahead
+        if speculation:
             runner.proposer = make_proposer(
-                args.draft, runner.model, runner.num_kv_blocks, args.block_size,
-                torch.Generator(device).manual_seed(args.seed + 1), args.prompt_lookup_min, args.prompt_lookup_max,
-                load_draft=lambda path: load_model(path, parse_dtype(args.dtype), device, args.rank, args.world_size),
-                tree=DraftTree.parse(args.spec_tree, args.spec_depth) if args.spec_tree else None,
+                engine.draft, runner.model, runner.num_kv_blocks, engine.block_size,
+                torch.Generator(device).manual_seed(args.seed + 1), engine.prompt_lookup_min, engine.prompt_lookup_max,
+                load_draft=lambda path: load_model(path, dtype, device, args.rank, world_size),
+                tree=engine.draft_tree(),
             )  # fmt: skip
         print(
-            f"worker {args.rank}/{args.world_size}: {args.model} ({args.dtype}, KV {args.kv_cache_dtype}) on {device}, "
-            f"{runner.num_kv_blocks} KV blocks of {args.block_size}, {threads} threads, "
-            f"attention {args.attention_backend}"
+            f"worker {args.rank}/{world_size}: {engine.model_path} ({engine.dtype}, KV {engine.kv_cache_dtype}) on "
+            f"{device}, {runner.num_kv_blocks} KV blocks of {engine.block_size}, {threads} threads, "
+            f"attention {engine.attention_backend}"
             + (f", CUDA graphs for batches up to {runner.graphs.max_batch}" if runner.graphs is not None else "")
-            + (f", speculation {args.draft}" if args.speculation else "")
-            + (f" tree {args.spec_tree}" if args.spec_tree else ""),
+            + (f", speculation {engine.draft}" if speculation else "")
+            + (f" tree {engine.spec_tree}" if speculation and engine.spec_tree else ""),
             file=sys.stderr,
             flush=True,
         )
         freeze_long_lived_objects()
-        if args.world_size > 1:
+        if world_size > 1:
             torch.distributed.barrier()  # the engine waits for one WorkerReady: it must mean every rank loaded
         if writer is not None:
             write_until_accepted(writer, core.encode_worker_ready(args.rank, runner.num_kv_blocks), keep_running)

@@ -7,6 +7,7 @@ against it, and "samples" next = last token + 1, so every request's output is pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import threading
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 from core_testkit import segment_name
 from ringserve import _core
-from ringserve.backend import engine_main
+from ringserve.backend import engine_main, engine_process
+from ringserve.formats.engine_args import DEFAULT_MAX_STEP_SLOWDOWN
 from ringserve.frontend import launcher
 from ringserve.frontend.model_source import ModelSource
 
@@ -476,44 +478,62 @@ def test_a_dead_rank_waits_briefly_for_rank_0_to_say_why(frontend_factory: Front
     f.engine_thread.join(10)
 
 
-def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> None:
+def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     launcher.add_serve_arguments(parser)
+    return parser
+
+
+def engine_process_args(flags: list[str], tmp_path: Path) -> argparse.Namespace:
+    """What the engine process parses from the command line `ringserve serve FLAGS` starts it with."""
+    engine = launcher.serve_engine_args(serve_parser().parse_args(flags))
+    resolved = launcher.engine_args_for_model(engine, ModelSource("m", tmp_path / "m.gguf"), [EOS], 128)
+    cmd = engine_process.engine_command(resolved, "/req", "/evt")
+    return engine_main.parse_args(cmd[3:])  # after `python -m ringserve.backend.engine_main`
+
+
+def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> None:
+    parser = serve_parser()
     for flags, want in (([], 1000), (["--priority-aging-ms", "250"], 250), (["--priority-aging-ms", "0"], 0)):
-        args = parser.parse_args(flags)
-        assert launcher.check_serve_arguments(args) is None
-        source = ModelSource("m", tmp_path / "m.gguf")
-        cmd = launcher.engine_command(args, source, "float32", 128, [EOS], "/req", "/evt")
-        engine_args = engine_main.parse_args(cmd[3:])  # after `python -m ringserve.backend.engine_main`
-        assert engine_main.engine_config(engine_args).priority_aging_ms == want
+        assert launcher.check_serve_arguments(parser.parse_args(flags)) is None
+        assert engine_main.engine_config(engine_process_args(flags, tmp_path).engine).priority_aging_ms == want
     assert "--priority-aging-ms" in launcher.check_serve_arguments(parser.parse_args(["--priority-aging-ms", "-1"]))
 
 
+def test_serve_passes_the_model_and_its_limits_to_the_engine(tmp_path: Path) -> None:
+    args = engine_process_args(["--max-model-len", "4096", "--block-size", "32", "--no-enable-prefix-caching"],
+                               tmp_path)  # fmt: skip
+    assert (args.request_ring, args.event_ring, args.engine.model_path) == ("/req", "/evt", str(tmp_path / "m.gguf"))
+    config = engine_main.engine_config(args.engine)
+    assert (config.max_model_len, config.block_size, config.eos_token_ids) == (128, 32, [EOS])  # at most the model's
+    assert not config.enable_prefix_caching
+    shorter = engine_process_args(["--max-model-len", "64"], tmp_path).engine
+    assert engine_main.engine_config(shorter).max_model_len == 64
+
+
 def test_serve_passes_the_decode_latency_guard_to_the_engine_config(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    launcher.add_serve_arguments(parser)
-    source = ModelSource("m", tmp_path / "m.gguf")
-    for flags, want in (([], launcher.DEFAULT_MAX_STEP_SLOWDOWN), (["--max-step-slowdown", "3.5"], 3.5),
+    parser = serve_parser()
+    for flags, want in (([], DEFAULT_MAX_STEP_SLOWDOWN), (["--max-step-slowdown", "3.5"], 3.5),
                         (["--max-step-slowdown", "0"], 0.0)):  # fmt: skip
-        args = parser.parse_args(flags)
-        with mock.patch.object(launcher, "nvidia_gpu_present", return_value=False):
-            assert launcher.check_serve_arguments(args) is None
-            cmd = launcher.engine_command(args, source, "float32", 128, [EOS], "/req", "/evt")
-        assert engine_main.engine_config(engine_main.parse_args(cmd[3:])).max_step_slowdown == want
+        with mock.patch.object(engine_process, "nvidia_gpu_present", return_value=False):
+            assert launcher.check_serve_arguments(parser.parse_args(flags)) is None
+            args = engine_process_args(flags, tmp_path)
+        assert engine_main.engine_config(args.engine).max_step_slowdown == want
     # auto: the default, except where the workers replay decode steps as CUDA graphs (an NVIDIA GPU, one rank,
     # the Triton backend, --cuda-graphs auto): there the guard is off.
-    args = parser.parse_args([])
-    for gpu, extra, want in ((False, {}, launcher.DEFAULT_MAX_STEP_SLOWDOWN), (True, {}, 0.0),
-                             (True, {"cuda_graphs": "off"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
-                             (True, {"tensor_parallel_size": 2}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
-                             (True, {"attention_backend": "torch_sdpa"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
-                             (True, {"num_speculative_tokens": 3}, launcher.DEFAULT_MAX_STEP_SLOWDOWN),
-                             (True, {"kv_transfer": "shm"}, launcher.DEFAULT_MAX_STEP_SLOWDOWN)):
-        with mock.patch.object(launcher, "nvidia_gpu_present", return_value=gpu):
-            settings = argparse.Namespace(**{**vars(args), **extra})
-            assert launcher.resolve_max_step_slowdown(settings) == want, (gpu, extra)
-    with mock.patch.object(launcher, "nvidia_gpu_present", return_value=True):
-        assert launcher.resolve_max_step_slowdown(parser.parse_args(["--max-step-slowdown", "2"])) == 2.0
+    engine = launcher.serve_engine_args(parser.parse_args([]))
+    for gpu, extra, want in ((False, {}, DEFAULT_MAX_STEP_SLOWDOWN), (True, {}, 0.0),
+                             (True, {"cuda_graphs": "off"}, DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"tensor_parallel_size": 2}, DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"attention_backend": "torch_sdpa"}, DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"num_speculative_tokens": 3}, DEFAULT_MAX_STEP_SLOWDOWN),
+                             (True, {"kv_transfer": "shm"}, DEFAULT_MAX_STEP_SLOWDOWN)):
+        with mock.patch.object(engine_process, "nvidia_gpu_present", return_value=gpu):
+            settings = dataclasses.replace(engine, **extra)
+            assert engine_process.resolve_max_step_slowdown(settings) == want, (gpu, extra)
+    with mock.patch.object(engine_process, "nvidia_gpu_present", return_value=True):
+        two = launcher.serve_engine_args(parser.parse_args(["--max-step-slowdown", "2"]))
+        assert engine_process.resolve_max_step_slowdown(two) == 2.0
     for bad in ("0.5", "-1", "nan", "fast"):
         message = launcher.check_serve_arguments(parser.parse_args(["--max-step-slowdown", bad]))
         assert message is not None and "--max-step-slowdown must be 0 (off) or >= 1" in message
@@ -526,38 +546,30 @@ def test_serve_passes_the_decode_latency_guard_to_the_engine_config(tmp_path: Pa
 def test_serve_passes_worker_threads_down_to_the_workers(tmp_path: Path) -> None:
     from ringserve.workers.worker_main import parse_args as worker_args
 
-    parser = argparse.ArgumentParser()
-    launcher.add_serve_arguments(parser)
-    source = ModelSource("m", tmp_path / "m.gguf")
-    for flags, want in (([], None), (["--worker-threads", "1"], 1)):
-        cmd = launcher.engine_command(parser.parse_args(flags), source, "float32", 128, [EOS], "/req", "/evt")
-        engine_args = engine_main.parse_args(cmd[3:])
-        worker = engine_main.worker_command(engine_args, 0, "/s", "/r")
-        assert worker_args(worker[worker.index("--rank"):]).num_threads == want
-    assert "--worker-threads" in launcher.check_serve_arguments(parser.parse_args(["--worker-threads", "-2"]))
+    for flags, want in (([], 0), (["--worker-threads", "1"], 1)):
+        engine = engine_process_args(flags, tmp_path).engine
+        worker = engine_main.worker_command(engine, 0, "/s", "/r")
+        assert worker_args(worker[worker.index("--rank"):]).engine.worker_threads == want
+    assert "--worker-threads" in launcher.check_serve_arguments(serve_parser().parse_args(["--worker-threads", "-2"]))
 
 
 def test_serve_passes_a_draft_tree_to_the_engine_and_workers(tmp_path: Path) -> None:
     from ringserve.workers.worker_main import parse_args as worker_args
 
-    parser = argparse.ArgumentParser()
-    launcher.add_serve_arguments(parser)
-    source = ModelSource("m", tmp_path / "m.gguf")
     flags = ["--num-speculative-tokens", "4", "--draft", "layers:2", "--spec-tree", "2x2"]
-    cmd = launcher.engine_command(parser.parse_args(flags), source, "float32", 128, [EOS], "/req", "/evt")
-    engine_args = engine_main.parse_args(cmd[3:])
-    assert engine_main.engine_config(engine_args).num_speculative_tokens == 14  # lookahead slots: every tree node
-    worker = worker_args(engine_main.worker_command(engine_args, 0, "/s", "/r")[3:])
-    assert (worker.spec_tree, worker.spec_depth, worker.draft) == ("2x2", 4, "layers:2")
-    chain = engine_main.parse_args(launcher.engine_command(parser.parse_args(flags[:4]), source, "float32", 128,
-                                                           [EOS], "/req", "/evt")[3:])  # fmt: skip
+    engine = engine_process_args(flags, tmp_path).engine
+    assert engine_main.engine_config(engine).num_speculative_tokens == 14  # lookahead slots: every tree node
+    worker = worker_args(engine_main.worker_command(engine, 0, "/s", "/r")[3:]).engine
+    assert (worker.spec_tree, worker.num_speculative_tokens, worker.draft) == ("2x2", 4, "layers:2")
+    assert worker.draft_tree() is not None and worker.draft_tree().num_nodes == 14
+    chain = engine_process_args(flags[:4], tmp_path).engine
     assert engine_main.engine_config(chain).num_speculative_tokens == 4
     for bad, message in (
         (["--spec-tree", "2x2"], "--spec-tree needs"),
         (["--num-speculative-tokens", "2", "--draft", "layers:2", "--spec-tree", "2by2"], "expected WxD"),
         (["--num-speculative-tokens", "8", "--draft", "layers:2", "--spec-tree", "3x3"], "at most 64"),
     ):
-        assert message in (launcher.check_serve_arguments(parser.parse_args(bad)) or ""), bad
+        assert message in (launcher.check_serve_arguments(serve_parser().parse_args(bad)) or ""), bad
 
 
 def test_an_abort_drops_kv_options_whose_request_never_came(frontend_factory: FrontendFactory) -> None:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 from frontend_testkit import ScriptedEngine
+from ringserve.formats.cli_env import env_default, env_name, parse_bool
 from ringserve.frontend import cli
-from ringserve.frontend.cli_env import env_default, env_name, parse_bool
 from ringserve.frontend.tokenizer import ModelTokenizer
 from test_server import COMPLETION, completion_chunks, start_harness
 
@@ -90,10 +90,10 @@ def test_bad_environment_value_is_reported(monkeypatch: pytest.MonkeyPatch, caps
 ])  # fmt: skip
 def test_dtype_auto_is_bf16_where_bf16_is_fast(monkeypatch: pytest.MonkeyPatch, gpu: bool, cpu_bf16: bool,
                                                expected: str) -> None:  # fmt: skip
-    from ringserve.frontend import launcher
+    from ringserve.backend import engine_process
 
-    monkeypatch.setattr(launcher, "nvidia_gpu_present", lambda: gpu)
-    monkeypatch.setattr(launcher, "native_bf16_cpu", lambda: cpu_bf16)
-    assert launcher.resolve_dtype("auto") == expected
+    monkeypatch.setattr(engine_process, "nvidia_gpu_present", lambda: gpu)
+    monkeypatch.setattr(engine_process, "native_bf16_cpu", lambda: cpu_bf16)
+    assert engine_process.resolve_dtype("auto") == expected
     for explicit in ("float32", "bfloat16", "float16"):
-        assert launcher.resolve_dtype(explicit) == explicit
+        assert engine_process.resolve_dtype(explicit) == explicit

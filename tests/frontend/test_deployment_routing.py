@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ringserve.formats.engine_args import EngineArgs
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ServedModel
 from ringserve.frontend.deployment import EngineReplica, ModelDeployment
 from ringserve.frontend.engine_client import EngineUnavailableError, SamplingOptions
@@ -58,10 +59,10 @@ class ScriptedClient:
 
 def deployment_with(*names: str) -> tuple[ModelDeployment, list[ScriptedClient]]:
     deployment = ModelDeployment(name="m", url="/models/m.gguf", tokenizer=None,  # type: ignore[arg-type]
-                                 command=lambda req, evt: [])  # fmt: skip
+                                 engine_args=EngineArgs())  # fmt: skip
     clients = []
     for index, name in enumerate(names):
-        replica = EngineReplica(index, deployment.command)
+        replica = EngineReplica(index, deployment.engine_args)
         client = ScriptedClient(name)
         replica.client = client  # type: ignore[assignment]
         replica.state = "READY"

@@ -177,7 +177,7 @@ def layer_by_layer_greedy(model_path: Path, dtype: torch.dtype, prompt_ids: list
 def test_default_dtype_is_bf16_on_avx512_bf16_cpus_and_decodes_as_the_workers_do(
     model_path: Path, hf_model, tmp_path: Path
 ) -> None:
-    from ringserve.frontend.launcher import native_bf16_cpu
+    from ringserve.backend.engine_process import native_bf16_cpu
     from ringserve.workers.model import cpu_ops
 
     if cpu_ops.native_decoder_module() is None:

@@ -374,22 +374,23 @@ def test_unknown_backend_names_the_available_ones():
 
 def test_serve_flags_carry_the_backend_choice_down_to_the_worker():
     pytest.importorskip("ringserve._core", reason="the engine needs the built extension")
-    from ringserve.backend.engine_main import parse_args as engine_args
     from ringserve.backend.engine_main import worker_command
+    from ringserve.formats.engine_args import EngineArgs
     from ringserve.workers.worker_main import parse_args as worker_args
 
-    engine = engine_args(["--request-ring", "/q", "--event-ring", "/e", "--model", "m", "--max-model-len", "64",
-                          "--attention-backend", "triton_paged", "--cuda-graphs", "off", "--max-num-seqs", "48"])
+    resolved = {"model_path": "m", "dtype": "float32", "max_model_len": 64, "max_step_slowdown": "0",
+                "kv_transfer": "none"}  # fmt: skip
+    engine = EngineArgs(**resolved, attention_backend="triton_paged", cuda_graphs="off", max_num_seqs=48)
     command = worker_command(engine, 0, "/s", "/r")
-    assert command[command.index("--attention-backend") + 1] == "triton_paged"
-    worker = worker_args(command[command.index("--rank") :])
+    worker = worker_args(command[command.index("--rank") :]).engine
     assert worker.attention_backend == "triton_paged"
-    assert worker.cuda_graphs == "off" and worker.max_graph_batch == 48  # graphs only as large as a step can be
-    default = worker_args(worker_command(engine_args(["--request-ring", "/q", "--event-ring", "/e", "--model", "m",
-                                                      "--max-model-len", "64"]), 0, "/s", "/r")[3:])
-    assert default.cuda_graphs == "auto" and default.max_graph_batch == 256
+    assert worker.cuda_graphs == "off" and worker.max_num_seqs == 48  # graphs only as large as a step can be
+    default = worker_args(worker_command(EngineArgs(**resolved), 0, "/s", "/r")[3:]).engine
+    assert default.cuda_graphs == "auto" and default.max_num_seqs == 256
+    assert EngineArgs.__dataclass_fields__["attention_backend"].metadata["choices"] == ATTENTION_BACKENDS
     with pytest.raises(SystemExit):
-        worker_args(["--model", "m", "--step-ring", "/s", "--result-ring", "/r", "--attention-backend", "flash"])
+        worker_args(["--step-ring", "/s", "--result-ring", "/r", "--engine-args",
+                     '{"model_path": "m", "attention_backend": "flash"}'])  # fmt: skip
 
 
 def test_cpu_backends_need_no_triton_and_the_backend_says_how_to_get_it():

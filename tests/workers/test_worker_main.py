@@ -6,36 +6,51 @@ import os
 import secrets
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from ringserve.formats.engine_args import EngineArgs
 from ringserve.workers.loader import load_hf_model
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.worker_main import encode_result, parse_args, serve_steps
 from workers_testkit import NewRequest, ids, plan, save_tiny_hf_model
 
-BASE_FLAGS = ["--model", "m", "--step-ring", "/s", "--result-ring", "/r"]
+# The settings the frontend resolves before it starts an engine (a worker refuses `auto` there).
+RESOLVED = EngineArgs(model_path="m", dtype="float32", max_model_len=64, max_step_slowdown="0", kv_transfer="none")
 
 
-def test_world_size_below_one_is_refused_with_a_clear_message(capsys):
+def worker_flags(engine: EngineArgs = RESOLVED, *extra: str) -> list[str]:
+    return ["--step-ring", "/s", "--result-ring", "/r", "--engine-args", engine.to_json(), *extra]
+
+
+def test_tensor_parallel_size_below_one_is_refused_with_a_clear_message(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args([*BASE_FLAGS, "--world-size", "0"])
+        parse_args(["--step-ring", "/s", "--result-ring", "/r", "--engine-args", '{"tensor_parallel_size": 0}'])
     assert exit_info.value.code == 2
-    assert "--world-size 0 must be at least 1" in capsys.readouterr().err
+    assert "--tensor-parallel-size must be at least 1 (got 0)" in capsys.readouterr().err
 
 
 def test_rank_outside_the_world_is_refused(capsys):
     with pytest.raises(SystemExit):
-        parse_args([*BASE_FLAGS, "--world-size", "2", "--rank", "2"])
+        parse_args(worker_flags(replace(RESOLVED, tensor_parallel_size=2), "--rank", "2"))
     assert "--rank 2" in capsys.readouterr().err
 
 
+def test_settings_the_frontend_leaves_to_resolve_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(worker_flags(replace(RESOLVED, dtype="auto")))
+    assert "--dtype" in capsys.readouterr().err
+
+
 def test_flags_have_the_documented_defaults():
-    args = parse_args(BASE_FLAGS)
-    assert (args.rank, args.world_size, args.dtype, args.block_size) == (0, 1, "float32", 16)
-    assert args.num_kv_blocks is None and args.kv_cache_memory_gib == 1.0
+    args = parse_args(worker_flags())
+    assert (args.rank, args.device, args.seed, args.parent_pid) == (0, "auto", 0, None)
+    assert args.engine == RESOLVED
+    assert (args.engine.tensor_parallel_size, args.engine.block_size) == (1, 16)
+    assert args.engine.num_kv_blocks == 0 and args.engine.kv_cache_memory_gib == 1.0  # 0 = from the memory budget
 
 
 class WorkerShutdown:
@@ -116,9 +131,9 @@ def test_worker_process_attaches_to_real_rings_and_announces_ready(tiny_folder):
     token = secrets.token_hex(8)
     step = core.ShmRing.create(f"/ringserve-{os.getpid()}-{token}-step", 1 << 20, 1)
     result = core.ShmRing.create(f"/ringserve-{os.getpid()}-{token}-res", 1 << 20, 1)
-    command = [sys.executable, "-m", "ringserve.workers.worker_main", "--model", str(tiny_folder)]
-    command += ["--block-size", "4", "--num-kv-blocks", "16", "--num-threads", "1", "--parent-pid", str(os.getpid())]
-    command += ["--step-ring", step.name, "--result-ring", result.name]
+    engine = replace(RESOLVED, model_path=str(tiny_folder), block_size=4, num_kv_blocks=16, worker_threads=1)
+    command = [sys.executable, "-m", "ringserve.workers.worker_main", "--parent-pid", str(os.getpid())]
+    command += ["--step-ring", step.name, "--result-ring", result.name, "--engine-args", engine.to_json()]
     proc = subprocess.Popen(command)
     try:
         record = core.RingReader(result).read(120.0)

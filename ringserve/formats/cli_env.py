@@ -1,4 +1,4 @@
-"""Command-line defaults that can come from RINGSERVE_* environment variables."""
+"""Command-line defaults that can come from RINGSERVE_* environment variables (the CLI's and the engine's flags)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,212 @@
+"""The engine configuration: every setting the engine process and its workers share, declared once in `EngineArgs`.
+
+`ringserve serve` adds the flags from it (`add_engine_arguments`) and reads them back (`EngineArgs.from_namespace`);
+the frontend resolves the `auto` choices for the model and host it starts an engine for, and the engine process, then
+each worker, gets the result as one JSON command-line argument (`to_json`, `EngineArgs.from_json`). Each field's
+metadata holds its help text and type; a field with a flag `--the-name` also reads RINGSERVE_THE_NAME.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ringserve.formats.cli_env import env_default, env_help, parse_bool
+from ringserve.formats.spec_tree import DraftTree
+
+# The decode-latency guard's default: a step that prefills while requests decode may take at most 2x a decode-only
+# step (by the engine's estimate; measured steps scatter around it, so the p99 lands near 2.6x on a busy small CPU).
+# On a GPU that rarely cuts the token budget (a prefill token costs little next to a step's fixed cost); on a CPU it
+# keeps streams within issue #3's 3x inter-token latency while a long prompt is prefilled.
+DEFAULT_MAX_STEP_SLOWDOWN = 2.0
+MAX_SPECULATIVE_TOKENS = 8
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _setting(default: Any, help_: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
+    """A field; `flag=False` for what the frontend fills in per model rather than the operator per server."""
+    return field(default=default, metadata={"help": help_, "type": type(default), "choices": choices, "flag": flag})
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """One engine replica's settings. Constructing one checks it: a ValueError names the flag to change."""
+
+    model_path: str = _setting("", "the model's .gguf file or Hugging Face folder (resolved from --model)", flag=False)
+    dtype: str = _setting(
+        "auto", "weights and activations dtype (default %(default)s = bfloat16 where the CPU has AVX512-BF16 or an "
+        "NVIDIA GPU is present, else float32)", choices=("auto", *DTYPES))  # fmt: skip
+    tensor_parallel_size: int = _setting(1, "worker processes the model is split across (default %(default)s)")
+    max_num_seqs: int = _setting(256, "most sequences running in one step (default %(default)s)")
+    max_num_batched_tokens: int = _setting(2048, "token budget of one engine step (default %(default)s)")
+    max_model_len: int = _setting(0, "context length limit (default: the model's)")
+    block_size: int = _setting(16, "tokens per KV cache block (default %(default)s)")
+    long_prefill_token_threshold: int = _setting(
+        0, "most prompt tokens one request may prefill per step (default %(default)s = no cap)")
+    max_step_slowdown: str = _setting(
+        "auto", "decode-latency guard: while requests decode, a step's prefill chunks are cut so that its time (fitted "
+        "online from measured steps) stays within this many times a decode-only step; running streams keep their "
+        "pace while long prompts arrive, at the cost of a later first token for those prompts (default auto: "
+        f"{DEFAULT_MAX_STEP_SLOWDOWN:g}, but off where the workers replay decode steps as CUDA graphs: a step that "
+        "prefills then runs eagerly and costs several decode steps whatever its chunk, and the guard would only "
+        "hold prompts back; 0 = off: only the token budget bounds a step)")  # fmt: skip
+    priority_aging_ms: int = _setting(
+        1000, "a waiting request's priority value improves by one per this many ms waited, so better-priority "
+        "traffic cannot starve it (default %(default)s; 0 = strict priority)")  # fmt: skip
+    num_speculative_tokens: int = _setting(
+        0, "speculative decoding: draft tokens the workers propose and verify per decode step (default %(default)s = "
+        f"off; at most {MAX_SPECULATIVE_TOKENS}); greedy output is unchanged and sampling keeps the model's "
+        "distribution")  # fmt: skip
+    draft: str = _setting(
+        "ngram", "speculative proposer: ngram (prompt lookup, no model), layers:N (the model's first N layers + LM "
+        "head) or a draft model path with the same vocabulary (default %(default)s)")  # fmt: skip
+    spec_tree: str = _setting(
+        "", "multi-candidate speculation: WxD proposes the drafter's top W tokens at each of the first D positions, "
+        "then greedy chains down to --num-speculative-tokens, and verifies the whole tree in one pass (e.g. 2x2; "
+        "with --draft ngram the branches are what followed different earlier matches; default: one chain)")  # fmt: skip
+    spec_max_batch: int = _setting(
+        16, "no speculation in a step where more requests run: big batches are compute bound (default %(default)s; "
+        "0 = no limit)")  # fmt: skip
+    spec_min_acceptance: float = _setting(
+        0.25, "a request whose recent draft acceptance rate falls below this decodes without drafts for a while "
+        "(default %(default)s)")  # fmt: skip
+    prompt_lookup_min: int = _setting(2, "ngram proposer: shortest n-gram matched (default %(default)s)")
+    prompt_lookup_max: int = _setting(4, "ngram proposer: longest n-gram matched (default %(default)s)")
+    kv_cache_dtype: str = _setting("auto", "KV cache dtype (default %(default)s = the weights')",
+                                   choices=("auto", *DTYPES))  # fmt: skip
+    attention_backend: str = _setting(
+        "auto", "workers' attention kernels (default %(default)s = triton_paged on CUDA when triton is installed, "
+        "torch_sdpa on CPU)", choices=("auto", "torch_sdpa", "triton_paged"))  # fmt: skip
+    cuda_graphs: str = _setting(
+        "auto", "decode steps as CUDA graphs captured at start, for batches up to --max-num-seqs (default "
+        "%(default)s = on CUDA with triton_paged attention and one worker; off = eager, like vLLM's --enforce-eager)",
+        choices=("auto", "off"))  # fmt: skip
+    enable_prefix_caching: bool = _setting(True, "share the KV blocks of equal prompt prefixes (default on)")
+    num_kv_blocks: int = _setting(0, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
+    kv_cache_memory_gib: float = _setting(1.0, "KV cache memory budget per worker in GiB (default %(default)s)")
+    worker_threads: int = _setting(
+        0, "torch CPU threads per worker process (default 0: the usable CPUs divided among the tensor-parallel ranks; "
+        "on a machine shared with other busy processes fewer threads avoid stalls)")  # fmt: skip
+    kv_transfer: str = _setting(
+        "auto", "KV transfer backend between prefill and decode servers: shm (same host), nixl (NIXL over UCX: RDMA, "
+        "TCP), none; auto = shm for --role prefill/decode, none for both",
+        choices=("auto", "none", "shm", "nixl"))  # fmt: skip
+    eos_token_ids: tuple[int, ...] = _setting((), "the tokenizer's end-of-sequence ids", flag=False)
+    model_id: str = _setting("", "the model identity the KV handshake of disaggregation compares", flag=False)
+    kv_info_dir: str = _setting("", "where the workers write their KV peer infos (rank<r>.bin)", flag=False)
+
+    def __post_init__(self) -> None:
+        if (problem := self._problem()) is not None:
+            raise ValueError(problem)
+
+    def _problem(self) -> str | None:
+        for f in dataclasses.fields(self):
+            if (choices := f.metadata["choices"]) and getattr(self, f.name) not in choices:
+                return f"{_flag(f.name)} {getattr(self, f.name)!r}: expected one of {', '.join(choices)}"
+        if self.tensor_parallel_size < 1:
+            return f"--tensor-parallel-size must be at least 1 (got {self.tensor_parallel_size})"
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                return f"{_flag(name)} must be at least 1 (got {getattr(self, name)})"
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            return (f"--num-speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = off; got "
+                    f"{self.num_speculative_tokens})")  # fmt: skip
+        if self.spec_max_batch < 0 or not 0.0 <= self.spec_min_acceptance <= 1.0:
+            return "--spec-max-batch must be >= 0 and --spec-min-acceptance in [0, 1]"
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            return (f"--prompt-lookup-min ({self.prompt_lookup_min}) must be >= 1 and <= --prompt-lookup-max "
+                    f"({self.prompt_lookup_max})")  # fmt: skip
+        if self.draft != "ngram" and not self.draft.startswith("layers:") and not Path(self.draft).exists():
+            return f"--draft {self.draft!r}: expected ngram, layers:N or an existing draft model path"
+        if self.spec_tree:
+            if self.num_speculative_tokens == 0:
+                return "--spec-tree needs --num-speculative-tokens > 0 (the tree's depth)"
+            try:
+                self.draft_tree()
+            except ValueError as error:
+                return str(error)
+        if self.max_step_slowdown != "auto":
+            try:
+                slowdown = float(self.max_step_slowdown)
+            except ValueError:
+                slowdown = float("nan")
+            if not (slowdown == 0 or slowdown >= 1):
+                return f"--max-step-slowdown must be 0 (off) or >= 1, or auto (got {self.max_step_slowdown})"
+        if self.priority_aging_ms < 0:
+            return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {self.priority_aging_ms})"
+        if self.worker_threads < 0:
+            return f"--worker-threads must be >= 0 (0 = automatic; got {self.worker_threads})"
+        if self.max_model_len < 0 or self.num_kv_blocks < 0 or self.kv_cache_memory_gib <= 0:
+            return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
+        return None
+
+    def draft_tree(self) -> DraftTree | None:
+        """The --spec-tree shape at depth --num-speculative-tokens, or None for one chain."""
+        return DraftTree.parse(self.spec_tree, self.num_speculative_tokens) if self.spec_tree else None
+
+    def unresolved(self) -> list[str]:
+        """The choices still left to the frontend (`auto`, or 0 = the model's), which a process it starts cannot
+        make: it has not read the model, and the frontend describes the model with what it chose."""
+        left = [_flag(name) for name in ("dtype", "max_step_slowdown", "kv_transfer") if getattr(self, name) == "auto"]
+        return left + (["--max-model-len"] if self.max_model_len == 0 else [])
+
+    # -- serialization: the frontend's command line in, one JSON argument out to each child process ------------
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The flags `add_engine_arguments` added, as parsed; a ValueError names a flag whose value cannot work."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls) if f.metadata["flag"]})
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineArgs:
+        """What `to_json` wrote; a missing field takes its default. A ValueError names a key that does not fit."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"engine arguments are not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("engine arguments: expected a JSON object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(values) - set(known)):
+            raise ValueError(f"engine arguments: unknown key(s) {unknown}")
+        return cls(**{name: _from_json_value(known[name], value) for name, value in values.items()})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _from_json_value(f: dataclasses.Field[Any], value: Any) -> Any:
+    kind = f.metadata["type"]
+    if kind is tuple:
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise ValueError(f"engine arguments: {f.name}: expected {kind.__name__}, got {value!r}")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every EngineArgs flag, vLLM's name where vLLM has the same knob; each default also reads RINGSERVE_<FLAG>."""
+    for f in dataclasses.fields(EngineArgs):
+        if not f.metadata["flag"]:
+            continue
+        name, kind = _flag(f.name), f.metadata["type"]
+        help_ = f"{f.metadata['help']} {env_help(name)}"
+        if kind is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction,
+                                default=env_default(name, f.default, parse_bool), help=help_)  # fmt: skip
+        else:
+            choices = f.metadata["choices"]
+            parser.add_argument(name, default=env_default(name, f.default, kind), type=kind,
+                                choices=list(choices) if choices else None, help=help_)  # fmt: skip
