@@ -18,7 +18,7 @@ from types import FrameType
 
 from ringserve import _core
 from ringserve.backend.process import die_with_parent, stop_child, worker_environment
-from ringserve.formats.engine_args import EngineArgs
+from ringserve.formats.engine_args import EngineArgs, started_process_engine_args
 from ringserve.formats.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
 
 log = logging.getLogger("ringserve.engine")
@@ -33,12 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--event-ring", required=True, help="shm name of the event ring (created by the frontend)")
     p.add_argument("--engine-args", required=True, help="the EngineArgs JSON (ringserve/formats/engine_args.py)")
     args = p.parse_args(argv)
-    try:
-        args.engine = EngineArgs.from_json(args.engine_args)
-    except ValueError as error:
-        p.error(str(error))
-    if unresolved := args.engine.unresolved():
-        p.error(f"engine arguments {', '.join(unresolved)} must be resolved by the frontend")
+    args.engine = started_process_engine_args(p, args.engine_args)
     return args
 
 

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from ringserve.formats.engine_args import EngineArgs
+from ringserve.formats.engine_args import EngineArgs, started_process_engine_args
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects
 from ringserve.workers.parallel import init_distributed
@@ -42,12 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
     p.add_argument("--engine-args", required=True, help="the EngineArgs JSON (ringserve/formats/engine_args.py)")
     args = p.parse_args(argv)
-    try:
-        args.engine = EngineArgs.from_json(args.engine_args)
-    except ValueError as error:
-        p.error(str(error))
-    if unresolved := args.engine.unresolved():
-        p.error(f"engine arguments {', '.join(unresolved)} must be resolved by the frontend")
+    args.engine = started_process_engine_args(p, args.engine_args)
     if not 0 <= args.rank < args.engine.tensor_parallel_size:
         p.error(f"--rank {args.rank} is outside [0, --tensor-parallel-size {args.engine.tensor_parallel_size})")
     return args

@@ -210,3 +210,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             choices = f.metadata["choices"]
             parser.add_argument(name, default=env_default(name, f.default, kind), type=kind,
                                 choices=list(choices) if choices else None, help=help_)  # fmt: skip
+
+
+def started_process_engine_args(parser: argparse.ArgumentParser, text: str) -> EngineArgs:
+    """The `--engine-args` JSON of a process the frontend started (the engine, a worker): resolved EngineArgs, or a
+    usage error (exit code 2) saying what does not fit."""
+    try:
+        args = EngineArgs.from_json(text)
+    except ValueError as error:
+        parser.error(str(error))
+    if unresolved := args.unresolved():
+        parser.error(f"engine arguments {', '.join(unresolved)} must be resolved by the frontend")
+    return args
