@@ -232,12 +232,13 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   if (req.max_tokens < 1) {
     return reject(id, kStatusInvalidArgument, "max_tokens must be >= 1, got " + std::to_string(req.max_tokens));
   }
-  if (req.min_tokens < 0 || req.min_tokens > req.max_tokens) {
+  if (req.sampling.min_tokens < 0 || req.sampling.min_tokens > req.max_tokens) {
     return reject(id, kStatusInvalidArgument,
-                  "min_tokens must be in [0, max_tokens], got " + std::to_string(req.min_tokens));
+                  "min_tokens must be in [0, max_tokens], got " + std::to_string(req.sampling.min_tokens));
   }
-  if (req.num_logprobs < 0) {
-    return reject(id, kStatusInvalidArgument, "num_logprobs must be >= 0, got " + std::to_string(req.num_logprobs));
+  if (req.sampling.num_logprobs < 0) {
+    return reject(id, kStatusInvalidArgument,
+                  "num_logprobs must be >= 0, got " + std::to_string(req.sampling.num_logprobs));
   }
   for (const int32_t t : req.prompt_token_ids) {
     if (t < 0) return reject(id, kStatusInvalidArgument, "prompt token id " + std::to_string(t) + " is negative");
@@ -289,7 +290,7 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   set_registered_blocks(r, 0);
   r.num_preemptions = 0;
   r.length_limit = static_cast<int32_t>(std::min<int64_t>(total, config_.max_model_len));
-  r.stop_check_from = static_cast<int32_t>(prompt) + req.min_tokens;
+  r.stop_check_from = static_cast<int32_t>(prompt) + req.sampling.min_tokens;
   d.rank = rank_of(req.priority, now_ns);
   d.arrival_seq = next_arrival_seq_++;
   r.token_ids.reserve(static_cast<size_t>(total));  // no reallocation while generating
@@ -303,17 +304,7 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
   d.block_hashes.clear();
   d.block_hashes.reserve(static_cast<size_t>(blocks));
   d.max_tokens = req.max_tokens;
-  d.min_tokens = req.min_tokens;
-  d.temperature = req.temperature;
-  d.top_p = req.top_p;
-  d.top_k = req.top_k;
-  d.min_p = req.min_p;
-  d.repetition_penalty = req.repetition_penalty;
-  d.frequency_penalty = req.frequency_penalty;
-  d.presence_penalty = req.presence_penalty;
-  d.num_logprobs = req.num_logprobs;
-  d.seed = req.seed;
-  d.has_seed = req.has_seed;
+  d.sampling = req.sampling;
   d.ignore_eos = req.ignore_eos;
   d.priority = req.priority;
   d.cache_salt = req.cache_salt;
@@ -522,17 +513,7 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   nr.slot = r.slot;
   nr.num_computed_tokens = r.num_computed_tokens;
   nr.num_prompt_tokens = r.num_prompt_tokens;
-  nr.temperature = d.temperature;
-  nr.top_p = d.top_p;
-  nr.top_k = d.top_k;
-  nr.min_p = d.min_p;
-  nr.min_tokens = d.min_tokens;
-  nr.repetition_penalty = d.repetition_penalty;
-  nr.frequency_penalty = d.frequency_penalty;
-  nr.presence_penalty = d.presence_penalty;
-  nr.num_logprobs = d.num_logprobs;
-  nr.seed = d.seed;
-  nr.has_seed = d.has_seed;
+  nr.sampling = d.sampling;
   nr.token_ids.assign(r.token_ids.begin(), r.token_ids.end());
   nr.block_ids.assign(r.block_ids.begin(), r.block_ids.end());
   nr.suppress_token_ids.assign(d.suppress_token_ids.begin(), d.suppress_token_ids.end());
@@ -822,8 +803,9 @@ FinishReason Scheduler::append_row(int32_t index, int32_t num_tokens, size_t row
   const int32_t num_new = multi ? result.token_counts[row_index] : 1;
   const int32_t proposed = result.num_proposed.empty() ? 0 : result.num_proposed[row_index];
   // num_logprobs sits in the request's details: read it only when the worker sent top logprobs at all.
-  const uint32_t top = result.num_top == 0 ? 0 : std::min({result.num_top, static_cast<uint32_t>(d.num_logprobs),
-                                                           uint32_t{std::numeric_limits<uint16_t>::max()}});
+  const uint32_t top = result.num_top == 0 ? 0
+                                           : std::min({result.num_top, static_cast<uint32_t>(d.sampling.num_logprobs),
+                                                       uint32_t{std::numeric_limits<uint16_t>::max()}});
   if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
   r.num_computed_tokens += num_tokens;
   // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.

@@ -106,17 +106,7 @@ struct RequestDetails {
   uint64_t arrival_seq = 0;    // FCFS order among equal ranks
   std::vector<uint64_t> block_hashes;  // chained hash of each full block of token_ids known so far
   int32_t max_tokens = 0;
-  int32_t min_tokens = 0;
-  float temperature = 1.0f;
-  float top_p = 1.0f;
-  int32_t top_k = 0;
-  float min_p = 0.0f;
-  float repetition_penalty = 1.0f;
-  float frequency_penalty = 0.0f;
-  float presence_penalty = 0.0f;
-  int32_t num_logprobs = 0;
-  uint64_t seed = 0;
-  bool has_seed = false;
+  SamplingParams sampling;  // as the request asked; every new NewRequestData of it carries a copy
   bool ignore_eos = false;
   int32_t priority = 0;
   uint64_t cache_salt = 0;

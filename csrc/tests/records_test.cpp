@@ -13,11 +13,11 @@ AddRequest sample_add_request() {
   r.request_id = 0x1122334455667788ull;
   r.prompt_token_ids = {1, 2, 3, 49151};
   r.max_tokens = 64;
-  r.temperature = 0.7f;
-  r.top_p = 0.9f;
-  r.top_k = 40;
-  r.seed = 1234;
-  r.has_seed = true;
+  r.sampling.temperature = 0.7f;
+  r.sampling.top_p = 0.9f;
+  r.sampling.top_k = 40;
+  r.sampling.seed = 1234;
+  r.sampling.has_seed = true;
   r.ignore_eos = true;
   r.stop_token_ids = {7, 8};
   r.priority = -3;
@@ -25,12 +25,12 @@ AddRequest sample_add_request() {
   r.trace_id.fill(0xab);
   r.span_id.fill(0xcd);
   r.trace_flags = 1;
-  r.min_tokens = 3;
-  r.min_p = 0.05f;
-  r.repetition_penalty = 1.2f;
-  r.frequency_penalty = 0.5f;
-  r.presence_penalty = -0.5f;
-  r.num_logprobs = 5;
+  r.sampling.min_tokens = 3;
+  r.sampling.min_p = 0.05f;
+  r.sampling.repetition_penalty = 1.2f;
+  r.sampling.frequency_penalty = 0.5f;
+  r.sampling.presence_penalty = -0.5f;
+  r.sampling.num_logprobs = 5;
   r.cache_salt = 0xfeedfacecafebeefull;
   return r;
 }
@@ -43,16 +43,16 @@ StepPlan sample_plan() {
   n.token_ids = {5, 6, 7, 8, 9};
   n.block_ids = {10, 11};
   n.num_computed_tokens = 0;
-  n.temperature = 0.5f;
-  n.seed = 99;
-  n.has_seed = true;
+  n.sampling.temperature = 0.5f;
+  n.sampling.seed = 99;
+  n.sampling.has_seed = true;
   n.num_prompt_tokens = 4;
-  n.min_tokens = 2;
-  n.min_p = 0.1f;
-  n.repetition_penalty = 1.1f;
-  n.frequency_penalty = 0.2f;
-  n.presence_penalty = 0.3f;
-  n.num_logprobs = 4;
+  n.sampling.min_tokens = 2;
+  n.sampling.min_p = 0.1f;
+  n.sampling.repetition_penalty = 1.1f;
+  n.sampling.frequency_penalty = 0.2f;
+  n.sampling.presence_penalty = 0.3f;
+  n.sampling.num_logprobs = 4;
   n.suppress_token_ids = {2, 7};
   p.block_appends.push_back({1, {12}});
   p.sched_slots = {1, 3};
@@ -94,7 +94,9 @@ std::vector<std::pair<ByteBuffer, int>> all_records() {
       {encode_to_bytes(StatsQuery{6}), 0},
       {encode_to_bytes(Shutdown{}), 0},
       {encode_to_bytes(sample_events()), 1},
-      {encode_to_bytes(EngineStats{1, 2, 3, 4, 5, 16, 7, 8}), 1},
+      {encode_to_bytes(EngineStats{
+      .query_id = 1, .num_running = 2, .num_waiting = 3, .num_total_blocks = 4, .num_free_blocks = 5, .block_size = 16,
+      .num_steps = 7, .num_preemptions = 8}), 1},
       {encode_to_bytes(RequestRejected{9, kStatusResourceExhausted, "too long"}), 1},
       {encode_to_bytes(EngineReady{100, 16, 1600}), 1},
       {encode_to_bytes(EngineFailed{"worker died"}), 1},
@@ -128,13 +130,13 @@ TEST(add_request_round_trips) {
   CHECK(out.request_id == in.request_id);
   CHECK(out.prompt_token_ids == in.prompt_token_ids);
   CHECK(out.max_tokens == in.max_tokens);
-  CHECK(out.temperature == in.temperature && out.top_p == in.top_p && out.top_k == in.top_k);
-  CHECK(out.seed == in.seed && out.has_seed && out.ignore_eos);
+  CHECK(out.sampling.temperature == in.sampling.temperature && out.sampling.top_p == in.sampling.top_p && out.sampling.top_k == in.sampling.top_k);
+  CHECK(out.sampling.seed == in.sampling.seed && out.sampling.has_seed && out.ignore_eos);
   CHECK(out.stop_token_ids == in.stop_token_ids);
   CHECK(out.priority == in.priority && out.arrival_time_ns == in.arrival_time_ns);
   CHECK(out.trace_id == in.trace_id && out.span_id == in.span_id && out.trace_flags == 1);
-  CHECK(out.min_tokens == 3 && out.min_p == 0.05f && out.repetition_penalty == 1.2f);
-  CHECK(out.frequency_penalty == 0.5f && out.presence_penalty == -0.5f && out.num_logprobs == 5);
+  CHECK(out.sampling.min_tokens == 3 && out.sampling.min_p == 0.05f && out.sampling.repetition_penalty == 1.2f);
+  CHECK(out.sampling.frequency_penalty == 0.5f && out.sampling.presence_penalty == -0.5f && out.sampling.num_logprobs == 5);
   CHECK(out.cache_salt == in.cache_salt);
 }
 
@@ -144,14 +146,14 @@ TEST(step_plan_round_trips) {
   CHECK(out.step_id == 42);
   CHECK(out.new_requests.size() == 1);
   CHECK(out.new_requests[0].slot == 3 && out.new_requests[0].token_ids == in.new_requests[0].token_ids);
-  CHECK(out.new_requests[0].block_ids == in.new_requests[0].block_ids && out.new_requests[0].has_seed);
+  CHECK(out.new_requests[0].block_ids == in.new_requests[0].block_ids && out.new_requests[0].sampling.has_seed);
   CHECK(out.block_appends.size() == 1 && out.block_appends[0].slot == 1 && out.block_appends[0].block_ids[0] == 12);
   CHECK(out.sched_slots == in.sched_slots && out.sched_start == in.sched_start);
   CHECK(out.sched_len == in.sched_len && out.sched_sample == in.sched_sample);
   CHECK(out.finished_slots == in.finished_slots);
   const NewRequestData& n = out.new_requests[0];
-  CHECK(n.num_prompt_tokens == 4 && n.min_tokens == 2 && n.min_p == 0.1f && n.repetition_penalty == 1.1f);
-  CHECK(n.frequency_penalty == 0.2f && n.presence_penalty == 0.3f && n.num_logprobs == 4);
+  CHECK(n.num_prompt_tokens == 4 && n.sampling.min_tokens == 2 && n.sampling.min_p == 0.1f && n.sampling.repetition_penalty == 1.1f);
+  CHECK(n.sampling.frequency_penalty == 0.2f && n.sampling.presence_penalty == 0.3f && n.sampling.num_logprobs == 4);
   CHECK(n.suppress_token_ids == in.new_requests[0].suppress_token_ids);
 }
 
@@ -205,7 +207,9 @@ TEST(events_and_results_round_trip) {
   CHECK(res.step_id == 4 && res.slots[0] == 1 && res.token_ids[0] == 2 && res.logprobs[0] == -3.0f);
   const auto failed = std::get<WorkerFailed>(decode_worker_result(encode_to_bytes(WorkerFailed{2, "boom"})));
   CHECK(failed.rank == 2 && failed.message == "boom");
-  const auto stats = std::get<EngineStats>(decode_engine_event(encode_to_bytes(EngineStats{1, 2, 3, 4, 5, 16, 7, 8})));
+  const auto stats = std::get<EngineStats>(decode_engine_event(encode_to_bytes(EngineStats{
+      .query_id = 1, .num_running = 2, .num_waiting = 3, .num_total_blocks = 4, .num_free_blocks = 5, .block_size = 16,
+      .num_steps = 7, .num_preemptions = 8})));
   CHECK(stats.num_free_blocks == 5 && stats.num_preemptions == 8);
 }
 
@@ -238,12 +242,13 @@ TEST(header_errors_are_rejected) {
 
 TEST(truncated_arrays_and_bad_fields_are_rejected) {
   ByteBuffer add = encode_to_bytes(sample_add_request());
-  // prompt_token_ids count sits after the fixed fields: 8 header + 8+4+4+4+4+8+1+1+4+8+16+8+1 = 79.
+  // prompt_token_ids count follows the 8-byte header and request_id.
   ByteBuffer huge = add;
-  set_u32(huge, 79, 0x7fffffff);
+  set_u32(huge, 16, 0x7fffffff);
   CHECK_THROWS(RecordError, decode_request_record(huge));
   ByteBuffer bad_bool = add;
-  bad_bool[8 + 8 + 4 + 4 + 4 + 4 + 8] = 2;  // has_seed
+  // has_seed: after the prompt, then the sampling floats and ints (7 x 4 bytes) and the seed.
+  bad_bool[16 + 4 + 4 * sample_add_request().prompt_token_ids.size() + 7 * 4 + 8] = 2;
   CHECK_THROWS(RecordError, decode_request_record(bad_bool));
 
   ByteBuffer events = encode_to_bytes(sample_events());

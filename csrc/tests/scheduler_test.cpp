@@ -904,7 +904,7 @@ TEST(preempted_requests_resume_with_unchanged_output) {
 TEST(min_tokens_defers_eos) {
   Harness h(make_config(64));
   AddRequest r = make_request(1, 3, 10);
-  r.min_tokens = 3;
+  r.sampling.min_tokens = 3;
   CHECK(h.add(r));
   h.run_to_completion();  // the worker below always answers EOS
   Harness g(make_config(64));
@@ -1005,12 +1005,12 @@ TEST(rows_of_a_mixed_step_in_any_order_reach_their_requests) {
 TEST(top_logprobs_reach_each_output_up_to_its_own_num_logprobs) {
   Scheduler s(make_config(64));
   AddRequest wants_two = make_request(1, 3, 1);
-  wants_two.num_logprobs = 2;
+  wants_two.sampling.num_logprobs = 2;
   AddRequest wants_none = make_request(2, 5, 1);
   CHECK(!s.add_request(wants_two, 0) && !s.add_request(wants_none, 0));
   StepPlan plan;
   CHECK(s.schedule(plan, 0) && plan.sched_slots.size() == 2);
-  CHECK(plan.new_requests[0].num_logprobs == 2 && plan.new_requests[1].num_logprobs == 0);
+  CHECK(plan.new_requests[0].sampling.num_logprobs == 2 && plan.new_requests[1].sampling.num_logprobs == 0);
   CHECK((plan.new_requests[0].suppress_token_ids == std::vector<int32_t>{kEos}));
   StepResult result{plan.step_id, {plan.sched_slots[0], plan.sched_slots[1]}, {7, 8}, {-0.1f, -0.2f}};
   result.num_top = 3;

@@ -153,7 +153,7 @@ def with_u16(data: bytes, offset: int, value: int) -> bytes:
         pytest.param(lambda d: with_u32(d + bytes(3), 0, len(d) + 3), id="misaligned"),
         pytest.param(lambda d: with_u16(d, 6, _core.LAYOUT_VERSION + 1), id="wrong-version"),
         pytest.param(lambda d: with_u16(d, 4, 999), id="unknown-type"),
-        pytest.param(lambda d: with_u32(d, 79, 1 << 30), id="truncated-prompt-array"),
+        pytest.param(lambda d: with_u32(d, 16, 1 << 30), id="truncated-prompt-array"),  # after header + request_id
         pytest.param(lambda d: with_u32(d[:88], 0, 88), id="truncated-record"),
         pytest.param(lambda d: with_u32(d + bytes(8), 0, len(d) + 8), id="trailing-bytes"),
     ],
@@ -181,8 +181,34 @@ def test_every_truncation_is_rejected() -> None:
             _core.decode_request_record(prefix)
 
 
-def test_layout_version_is_3() -> None:
-    assert _core.LAYOUT_VERSION == 3
+def test_layout_version_is_4() -> None:
+    assert _core.LAYOUT_VERSION == 4
+
+
+def test_sampling_params_have_one_set_of_defaults_shared_by_every_record() -> None:
+    defaults = dict(_core.SAMPLING_FIELDS)
+    assert defaults["temperature"] == 1.0 and defaults["top_p"] == 1.0 and defaults["top_k"] == 0
+    for record in (_core.AddRequest(), _core.NewRequestData(), _core.SamplingParams()):
+        for name, default in defaults.items():
+            assert getattr(record, name) == default, (type(record).__name__, name)
+    assert _core.AddRequest().max_tokens == 256  # the public API's default
+
+
+def test_sampling_params_are_one_struct_embedded_in_the_request_and_the_new_request() -> None:
+    r = _core.AddRequest()
+    r.sampling = _core.SamplingParams(temperature=0.5, top_k=7, seed=3, has_seed=True)
+    assert r.temperature == 0.5 and r.top_k == 7  # each field also reads by its own name
+    r.sampling.top_p = 0.25  # the nested struct is the record's own, not a copy
+    assert _core.decode_request_record(_core.encode_add_request(r)).sampling.top_p == 0.25
+    n = _core.NewRequestData()
+    n.sampling = r.sampling
+    assert n.temperature == 0.5 and n.sampling.seed == 3
+    with pytest.raises(TypeError, match="unknown field"):
+        _core.SamplingParams(temprature=0.5)
+
+
+def test_the_lookahead_limit_is_exposed_once() -> None:
+    assert _core.MAX_LOOKAHEAD_SLOTS == 64
 
 
 def test_add_request_v2_fields_round_trip() -> None:
