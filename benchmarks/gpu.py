@@ -183,7 +183,8 @@ def offline_tok_s(runner: Any, prompts: np.ndarray, output_len: int, budget: int
     n, p = prompts.shape
     blocks_each = -(-(p + output_len) // runner.block_size)
     requests = [
-        NewRequest(i, prompts[i].astype(np.int32), np.arange(i * blocks_each, (i + 1) * blocks_each, dtype=np.int32))
+        NewRequest(i, prompts[i].astype(np.int32), np.arange(i * blocks_each, (i + 1) * blocks_each,
+                                                             dtype=np.int32), temperature=0.0)
         for i in range(n)
     ]
     per_step, step = max(1, budget // p), 0
@@ -209,7 +210,7 @@ def single_stream_tok_s(runner: Any, prompt: np.ndarray, output_len: int) -> flo
 
     blocks = np.arange(-(-(len(prompt) + output_len) // runner.block_size), dtype=np.int32)
     one = np.zeros(1)
-    request = NewRequest(0, prompt.astype(np.int32), blocks)
+    request = NewRequest(0, prompt.astype(np.int32), blocks, temperature=0.0)
     runner.execute(schedule(0, one, one, np.array([len(prompt)]), new_requests=[request]))
     synchronize(runner.device)
     start = time.perf_counter()

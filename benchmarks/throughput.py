@@ -48,6 +48,7 @@ def run_offline(runner, prompts: np.ndarray, gen: int, block_size: int, budget: 
             prompts[i].astype(np.int32),
             np.arange(i * blocks_each, (i + 1) * blocks_each, dtype=np.int32),
             num_prompt_tokens=p,
+            temperature=0.0,
         )
         for i in range(n)
     ]
@@ -74,7 +75,7 @@ def run_offline(runner, prompts: np.ndarray, gen: int, block_size: int, budget: 
 def run_single_stream(runner, prompt: np.ndarray, gen: int, block_size: int) -> float:
     blocks = np.arange(-(-(len(prompt) + gen) // block_size), dtype=np.int32)
     one = np.zeros(1, np.int32)
-    request = NewRequest(0, prompt.astype(np.int32), blocks, num_prompt_tokens=len(prompt))
+    request = NewRequest(0, prompt.astype(np.int32), blocks, num_prompt_tokens=len(prompt), temperature=0.0)
     runner.execute(StepPlan(0, [request], [], one, one,
                             np.array([len(prompt)], np.int32), np.ones(1, bool)))  # fmt: skip
     start = time.perf_counter()

@@ -16,22 +16,18 @@ from typing import Any
 import numpy as np
 import torch
 from ringserve.workers.attention import AttentionMetadata
-from ringserve.workers.sampler import GREEDY_TEMPERATURE, SamplingBatch
+from ringserve.workers.sampler import SamplingBatch, greedy_is_plain
 
-# Per-slot scalar sampling parameters: (attribute on NewRequestData (layout v2), dtype, neutral value).
-_PARAMS: tuple[tuple[str, type, float], ...] = (
-    ("temperature", np.float32, 1.0),
-    ("top_p", np.float32, 1.0),
-    ("top_k", np.int64, 0),
-    ("min_p", np.float32, 0.0),
-    ("repetition_penalty", np.float32, 1.0),
-    ("frequency_penalty", np.float32, 0.0),
-    ("presence_penalty", np.float32, 0.0),
-    ("min_tokens", np.int64, 0),
-    ("num_logprobs", np.int64, 0),
-    ("seed", np.int64, 0),
-    ("has_seed", np.bool_, False),
-)
+
+def sampling_fields() -> tuple[tuple[str, type, Any], ...]:
+    """Per-slot sampling parameters: (name, dtype, default), one per field of the records' SamplingParams, so a new
+    sampling field needs no edit here. Integers are kept as int64 (a u64 seed keeps its bits)."""
+    from ringserve import _core  # built from csrc/; imported on use so importing workers/ needs no build
+
+    def dtype(default: Any) -> type:
+        return np.bool_ if isinstance(default, bool) else np.int64 if isinstance(default, int) else np.float32
+
+    return tuple((name, dtype(default), default) for name, default in _core.SAMPLING_FIELDS)
 
 
 @dataclass
@@ -68,7 +64,7 @@ class InputBatch:
         self.block_table = np.zeros((slots, blocks), np.int32)
         self.num_blocks = np.zeros(slots, np.int64)
         self.suppress = np.full((slots, 1), -1, np.int64)
-        self.params = {name: np.full(slots, default, dtype) for name, dtype, default in _PARAMS}
+        self.params = {name: np.full(slots, default, dtype) for name, dtype, default in sampling_fields()}
         # Per slot: greedy with no penalty and no top logprobs, and the token count from which min_tokens no longer
         # suppresses anything: together they say when the sampler's greedy pass alone gives its token.
         self.greedy_plain = np.zeros(slots, np.bool_)
@@ -120,19 +116,14 @@ class InputBatch:
         self.num_blocks[slot] = len(blocks)
         self.suppress[slot] = -1
         self.suppress[slot, : len(suppress)] = suppress
-        for name, _dtype, _default in _PARAMS:
-            value = getattr(req, name)
+        sampling = req.sampling
+        for name, values in self.params.items():
+            value = getattr(sampling, name)
             if name == "seed" and value >= 1 << 63:  # a u64 seed: keep its bits as int64 (the sampler hashes bits)
                 value -= 1 << 64
-            self.params[name][slot] = value
+            values[slot] = value
         p = self.params
-        self.greedy_plain[slot] = (
-            p["temperature"][slot] <= GREEDY_TEMPERATURE
-            and p["repetition_penalty"][slot] == 1.0
-            and p["frequency_penalty"][slot] == 0.0
-            and p["presence_penalty"][slot] == 0.0
-            and p["num_logprobs"][slot] == 0
-        )
+        self.greedy_plain[slot] = greedy_is_plain({name: values[slot] for name, values in p.items()})
         self.suppress_until[slot] = self.num_prompt_tokens[slot] + p["min_tokens"][slot]
 
     def append_blocks(self, slot: int, block_ids: Any) -> None:
@@ -280,35 +271,20 @@ class InputBatch:
     def sampling_batch(self, slots: np.ndarray) -> SamplingBatch:
         """Sampling parameters of `slots` (rows in that order); penalty history only when a row needs it."""
         dev = self.device
-
-        def col(name: str) -> torch.Tensor:
-            return torch.from_numpy(self.params[name][slots]).to(dev)
-
         num_tokens, num_prompt = self.num_tokens[slots], self.num_prompt_tokens[slots]
-        num_outputs = num_tokens - num_prompt
-        batch = SamplingBatch(
-            temperature=col("temperature"),
-            top_k=col("top_k"),
-            top_p=col("top_p"),
-            min_p=col("min_p") if self.params["min_p"][slots].any() else None,
-            seeds=col("seed"),
-            has_seed=col("has_seed"),
-            output_index=torch.from_numpy(num_outputs).to(dev),
-            num_logprobs=col("num_logprobs") if self.params["num_logprobs"][slots].any() else None,
-        )
-        penalised = (
-            (self.params["repetition_penalty"][slots] != 1.0).any()
-            or self.params["frequency_penalty"][slots].any()
-            or self.params["presence_penalty"][slots].any()
-        )
-        if penalised:
+
+        def history() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             width = int(num_tokens.max())
-            batch.repetition_penalty = col("repetition_penalty")
-            batch.frequency_penalty = col("frequency_penalty")
-            batch.presence_penalty = col("presence_penalty")
-            batch.token_ids = torch.from_numpy(np.ascontiguousarray(self.token_ids[slots, :width])).to(dev)
-            batch.num_tokens = torch.from_numpy(num_tokens).to(dev)
-            batch.num_prompt_tokens = torch.from_numpy(num_prompt).to(dev)
+            token_ids = np.ascontiguousarray(self.token_ids[slots, :width])
+            return (torch.from_numpy(token_ids).to(dev), torch.from_numpy(num_tokens).to(dev),
+                    torch.from_numpy(num_prompt).to(dev))  # fmt: skip
+
+        batch = SamplingBatch.from_columns(
+            {name: values[slots] for name, values in self.params.items()},
+            lambda column: torch.from_numpy(column).to(dev),
+            output_index=torch.from_numpy(num_tokens - num_prompt).to(dev),
+            history=history,
+        )
         active = num_tokens < self.suppress_until[slots]  # min_tokens not yet reached (the rule plain_greedy uses)
         if active.any():
             batch.suppress_token_ids = torch.from_numpy(np.ascontiguousarray(self.suppress[slots])).to(dev)

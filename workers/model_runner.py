@@ -29,24 +29,14 @@ log = logging.getLogger(__name__)
 
 
 class NewRequestLike(Protocol):
-    """`_core.NewRequestData`, layout version 2 (docs/contracts.md)."""
+    """`_core.NewRequestData` (docs/contracts.md): a slot's tokens and blocks, and its `_core.SamplingParams`."""
 
     slot: int
     token_ids: Any  # int32 array-like
     block_ids: Any
     num_computed_tokens: int
     num_prompt_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int
-    has_seed: bool
-    min_tokens: int
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    num_logprobs: int
+    sampling: Any  # _core.SamplingParams: every sampling field by name
     suppress_token_ids: Any  # int32 array-like
 
 
@@ -70,31 +60,33 @@ class StepPlanLike(Protocol):
     # sched_lookahead: Any; trim_slots: Any; trim_num_blocks: Any
 
 
-@dataclass
 class NewRequest:
-    """A `NewRequestLike` built in process (tests, benchmarks, offline use) rather than decoded from a record."""
+    """A `NewRequestLike` built in process (tests, benchmarks, offline use) rather than decoded from a record.
 
-    slot: int
-    token_ids: np.ndarray
-    block_ids: np.ndarray
-    num_computed_tokens: int = 0
-    temperature: float = 0.0  # greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    has_seed: bool = False
-    num_prompt_tokens: int | None = None  # None = the whole of token_ids is the prompt
-    min_tokens: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    num_logprobs: int = 0
-    suppress_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    Sampling fields come by name (`temperature=0.0`, ...) or whole (`sampling=`), with the records' defaults
+    (`_core.SamplingParams`): temperature 1.0 samples, so a greedy caller says temperature=0.0.
+    """
 
-    def __post_init__(self) -> None:
-        if self.num_prompt_tokens is None:
-            self.num_prompt_tokens = len(self.token_ids)
+    def __init__(
+        self,
+        slot: int,
+        token_ids: np.ndarray,
+        block_ids: np.ndarray,
+        num_computed_tokens: int = 0,
+        num_prompt_tokens: int | None = None,  # None = the whole of token_ids is the prompt
+        suppress_token_ids: np.ndarray | None = None,
+        sampling: Any = None,
+        **sampling_fields: Any,
+    ) -> None:
+        from ringserve import _core  # built from csrc/; imported on use so importing workers/ needs no build
+
+        self.slot = slot
+        self.token_ids = token_ids
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        self.suppress_token_ids = np.zeros(0, np.int32) if suppress_token_ids is None else suppress_token_ids
+        self.sampling = sampling if sampling is not None else _core.SamplingParams(**sampling_fields)
 
 
 @dataclass

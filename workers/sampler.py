@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -75,6 +76,52 @@ class SamplingBatch:
         for name, value in optional.items():
             setattr(batch, name, value)
         return batch
+
+
+    @classmethod
+    def from_columns(
+        cls,
+        params: Mapping[str, np.ndarray],
+        to_tensor: Callable[[np.ndarray], torch.Tensor],
+        output_index: torch.Tensor,
+        history: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> SamplingBatch:
+        """The batch of rows whose sampling fields (every SamplingParams field by name, one value per row) are
+        `params`; optional parts only where a row uses them. `history()` gives (token_ids [rows, L] padded with -1,
+        num_tokens, num_prompt_tokens), needed only by penalties."""
+        batch = cls(
+            temperature=to_tensor(params["temperature"]),
+            top_k=to_tensor(params["top_k"]),
+            top_p=to_tensor(params["top_p"]),
+            min_p=to_tensor(params["min_p"]) if params["min_p"].any() else None,
+            seeds=to_tensor(params["seed"]),
+            has_seed=to_tensor(params["has_seed"]),
+            output_index=output_index,
+            num_logprobs=to_tensor(params["num_logprobs"]) if params["num_logprobs"].any() else None,
+        )
+        penalised = (
+            (params["repetition_penalty"] != 1.0).any()
+            or params["frequency_penalty"].any()
+            or params["presence_penalty"].any()
+        )
+        if penalised:
+            batch.repetition_penalty = to_tensor(params["repetition_penalty"])
+            batch.frequency_penalty = to_tensor(params["frequency_penalty"])
+            batch.presence_penalty = to_tensor(params["presence_penalty"])
+            batch.token_ids, batch.num_tokens, batch.num_prompt_tokens = history()
+        return batch
+
+
+def greedy_is_plain(params: Mapping[str, Any]) -> bool:
+    """True when a request with these sampling fields (one value each) takes the argmax of its logits unchanged:
+    greedy, no penalty, no top logprobs (min_tokens suppression is the batch's to check, per step)."""
+    return bool(
+        params["temperature"] <= GREEDY_TEMPERATURE
+        and params["repetition_penalty"] == 1.0
+        and params["frequency_penalty"] == 0.0
+        and params["presence_penalty"] == 0.0
+        and params["num_logprobs"] == 0
+    )
 
 
 class SamplerOutput(NamedTuple):

@@ -164,7 +164,7 @@ def layer_by_layer_greedy(model_path: Path, dtype: torch.dtype, prompt_ids: list
     runner = ModelRunner(model, block_size=16, num_kv_blocks=16)
     one = np.zeros(1, np.int32)
     prompt = np.asarray(prompt_ids, np.int32)
-    request = NewRequest(0, prompt, np.arange(16, dtype=np.int32), num_prompt_tokens=len(prompt))
+    request = NewRequest(0, prompt, np.arange(16, dtype=np.int32), num_prompt_tokens=len(prompt), temperature=0.0)
     out = runner.execute(StepPlan(0, [request], [], one, one, np.array([len(prompt)], np.int32), np.ones(1, bool)))
     ids = [int(out.token_ids[0])]
     for k in range(1, n):

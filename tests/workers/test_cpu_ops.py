@@ -179,7 +179,7 @@ def greedy_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> lis
         return logits
 
     model.forward = capture  # type: ignore[method-assign]
-    request = NewRequest(0, ids(*prompt), ids(0, 1))
+    request = NewRequest(0, ids(*prompt), ids(0, 1), temperature=0.0)
     runner.execute(plan(0, [(0, 0, len(prompt), True)], new_requests=[request]))
     for k in range(steps):
         runner.execute(plan(k + 1, [(0, len(prompt) + k, 1, True)]))

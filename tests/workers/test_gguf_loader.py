@@ -167,7 +167,7 @@ def test_real_gguf_greedy_tokens_equal_transformers():
     path = Path(os.environ[GGUF_ENV])
     ours = load_gguf_model(path, torch.float32)
     runner = ModelRunner(ours, block_size=16, num_kv_blocks=4)
-    new = NewRequest(slot=0, token_ids=ids(*PROMPT), block_ids=ids(3, 1))
+    new = NewRequest(slot=0, token_ids=ids(*PROMPT), block_ids=ids(3, 1), temperature=0.0)
     out = runner.execute(plan(0, [(0, 0, len(PROMPT), True)], new_requests=[new]))
     generated = [int(out.token_ids[0])]
     for step in range(1, 16):

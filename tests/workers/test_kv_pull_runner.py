@@ -40,7 +40,8 @@ def shared_runner(folder, num_blocks: int = 16) -> ModelRunner:
 
 
 def greedy(runner: ModelRunner, prompt: list[int], blocks: list[int], n: int) -> list[int]:
-    out = runner.execute(plan(0, [(0, 0, len(prompt), True)], new_requests=[NewRequest(0, ids(*prompt), ids(*blocks))]))
+    out = runner.execute(plan(0, [(0, 0, len(prompt), True)], new_requests=[NewRequest(0, ids(*prompt),
+                                                                                       ids(*blocks), temperature=0.0)]))
     tokens = [int(out.token_ids[0])]
     for step in range(1, n):
         out = runner.execute(plan(step, [(0, len(prompt) + step - 1, 1, True)]))
@@ -65,7 +66,7 @@ def test_decode_from_pulled_kv_matches_colocated(folder, pull_works: bool) -> No
         out = decode.execute(plan(
             0, [(3, len(prompt), 1, True)],
             new_requests=[NewRequest(3, ids(*tokens), ids(1, 2, 5, 6), num_computed_tokens=len(prompt),
-                                     num_prompt_tokens=len(prompt))],
+                                     num_prompt_tokens=len(prompt), temperature=0.0)],
         ))  # fmt: skip
         got = [first, int(out.token_ids[0])]
         for step in range(1, n - 1):

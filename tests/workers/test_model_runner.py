@@ -37,7 +37,8 @@ def test_greedy_decode_of_two_requests_matches_transformers(tiny):
         plan(
             0,
             [(0, 0, 6, True), (3, 0, 3, True)],
-            new_requests=[NewRequest(0, ids(*p0), ids(7, 2)), NewRequest(3, ids(*p1), ids(11))],
+            new_requests=[NewRequest(0, ids(*p0), ids(7, 2), temperature=0.0), NewRequest(3, ids(*p1), ids(11),
+                                                                                          temperature=0.0)],
         )
     )
     assert out.slots.tolist() == [0, 3] and out.slots.dtype == np.int32 and out.token_ids.dtype == np.int32
@@ -63,7 +64,8 @@ def test_chunked_prefill_samples_only_after_the_last_chunk(tiny):
     hf, folder = tiny
     runner = make_runner(folder)
     prompt = list(range(10, 21))
-    first = runner.execute(plan(0, [(1, 0, 6, False)], new_requests=[NewRequest(1, ids(*prompt), ids(4, 9))]))
+    first = runner.execute(plan(0, [(1, 0, 6, False)], new_requests=[NewRequest(1, ids(*prompt), ids(4, 9),
+                                                                                temperature=0.0)]))
     assert first.slots.size == 0 and first.token_ids.size == 0
     second = runner.execute(plan(1, [(1, 6, 5, True)], block_appends=[BlockAppend(1, ids(0))]))
     assert second.slots.tolist() == [1]
@@ -73,18 +75,20 @@ def test_chunked_prefill_samples_only_after_the_last_chunk(tiny):
 def test_finished_slot_is_dropped_and_can_be_reused_in_the_same_plan(tiny):
     hf, folder = tiny
     runner = make_runner(folder)
-    runner.execute(plan(0, [(2, 0, 4, True)], new_requests=[NewRequest(2, ids(1, 2, 3, 4), ids(0, 1))]))
+    runner.execute(plan(0, [(2, 0, 4, True)], new_requests=[NewRequest(2, ids(1, 2, 3, 4), ids(0, 1),
+                                                                       temperature=0.0)]))
     assert runner.batch.occupied[2]
     runner.execute(plan(1, [], finished_slots=ids(2)))
     assert not runner.batch.occupied[2]
     with pytest.raises(ValueError, match="slot 2"):
         runner.execute(plan(2, [(2, 4, 1, True)]))
 
-    runner.execute(plan(3, [(5, 0, 2, True)], new_requests=[NewRequest(5, ids(9, 9), ids(6))]))
+    runner.execute(plan(3, [(5, 0, 2, True)], new_requests=[NewRequest(5, ids(9, 9), ids(6), temperature=0.0)]))
     reused = [7, 100, 42]
     # Slot 5 finishes and a new request takes it in the same plan, reusing its blocks.
     out = runner.execute(
-        plan(4, [(5, 0, 3, True)], finished_slots=ids(5), new_requests=[NewRequest(5, ids(*reused), ids(6))])
+        plan(4, [(5, 0, 3, True)], finished_slots=ids(5), new_requests=[NewRequest(5, ids(*reused), ids(6),
+                                                                                   temperature=0.0)])
     )
     assert runner.tokens_of(5)[:3] == reused
     assert int(out.token_ids[0]) == hf_greedy(hf, reused, 1)[0]
@@ -93,15 +97,15 @@ def test_finished_slot_is_dropped_and_can_be_reused_in_the_same_plan(tiny):
 def test_new_request_into_an_occupied_slot_is_an_error(tiny):
     _, folder = tiny
     runner = make_runner(folder)
-    runner.execute(plan(0, [], new_requests=[NewRequest(1, ids(1, 2), ids(0))]))
+    runner.execute(plan(0, [], new_requests=[NewRequest(1, ids(1, 2), ids(0), temperature=0.0)]))
     with pytest.raises(ValueError, match="slot 1"):
-        runner.execute(plan(1, [], new_requests=[NewRequest(1, ids(3), ids(1))]))
+        runner.execute(plan(1, [], new_requests=[NewRequest(1, ids(3), ids(1), temperature=0.0)]))
 
 
 def test_block_appends_extend_the_block_table_and_are_bounds_checked(tiny):
     _, folder = tiny
     runner = make_runner(folder, num_kv_blocks=8)
-    runner.execute(plan(0, [], new_requests=[NewRequest(0, ids(1, 2, 3, 4, 5), ids(3))]))
+    runner.execute(plan(0, [], new_requests=[NewRequest(0, ids(1, 2, 3, 4, 5), ids(3), temperature=0.0)]))
     with pytest.raises(ValueError, match="need 2 blocks"):
         runner.execute(plan(1, [(0, 0, 5, True)]))
     runner.execute(plan(2, [], block_appends=[BlockAppend(0, ids(6))]))
@@ -115,7 +119,8 @@ def test_resumed_request_recomputes_prompt_plus_outputs(tiny):
     hf, folder = tiny
     runner = make_runner(folder)
     tokens = [3, 1, 4, 1, 5, 9, 2]
-    out = runner.execute(plan(0, [(4, 0, 7, True)], new_requests=[NewRequest(4, ids(*tokens), ids(1, 0))]))
+    out = runner.execute(plan(0, [(4, 0, 7, True)], new_requests=[NewRequest(4, ids(*tokens), ids(1, 0),
+                                                                             temperature=0.0)]))
     assert int(out.token_ids[0]) == hf_greedy(hf, tokens, 1)[0]
 
 
@@ -189,7 +194,7 @@ def test_min_tokens_keeps_suppressed_ids_out_until_reached(tiny):
     prompt = [3, 4, 5]
     greedy_first = hf_greedy(hf, prompt, 1)[0]
     runner = make_runner(folder)
-    req = NewRequest(0, ids(*prompt), ids(0), min_tokens=1, suppress_token_ids=ids(greedy_first))
+    req = NewRequest(0, ids(*prompt), ids(0), min_tokens=1, suppress_token_ids=ids(greedy_first), temperature=0.0)
     out = runner.execute(plan(0, [(0, 0, 3, True)], new_requests=[req]))
     assert int(out.token_ids[0]) != greedy_first
 
@@ -217,7 +222,8 @@ def test_plain_greedy_rows_skip_the_sampling_batch_and_match_the_full_sampler(ti
     real = runner.batch.sampling_batch
     monkeypatch.setattr(runner.batch, "sampling_batch", lambda slots: built.append(slots.tolist()) or real(slots))
     full.batch.plain_greedy = lambda slots: False  # always the full sampler
-    reqs = [NewRequest(0, ids(5, 9, 200), ids(0)), NewRequest(1, ids(3, 4), ids(1), **knob)]
+    reqs = [NewRequest(0, ids(5, 9, 200), ids(0), temperature=0.0), NewRequest(1, ids(3, 4), ids(1),
+                                                                               **{"temperature": 0.0, **knob})]
     first = plan(0, [(0, 0, 3, True), (1, 0, 2, True)], new_requests=reqs)
     second = plan(1, [(0, 3, 1, True), (1, 2, 1, True)])
     steps = [(runner.execute(p), full.execute(p)) for p in (first, second)]
@@ -235,7 +241,8 @@ def test_plain_greedy_rows_skip_the_sampling_batch_and_match_the_full_sampler(ti
 def test_top_logprobs_come_back_for_rows_that_ask(tiny):
     _, folder = tiny
     runner = make_runner(folder)
-    reqs = [NewRequest(0, ids(1, 2), ids(0), num_logprobs=3), NewRequest(1, ids(3, 4), ids(1))]
+    reqs = [NewRequest(0, ids(1, 2), ids(0), num_logprobs=3, temperature=0.0), NewRequest(1, ids(3, 4), ids(1),
+                                                                                          temperature=0.0)]
     out = runner.execute(plan(0, [(0, 0, 2, True), (1, 0, 2, True)], new_requests=reqs))
     assert out.top_token_ids is not None and out.top_token_ids.shape == (2, 3)
     assert out.top_token_ids.dtype == np.int32 and out.top_logprobs.dtype == np.float32
@@ -248,7 +255,8 @@ def test_bfloat16_kv_cache_under_float32_weights(tiny):
     runner = make_runner(folder, kv_cache_dtype=torch.bfloat16)
     assert runner.kv_cache.k[0].dtype == torch.bfloat16
     prompt = [5, 9, 200, 3]
-    out = runner.execute(plan(0, [(0, 0, 4, True)], new_requests=[NewRequest(0, ids(*prompt), ids(0))]))
+    out = runner.execute(plan(0, [(0, 0, 4, True)], new_requests=[NewRequest(0, ids(*prompt), ids(0),
+                                                                             temperature=0.0)]))
     assert int(out.token_ids[0]) == hf_greedy(hf, prompt, 1)[0]
 
 
@@ -257,5 +265,6 @@ def test_cuda_runner_decodes_like_the_cpu_runner(tiny):
     hf, folder = tiny
     runner = ModelRunner(load_hf_model(folder, torch.float32, "cuda"), block_size=4, num_kv_blocks=32, device="cuda")
     prompt = [5, 9, 200, 3, 17]
-    out = runner.execute(plan(0, [(0, 0, 5, True)], new_requests=[NewRequest(0, ids(*prompt), ids(0, 1))]))
+    out = runner.execute(plan(0, [(0, 0, 5, True)], new_requests=[NewRequest(0, ids(*prompt), ids(0, 1),
+                                                                             temperature=0.0)]))
     assert int(out.token_ids[0]) == hf_greedy(hf, prompt, 1)[0]

@@ -163,7 +163,7 @@ def test_embedded_model_batch_decodes_the_same_tokens_either_way(monkeypatch):
         model = load_model(path, torch.bfloat16)
         model.native_decode = native
         runner = ModelRunner(model, block_size=16, num_kv_blocks=16)
-        requests = [NewRequest(i, ids(*p), ids(i)) for i, p in enumerate(prompts)]
+        requests = [NewRequest(i, ids(*p), ids(i), temperature=0.0) for i, p in enumerate(prompts)]
         out = runner.execute(plan(0, [(i, 0, len(p), True) for i, p in enumerate(prompts)], new_requests=requests))
         tokens = [[int(t)] for t in out.token_ids]
         for k in range(8):

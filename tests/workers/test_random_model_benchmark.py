@@ -37,5 +37,6 @@ def test_the_random_checkpoint_loads_and_runs_like_any_hf_folder(tmp_path, capsy
     weights = model.model.layers[1].mlp.down_proj.weight
     assert 0.015 < float(weights.std()) < 0.025 and float(model.model.norm.weight.min()) == 1.0
     runner = ModelRunner(model, block_size=16, num_kv_blocks=4)
-    out = runner.execute(plan(0, [(0, 0, len(prompt), True)], new_requests=[NewRequest(0, ids(*prompt), ids(0, 1))]))
+    out = runner.execute(plan(0, [(0, 0, len(prompt), True)], new_requests=[NewRequest(0, ids(*prompt), ids(0, 1),
+                                                                                       temperature=0.0)]))
     assert out.token_ids.shape == (1,) and 0 <= int(out.token_ids[0]) < 49152 and np.isfinite(out.logprobs).all()

@@ -102,7 +102,7 @@ def test_step_loop_answers_each_plan_and_exits_cleanly_on_shutdown(tiny_folder):
     reader = FakeReader(
         [
             None,  # idle read timeout
-            plan(0, [(1, 0, 3, True)], new_requests=[NewRequest(1, ids(4, 5, 6), ids(2))]),
+            plan(0, [(1, 0, 3, True)], new_requests=[NewRequest(1, ids(4, 5, 6), ids(2), temperature=0.0)]),
             plan(1, [(1, 3, 1, True)]),
             WorkerShutdown(),
         ]
@@ -155,7 +155,8 @@ def test_worker_process_attaches_to_real_rings_and_announces_ready(tiny_folder):
 def test_step_result_carries_top_logprobs_through_the_real_record(tiny_folder):
     core = pytest.importorskip("ringserve._core")
     runner = ModelRunner(load_hf_model(tiny_folder, torch.float32), block_size=4, num_kv_blocks=8)
-    reqs = [NewRequest(0, ids(4, 5), ids(1), num_logprobs=2), NewRequest(1, ids(6), ids(2))]
+    reqs = [NewRequest(0, ids(4, 5), ids(1), num_logprobs=2, temperature=0.0), NewRequest(1, ids(6), ids(2),
+                                                                                          temperature=0.0)]
     out = runner.execute(plan(7, [(0, 0, 2, True), (1, 0, 1, True)], new_requests=reqs))
     result = core.decode_worker_result(encode_result(core, out))
     assert result.step_id == 7 and list(result.slots) == [0, 1]
