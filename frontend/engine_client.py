@@ -60,7 +60,8 @@ def status_code_from_number(number: int) -> grpc.StatusCode:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Validated per-request sampling, as the engine's AddRequest record carries it."""
+    """Validated per-request sampling, as the engine's AddRequest record carries it. Its sampling fields are named as
+    the records' SamplingParams fields (`_core.SAMPLING_FIELDS`), which `_add_request` copies by name."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -290,7 +291,7 @@ class EngineClient:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = queue
         submitted = finished = pinned = False
-        kv_pinned = getattr(self._core, "KvPinned", ())
+        kv_pinned = self._core.KvPinned
         try:
             options_sent = False
             try:
@@ -365,20 +366,15 @@ class EngineClient:
         record = self._core.AddRequest()
         record.request_id = request_id
         record.prompt_token_ids = list(prompt_ids)
-        record.max_tokens = params.max_tokens
-        record.temperature = params.temperature
-        record.top_p = params.top_p
-        record.top_k = params.top_k
+        # Every sampling field by name (the records declare them: _core.SAMPLING_FIELDS); the seed is optional here.
+        for name, _default in self._core.SAMPLING_FIELDS:
+            if name not in ("seed", "has_seed"):
+                setattr(record.sampling, name, getattr(params, name))
         record.seed = params.seed if params.seed is not None else 0
         record.has_seed = params.seed is not None
+        record.max_tokens = params.max_tokens
         record.ignore_eos = params.ignore_eos
         record.stop_token_ids = list(params.stop_token_ids)
-        record.min_tokens = params.min_tokens
-        record.min_p = params.min_p
-        record.repetition_penalty = params.repetition_penalty
-        record.frequency_penalty = params.frequency_penalty
-        record.presence_penalty = params.presence_penalty
-        record.num_logprobs = params.num_logprobs
         record.priority = params.priority
         record.cache_salt = params.cache_salt
         record.arrival_time_ns = time.time_ns()  # wall clock, comparable with trace timestamps
@@ -468,7 +464,7 @@ class EngineClient:
                 if not future.done():
                     future.set_result(event)
             self._ready_waiters.clear()
-        elif isinstance(event, getattr(core, "KvPinned", ())):
+        elif isinstance(event, core.KvPinned):
             queue = self._streams.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
