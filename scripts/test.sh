@@ -42,6 +42,9 @@ ctest --test-dir build/ctest-asan --output-on-failure
 cxx_tests build/ctest-tsan -DRINGSERVE_SANITIZE=thread  # the core's tests: rings, engine threads (no kernels)
 ctest --test-dir build/ctest-tsan --output-on-failure
 
+echo "==> typings/ringserve/_core.pyi is current (${SECONDS}s in)"
+python scripts/gen_core_stub.py --check
+
 echo "==> Python tests (pytest; ${SECONDS}s in)"
 RINGSERVE_TEST_GGUF=${RINGSERVE_TEST_GGUF:-$(python -c \
   "from ringserve.frontend.model_source import embedded_model_path; print(embedded_model_path())")}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -319,3 +322,10 @@ def test_engine_config_speculation_defaults_are_off() -> None:
     config = _core.EngineConfig()
     assert config.num_speculative_tokens == 0 and config.spec_max_batch == 16
     assert config.spec_min_acceptance == pytest.approx(0.25) and config.spec_backoff_steps == 16
+
+
+def test_the_committed_core_stub_is_current() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "gen_core_stub.py"), "--check"], capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
