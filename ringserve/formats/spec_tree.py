@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-# The engine's lookahead slots per request per step: kMaxLookaheadSlots (records.h), until _core exposes it.
-MAX_TREE_NODES = 64
+from ringserve._core import MAX_LOOKAHEAD_SLOTS as MAX_TREE_NODES  # kMaxLookaheadSlots (records.h): slots per step
 
 
 @dataclass(frozen=True)
