@@ -32,7 +32,7 @@ from ringserve.workers.attention import (
 from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.attention.triton_paged import TritonPagedBackend, decode_num_splits
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
-from ringserve.workers.model_runner import ModelRunner
+from ringserve.workers.model_runner import ModelRunner, NewRequest
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -225,14 +225,9 @@ def tiny_llama(seed: int = 0, head_dim: int = 16, dtype: torch.dtype = torch.flo
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
-def new_request(slot: int, tokens: list[int], blocks: list[int]) -> SimpleNamespace:
-    """A greedy NewRequestData (layout v2) as plain attributes; ModelRunner reads nothing else."""
-    return SimpleNamespace(
-        slot=slot, token_ids=np.asarray(tokens, np.int32), block_ids=np.asarray(blocks, np.int32),
-        num_computed_tokens=0, num_prompt_tokens=len(tokens), temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-        seed=0, has_seed=False, min_tokens=0, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
-        num_logprobs=0, suppress_token_ids=np.zeros(0, np.int32),
-    )  # fmt: skip
+def new_request(slot: int, tokens: list[int], blocks: list[int]) -> NewRequest:
+    """A greedy new request; its other sampling fields keep the records' defaults."""
+    return NewRequest(slot, np.asarray(tokens, np.int32), np.asarray(blocks, np.int32), temperature=0.0)
 
 
 def step_plan(step_id: int, sched: list[tuple[int, int, int, bool]], **deltas: object) -> SimpleNamespace:
@@ -274,11 +269,12 @@ def test_tiny_llama_generates_the_same_tokens_with_either_backend():
 # ---- decode graphs' static buffers (workers/cuda_graphs.py), run eagerly: padding rows, scratch block --------
 
 
-def sampled_request(slot: int, tokens: list[int], blocks: list[int], seed: int | None) -> SimpleNamespace:
+def sampled_request(slot: int, tokens: list[int], blocks: list[int], seed: int | None) -> NewRequest:
     """A request that samples (temperature 0.8, top-k 20) with a seed, or greedily without one."""
     request = new_request(slot, tokens, blocks)
     if seed is not None:
-        request.temperature, request.top_k, request.seed, request.has_seed = 0.8, 20, seed, True
+        sampling = request.sampling
+        sampling.temperature, sampling.top_k, sampling.seed, sampling.has_seed = 0.8, 20, seed, True
     return request
 
 
