@@ -19,10 +19,12 @@ import torch
 from ringserve.workers.attention import attention_metadata_scope, get_attention_backend
 from ringserve.workers.cuda_graphs import GRAPH_MODES, DecodeGraphs, GraphMode
 from ringserve.workers.input_batch import InputBatch
+from ringserve.workers.kv_pull import compute_prompt_kv, run_kv_pulls
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
 from ringserve.workers.sampler import Sampler
-from ringserve.workers.speculative import Proposer, verify_drafts
-from ringserve.workers.speculative.tree import DraftTree, chunk_tree_mask, compact_accepted_kv, verify_tree
+from ringserve.workers.speculative import Proposer
+from ringserve.workers.speculative.execution import SpeculativeStep
+from ringserve.workers.step_output import StepOutput
 
 _GIB = 1 << 30
 log = logging.getLogger(__name__)
@@ -110,21 +112,6 @@ class StepPlan:
     sched_lookahead: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     trim_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     trim_num_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-
-
-@dataclass
-class StepOutput:
-    """The tokens of each slot that had sched_sample set, in schedule order: one each, or token_counts[i] each
-    (accepted drafts, then the target's token) when the plan had lookahead."""
-
-    step_id: int
-    slots: np.ndarray  # int32
-    token_ids: np.ndarray  # int32
-    logprobs: np.ndarray  # float32
-    top_token_ids: np.ndarray | None = None  # int32 [rows, n], -1 padded; None when no row asked
-    top_logprobs: np.ndarray | None = None  # float32 [rows, n]
-    token_counts: np.ndarray | None = None  # int32 [slots]; None = one token each
-    num_proposed: np.ndarray | None = None  # int32 [slots]: draft tokens verified
 
 
 def kv_blocks_for_memory(config: LlamaConfig, block_size: int, dtype: torch.dtype, memory_gib: float) -> int:
@@ -235,13 +222,15 @@ class ModelRunner:
     def execute(self, plan: StepPlanLike) -> StepOutput:
         self.apply_plan_deltas(plan)
         if self.kv_pulls:
-            self._run_kv_pulls()
+            pulls, self.kv_pulls = self.kv_pulls, []
+            run_kv_pulls(pulls, self.kv_connector, self.batch, self.model, self.device)
         slots = np.asarray(plan.sched_slots, np.int64).reshape(-1)
         if not len(slots):
-            return StepOutput(plan.step_id, *_empty_result())
+            return StepOutput.empty(plan.step_id)
         lookahead = np.asarray(getattr(plan, "sched_lookahead", ()), np.int64).reshape(-1)
         if self.proposer is not None and len(lookahead) and lookahead.any():
-            return self._execute_speculative(plan, slots, lookahead)
+            step = SpeculativeStep(self.model, self.batch, self.sampler, self.proposer, self.kv_cache)
+            return step.execute(plan, slots, lookahead)
         starts = np.asarray(plan.sched_start, np.int64).reshape(-1)
         lens = np.asarray(plan.sched_len, np.int64).reshape(-1)
         sample = np.asarray(plan.sched_sample, np.bool_).reshape(-1)
@@ -261,7 +250,11 @@ class ModelRunner:
                 self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
             sampled_slots = step.sampled_slots
         if not len(sampled_slots):
-            return StepOutput(plan.step_id, *_empty_result())
+            return StepOutput.empty(plan.step_id)
+        return self._sample(plan.step_id, logits, sampled_slots)
+
+    def _sample(self, step_id: int, logits: torch.Tensor, sampled_slots: np.ndarray) -> StepOutput:
+        """One token for each sampled slot (row i of the logits is sampled_slots[i]'s), appended to its tokens."""
         if self.batch.plain_greedy(sampled_slots):
             out = self.sampler.greedy(logits)
         else:
@@ -269,7 +262,7 @@ class ModelRunner:
         tokens = out.token_ids.cpu().numpy()
         self.batch.append_sampled(sampled_slots, tokens)
         return StepOutput(
-            plan.step_id,
+            step_id,
             sampled_slots.astype(np.int32),
             tokens.astype(np.int32),
             out.logprobs.cpu().numpy().astype(np.float32),
@@ -277,212 +270,6 @@ class ModelRunner:
             None if out.top_logprobs is None else out.top_logprobs.float().cpu().numpy(),
         )
 
-    def _draftable(self, slots: np.ndarray) -> np.ndarray:
-        """Rows the acceptance rule covers as is: no penalties (they depend on the accepted prefix), no pending
-        min_tokens suppression, no top logprobs. The others decode one token (lossless, just not faster)."""
-        p = self.batch.params
-        outputs = self.batch.num_tokens[slots] - self.batch.num_prompt_tokens[slots]
-        return (
-            (p["repetition_penalty"][slots] == 1.0)
-            & (p["frequency_penalty"][slots] == 0.0)
-            & (p["presence_penalty"][slots] == 0.0)
-            & (p["num_logprobs"][slots] == 0)
-            & (outputs >= p["min_tokens"][slots])
-        )
-
-    def _execute_speculative(self, plan: StepPlanLike, slots: np.ndarray, lookahead: np.ndarray) -> StepOutput:
-        assert self.proposer is not None
-        starts = np.asarray(plan.sched_start, np.int64).reshape(-1)
-        lens = np.asarray(plan.sched_len, np.int64).reshape(-1)
-        sample = np.asarray(plan.sched_sample, np.bool_).reshape(-1)
-        spec = np.flatnonzero((lookahead > 0) & sample)
-        spec = spec[self._draftable(slots[spec])]
-        num_drafts = np.zeros(len(slots), np.int64)
-        proposals = []
-        if len(spec):
-            proposals = self.proposer.propose(
-                self.batch, slots[spec], lookahead[spec], self.batch.sampling_batch(slots[spec])
-            )
-            for entry, proposal in zip(spec.tolist(), proposals, strict=True):
-                drafts = np.asarray(proposal.token_ids, np.int64)[: lookahead[entry]]
-                num_drafts[entry] = len(drafts)
-                # A tree's absent nodes (-1) are computed as token 0 and never accepted (verify_tree sees the -1).
-                self.batch.stage_drafts(int(slots[entry]), np.maximum(drafts, 0))
-        step = self.batch.prepare(slots, starts, lens, sample, num_drafts)
-        tree = getattr(self.proposer, "tree", None)
-        if tree is not None and len(spec):
-            # Tree nodes sit in consecutive lookahead slots but take their depth's RoPE position and see only the
-            # prefix and their ancestors.
-            ends = np.cumsum(lens + num_drafts)
-            positions = step.positions.cpu().numpy().copy()
-            masks = {}
-            for entry in spec.tolist():
-                n = int(num_drafts[entry])
-                last = starts[entry] + lens[entry] - 1
-                positions[ends[entry] - n : ends[entry]] = last + tree.node_depth[1 : n + 1]
-                masks[entry] = torch.from_numpy(chunk_tree_mask(tree, int(starts[entry]), int(lens[entry]), n))
-            step.positions = torch.from_numpy(positions).to(step.positions.device)
-            step.metadata.tree_masks = {e: m.to(step.positions.device) for e, m in masks.items()}
-        with torch.inference_mode(), attention_metadata_scope(step.metadata):
-            logits = self.model(step.input_ids, step.positions)
-        self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
-        sampled = np.flatnonzero(sample)
-        if not len(sampled):
-            return StepOutput(plan.step_id, *_empty_result())
-        # Logits rows come per sampled entry in schedule order: 1 + num_drafts each.
-        per = 1 + num_drafts[sampled]
-        first_row = np.cumsum(per) - per
-        plain = num_drafts[sampled] == 0
-        tokens: list[np.ndarray] = [np.zeros(0, np.int32)] * len(sampled)
-        logprobs: list[np.ndarray] = [np.zeros(0, np.float32)] * len(sampled)
-        top_ids = top_lps = None
-        if plain.any():
-            rows = torch.from_numpy(first_row[plain]).to(logits.device)
-            out = self.sampler.sample(logits[rows], self.batch.sampling_batch(slots[sampled[plain]]))
-            plain_tokens = out.token_ids.cpu().numpy().astype(np.int32)
-            plain_lps = out.logprobs.cpu().numpy().astype(np.float32)
-            for j, i in enumerate(np.flatnonzero(plain).tolist()):
-                tokens[i], logprobs[i] = plain_tokens[j : j + 1], plain_lps[j : j + 1]
-            if out.top_token_ids is not None and out.top_logprobs is not None:
-                top_ids, top_lps = out.top_token_ids.cpu().numpy(), out.top_logprobs.float().cpu().numpy()
-        verified_rows = np.flatnonzero(~plain)
-        if len(verified_rows):
-            entries = sampled[verified_rows]
-            index = np.concatenate([np.arange(first_row[i], first_row[i] + per[i]) for i in verified_rows.tolist()])
-            by_entry = {e: p for e, p in zip(spec.tolist(), proposals, strict=True)}
-            if tree is not None:
-                nodes = [np.asarray(by_entry[e].token_ids, np.int64)[: num_drafts[e]] for e in entries.tolist()]
-                self._verify_tree(tree, logits, index, slots, entries, nodes, num_drafts, verified_rows, tokens,
-                                  logprobs)  # fmt: skip
-            else:
-                self._verify_chain(logits, index, slots, entries, num_drafts, verified_rows, by_entry, tokens, logprobs)
-        counts = np.array([len(t) for t in tokens], np.int32)
-        proposed = num_drafts[sampled].astype(np.int32)
-        if tree is not None:  # a tree proposes one path's worth of tokens: its depth
-            proposed = tree.node_depth[proposed].astype(np.int32)
-        for i, entry in enumerate(sampled.tolist()):
-            self.batch.append_tokens(int(slots[entry]), tokens[i])
-        if top_ids is not None and top_lps is not None:
-            # Top-n rows per token; speculating rows never ask for them (see _draftable), so theirs are padding.
-            n = top_ids.shape[1]
-            full_ids = np.full((int(counts.sum()), n), -1, np.int32)
-            full_lps = np.zeros((int(counts.sum()), n), np.float32)
-            at = np.cumsum(counts) - counts
-            full_ids[at[plain]] = top_ids
-            full_lps[at[plain]] = top_lps
-            top_ids, top_lps = full_ids, full_lps
-        return StepOutput(
-            plan.step_id,
-            slots[sampled].astype(np.int32),
-            np.concatenate(tokens).astype(np.int32),
-            np.concatenate(logprobs).astype(np.float32),
-            top_ids,
-            top_lps,
-            counts,
-            proposed,
-        )
-
-    def _verify_chain(
-        self,
-        logits: torch.Tensor,
-        index: np.ndarray,
-        slots: np.ndarray,
-        entries: np.ndarray,
-        num_drafts: np.ndarray,
-        verified_rows: np.ndarray,
-        by_entry: dict[int, Any],
-        tokens: list[np.ndarray],
-        logprobs: list[np.ndarray],
-    ) -> None:
-        result = verify_drafts(
-            logits[torch.from_numpy(index).to(logits.device)],
-            num_drafts[entries],
-            [self.batch.token_ids[slots[e], self.batch.num_tokens[slots[e]] :][: num_drafts[e]] for e in entries],
-            self.batch.sampling_batch(slots[entries]),
-            self.sampler,
-            [by_entry[e].probs for e in entries.tolist()],
-        )
-        for j, i in enumerate(verified_rows.tolist()):
-            tokens[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
-
-    def _verify_tree(
-        self,
-        tree: DraftTree,
-        logits: torch.Tensor,
-        index: np.ndarray,
-        slots: np.ndarray,
-        entries: np.ndarray,
-        node_tokens: list[np.ndarray],
-        num_drafts: np.ndarray,
-        verified_rows: np.ndarray,
-        tokens: list[np.ndarray],
-        logprobs: list[np.ndarray],
-    ) -> None:
-        entry_slots = slots[entries]
-        last = self.batch.num_tokens[entry_slots] - 1
-        verdict = verify_tree(
-            tree,
-            logits[torch.from_numpy(index).to(logits.device)],
-            num_drafts[entries],
-            node_tokens,
-            self.batch.sampling_batch(entry_slots),
-            self.sampler,
-        )
-        caches = [(self.kv_cache.k, self.kv_cache.v)]
-        own = getattr(self.proposer, "kv_cache", None)  # a draft model's cache holds tree KV too
-        if own is not None:
-            caches.append((own.k, own.v))
-        compact_accepted_kv(caches, self.batch, entry_slots, last, verdict.path)
-        for j, i in enumerate(verified_rows.tolist()):
-            tokens[i], logprobs[i] = verdict.token_ids[j], verdict.logprobs[j]
-
-    def _run_kv_pulls(self) -> None:
-        """Pulls each admitted remote-KV request's prompt blocks; on any failure computes them here instead."""
-        from ringserve.workers import kv_connector as kvc
-
-        pulls, self.kv_pulls = self.kv_pulls, []
-        rank, world = _tp_rank_and_size()
-        for pull in pulls:
-            failed = self.kv_connector is None
-            if not failed:
-                try:
-                    peers = kvc.unpack_peer_infos(pull.peer)
-                    if len(peers) != world:
-                        raise kvc.KvHandshakeError(f"source has {len(peers)} TP ranks, this server {world}")
-                    before_bytes, before_s = self.kv_connector.bytes_pulled, self.kv_connector.seconds_pulling
-                    self.kv_connector.pull(peers[rank], pull.remote_block_ids, pull.local_block_ids)
-                    moved = self.kv_connector.bytes_pulled - before_bytes
-                    seconds = max(self.kv_connector.seconds_pulling - before_s, 1e-9)
-                    log.info(
-                        "KV pull: %d blocks, %d bytes in %.3f ms (%.3f GiB/s)",
-                        len(pull.local_block_ids),
-                        moved,
-                        seconds * 1e3,
-                        moved / seconds / (1 << 30),
-                    )
-                except (kvc.KvTransferError, kvc.KvHandshakeError) as exc:
-                    log.warning("KV pull for slot %d failed, computing its prompt locally: %s", pull.slot, exc)
-                    failed = True
-            if world > 1:  # every rank must take the same path: the fallback forward runs collectives
-                flag = torch.tensor([1 if failed else 0], device=self.device)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                failed = bool(flag.item())
-            if failed:
-                self.compute_prompt_kv(int(pull.slot))
-
     def compute_prompt_kv(self, slot: int) -> None:
         """Local-prefill fallback: writes the KV of the slot's prompt into its blocks (no sampling)."""
-        n = int(self.batch.num_prompt_tokens[slot])
-        step = self.batch.prepare(np.array([slot]), np.array([0]), np.array([n]), np.array([False]))
-        with torch.inference_mode(), attention_metadata_scope(step.metadata):
-            self.model(step.input_ids, step.positions)
-
-
-def _tp_rank_and_size() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _empty_result() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32)
+        compute_prompt_kv(self.batch, self.model, slot)
