@@ -21,6 +21,7 @@ from ringserve.workers.cuda_graphs import GRAPH_MODES, DecodeGraphs, GraphMode
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.kv_pull import compute_prompt_kv, run_kv_pulls
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
+from ringserve.workers.model.fast_paths import apply_fast_paths
 from ringserve.workers.sampler import Sampler
 from ringserve.workers.speculative import Proposer
 from ringserve.workers.speculative.execution import SpeculativeStep
@@ -151,7 +152,7 @@ class ModelRunner:
         cuda_graphs: GraphMode = "auto",
         max_graph_batch: int = 256,
     ) -> None:
-        model.fuse_projections()  # inference only from here on: one GEMM for q/k/v and one for gate/up
+        apply_fast_paths(model)  # inference only from here on: fused projections, native CPU kernels, huge pages
         self.model = model
         self.config = model.config  # with tensor parallelism: this rank's shard (its KV heads size the cache)
         self.device = torch.device(device)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM, cpu_ops
+from ringserve.workers.model.fast_paths import NativeRMSNorm, _project, apply_fast_paths
+from ringserve.workers.model.llama import RMSNorm, RotaryEmbedding, rotate
 from ringserve.workers.model_runner import ModelRunner
 from workers_testkit import NewRequest, ids, plan
 
@@ -190,7 +192,7 @@ def greedy_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> lis
 def test_fused_projections_give_the_unfused_models_logits_in_float32(bias: bool) -> None:
     unfused = tiny_model(torch.float32, bias)
     fused = tiny_model(torch.float32, bias)
-    fused.fuse_projections()
+    apply_fast_paths(fused)
     assert fused.model.layers[0].self_attn.qkv_weight is not None
     # The original parameters are views of the fused matrix: loading into them updates what the forward uses.
     attn = fused.model.layers[0].self_attn
@@ -216,17 +218,16 @@ def test_bf16_decode_with_the_native_kernel_tracks_pytorchs_logits(monkeypatch: 
 
 @pytest.mark.skipif(not cpu_ops.native_attention_available(), reason="the native kernels are not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_rms_norm_equals_the_pytorch_formulation(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    from ringserve.workers.model.llama import RMSNorm
-
+def test_native_rms_norm_equals_the_plain_models(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
+    fast = NativeRMSNorm(576, 1e-5).to(dtype)
+    fast.load_state_dict(norm.state_dict())
     x = (torch.randn(2, 576, 7) * 3).to(dtype).transpose(1, 2)  # [2, 7, 576], not contiguous
     with torch.inference_mode():
-        native = norm(x)
-        monkeypatch.setattr(cpu_ops, "_ATTENTION", None)
+        native = fast(x)
         reference = norm(x)
     assert native.shape == reference.shape and native.dtype == dtype
     if dtype == torch.bfloat16:
@@ -238,9 +239,7 @@ def test_native_rms_norm_equals_the_pytorch_formulation(monkeypatch: pytest.Monk
 @pytest.mark.skipif(not cpu_ops.native_attention_available(), reason="the native kernels are not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: the AVX-512 path for bf16 (16 pairs at a time)
-def test_native_rope_in_place_equals_the_pytorch_rotation(dtype: torch.dtype, head_dim: int) -> None:
-    from ringserve.workers.model.llama import RotaryEmbedding
-
+def test_native_rope_in_place_equals_the_plain_rotation(dtype: torch.dtype, head_dim: int) -> None:
     config = LlamaConfig(vocab_size=97, hidden_size=4 * head_dim, intermediate_size=96, num_layers=1, num_heads=4,
                          num_kv_heads=2, head_dim=head_dim, max_position=300, rope_theta=10000.0)  # fmt: skip
     rotary = RotaryEmbedding(config)
@@ -248,10 +247,10 @@ def test_native_rope_in_place_equals_the_pytorch_rotation(dtype: torch.dtype, he
     qkv = (torch.randn(5, 8, head_dim) * 2).to(dtype)  # [tokens, q + k + v heads, head_dim]
     positions = torch.tensor([0, 1, 17, 250, 299])
     with torch.inference_mode():
-        reference = rotary.rotate(positions, qkv[:, :6])
-        rotary.end_step()
+        reference = rotate(qkv[:, :6], rotary(positions, dtype))
         in_place = qkv.clone()
-        assert rotary.rotate_(positions, in_place[:, :6])  # a strided view inside the fused output
+        # A strided view inside the fused output.
+        assert cpu_ops.rope_(in_place[:, :6], positions, rotary.cos_sin(in_place.device))
     assert torch.equal(in_place[:, :6], reference)  # the same roundings, bit for bit
     assert torch.equal(in_place[:, 6:], qkv[:, 6:])  # the value heads are not touched
 
@@ -336,8 +335,6 @@ def test_a_residual_is_added_before_the_one_rounding(rows: int) -> None:
 
 
 def test_tensor_parallel_hooks_see_the_projection_without_the_residual() -> None:
-    from ringserve.workers.model.llama import _project
-
     proj = cpu_ops.Linear(8, 4, bias=False).to(torch.bfloat16)
     seen: list[torch.Tensor] = []
     proj.register_forward_hook(lambda _m, _i, out: seen.append(out.clone()))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.model.fast_paths import apply_fast_paths
 from ringserve.workers.model.hugepages import HugePageArena, huge_pages_supported, move_to_huge_pages
 
 pytestmark = pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE on this platform")
@@ -40,8 +41,8 @@ def mapping_of(address: int) -> dict[str, str]:
 def test_fused_weights_land_in_one_huge_page_mapping_with_values_views_and_ties_kept(tied: bool) -> None:
     model = tiny(tied)
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    model.fuse_projections()
-    arena = model._weight_arena
+    apply_fast_paths(model)
+    arena = model.weight_arena
     assert isinstance(arena, HugePageArena)
     start = arena.address
     inside = [t for t in model.parameters()] + [layer.self_attn.qkv_weight for layer in model.model.layers]

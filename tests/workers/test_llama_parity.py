@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from ringserve.workers.loader import load_hf_model, load_model
+from ringserve.workers.model.fast_paths import apply_fast_paths
 from safetensors.torch import load_file, save_file
 from workers_testkit import VARIANTS, bind_cache, forward_packed, hf_logits, save_tiny_hf_model
 
@@ -15,9 +16,17 @@ BLOCK = 4  # small blocks so every sequence spans several
 
 
 @pytest.fixture(params=sorted(VARIANTS))
-def models(request, tmp_path):
-    hf = save_tiny_hf_model(request.param, tmp_path)
+def variant(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=["plain", "fast_paths"])
+def models(request, variant, tmp_path):
+    """transformers' model and ours: the plain reference, or with the fast paths applied as the runner does."""
+    hf = save_tiny_hf_model(variant, tmp_path)
     ours = load_hf_model(tmp_path, torch.float32)
+    if request.param == "fast_paths":
+        apply_fast_paths(ours)
     return hf, ours
 
 

@@ -17,8 +17,9 @@ import torch
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope, torch_sdpa
 from ringserve.workers.attention import metadata as metadata_module
 from ringserve.workers.loader import load_hf_model, load_model
-from ringserve.workers.model import KVCache, LlamaForCausalLM, cpu_ops, llama
-from ringserve.workers.model.llama import NativeDecoder
+from ringserve.workers.model import KVCache, LlamaForCausalLM, cpu_ops, native_decoder
+from ringserve.workers.model.fast_paths import apply_fast_paths
+from ringserve.workers.model.native_decoder import NativeDecoder
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.parallel import TensorParallelShard, apply_tensor_parallel
 from workers_testkit import NewRequest, forward_packed, ids, plan, save_tiny_hf_model
@@ -32,7 +33,7 @@ LONGEST = 64  # the longest chunk the native kernels take in these tests
 
 @pytest.fixture(autouse=True)
 def native_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    for module in (llama, torch_sdpa):
+    for module in (native_decoder, torch_sdpa):
         monkeypatch.setattr(module, "native_chunk_attention", lambda head_dim: True)
     monkeypatch.setattr(metadata_module, "NATIVE_MAX_CHUNK", LONGEST)
 
@@ -45,8 +46,7 @@ def folder(request, tmp_path_factory) -> Path:
 
 
 def bf16_model(folder: Path, native: bool) -> tuple[LlamaForCausalLM, KVCache]:
-    model = load_hf_model(folder, torch.bfloat16)
-    model.fuse_projections()
+    model = apply_fast_paths(load_hf_model(folder, torch.bfloat16))
     model.native_decode = native
     cache = KVCache.allocate(model.config, 40, BLOCK, torch.bfloat16, "cpu")
     model.bind_kv_cache(cache)
@@ -122,12 +122,11 @@ def test_long_chunks_and_float32_models_keep_the_layer_by_layer_path(folder, mon
     assert calls[0] == 0
     forward_packed(model, [(list(range(1, longest + 1)), 0, list(range(19, 35)))], BLOCK)  # exactly the limit
     assert calls[0] == 1
-    f32 = load_hf_model(folder, torch.float32)
-    f32.fuse_projections()
+    f32 = apply_fast_paths(load_hf_model(folder, torch.float32))
     f32.bind_kv_cache(KVCache.allocate(f32.config, 8, BLOCK, torch.float32, "cpu"))
     forward_packed(f32, [([5, 9], 0, [1])], BLOCK)
     forward_packed(f32, [([3], 2, [1])], BLOCK)
-    assert calls[0] == 1 and f32._native_decoder is False
+    assert calls[0] == 1 and f32.native_decoder() is None
 
 
 def test_tensor_parallel_hooks_keep_the_layer_by_layer_path(folder):

@@ -18,6 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaForCausalLM
+from ringserve.workers.model.fast_paths import apply_fast_paths
 from ringserve.workers.sampler import GREEDY_TEMPERATURE, SamplingBatch, _select, sampling_distribution
 from ringserve.workers.speculative.tree import DraftTree, draft_tree
 
@@ -211,7 +212,7 @@ class LayerDraftProposer(_ModelDrafter):
         self.target, self.num_layers = target, num_layers
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.target.forward_layers(input_ids, positions, self.num_layers)
+        return first_layers_logits(self.target, input_ids, positions, self.num_layers)
 
 
 class DraftModelProposer(_ModelDrafter):
@@ -226,7 +227,7 @@ class DraftModelProposer(_ModelDrafter):
         super().__init__(generator)
         if model.config.vocab_size != target_vocab:
             raise ValueError(f"draft vocabulary {model.config.vocab_size} differs from the target's {target_vocab}")
-        model.fuse_projections()
+        apply_fast_paths(model)
         self.model = model
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
@@ -234,11 +235,24 @@ class DraftModelProposer(_ModelDrafter):
         model.bind_kv_cache(self.kv_cache)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_layers(input_ids, positions, self.model.config.num_layers)
+        return first_layers_logits(self.model, input_ids, positions, self.model.config.num_layers)
 
     def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
         with torch.inference_mode(), attention_metadata_scope(metadata):
             self.model.model(input_ids, positions)  # KV only: no LM head
+
+
+def first_layers_logits(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int
+) -> torch.Tensor:
+    """Float32 logits of every row from the model's first `num_layers` layers, its final norm and LM head: a
+    self-draft, or with every layer a draft model's forward (no logits-row selection, no one-call decoder)."""
+    m = model.model
+    x = m.embed_tokens(input_ids)
+    rope = m.rotary(positions, x.dtype)
+    for layer in m.layers[:num_layers]:
+        x = layer(x, rope)
+    return model.lm_head(m.norm(x)).float()
 
 
 def make_proposer(
