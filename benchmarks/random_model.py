@@ -34,7 +34,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 def write_tokenizer(folder: Path) -> int:
     """The embedded model's tokenizer as tokenizer.json + tokenizer_config.json; returns its vocabulary size."""
     from ringserve.frontend.model_source import embedded_model_path
-    from ringserve.frontend.tokenizer import tokenizer_from_gguf
+    from ringserve.frontend.text.tokenizer import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(embedded_model_path())
     tokenizer.backend.save(str(folder / "tokenizer.json"))

@@ -43,8 +43,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from ringserve.frontend.security import ChannelSecurity, add_channel_security_arguments, channel_security_from_args
-from ringserve.frontend.security import open_aio_channel as open_channel
+from ringserve.frontend.api.security import ChannelSecurity, add_channel_security_arguments, channel_security_from_args
+from ringserve.frontend.api.security import open_aio_channel as open_channel
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 from tqdm import tqdm

@@ -111,7 +111,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from ringserve.frontend.tokenizer import load_tokenizer, tokenizer_from_gguf
+    from ringserve.frontend.text.tokenizer import load_tokenizer, tokenizer_from_gguf
     from ringserve.workers.loader import load_model, parse_dtype
     from ringserve.workers.model_runner import ModelRunner
     from ringserve.workers.speculative import DraftTree, make_proposer

@@ -34,8 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from ringserve.frontend.timeline import RequestTimeline
-from ringserve.frontend.tracing import RequestTracer, TracingSettings
+from ringserve.frontend.observability.timeline import RequestTimeline
+from ringserve.frontend.observability.tracing import RequestTracer, TracingSettings
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 

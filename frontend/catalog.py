@@ -28,9 +28,9 @@ from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from ringserve.frontend.api.server import GenerationServicer
     from ringserve.frontend.deployment import ModelDeployment
-    from ringserve.frontend.metrics import ServingMetrics
-    from ringserve.frontend.server import GenerationServicer
+    from ringserve.frontend.observability.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 

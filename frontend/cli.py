@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 from ringserve.formats.cli_env import env_default, env_help, parse_bool
-from ringserve.frontend.security import (
+from ringserve.frontend.api.security import (
     SecurityConfigError,
     add_channel_security_arguments,
     channel_security_from_args,
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = commands.add_parser("router", help="route requests over prefill and decode servers",
                                  description="Serve the public API over disaggregated prefill and decode servers.")
-    from ringserve.frontend.router import add_router_arguments
+    from ringserve.frontend.routing.router import add_router_arguments
 
     add_router_arguments(router)
 
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sys.exit(run_serve(args))
     if args.command == "router":
-        from ringserve.frontend.router import run_router
+        from ringserve.frontend.routing.router import run_router
 
         sys.exit(run_router(args))
     runners = {"generate": run_generate, "tokenize": run_tokenize, "model-info": run_model_info,

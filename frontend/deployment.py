@@ -24,7 +24,7 @@ from ringserve.backend.engine_process import EngineProcess
 from ringserve.formats.engine_args import EngineArgs
 from ringserve.frontend.catalog import ModelError
 from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.formats.cli_env import env_default, env_help
-from ringserve.frontend.security import ChannelSecurity, SecurityConfigError, open_channel, probe_security
+from ringserve.frontend.api.security import ChannelSecurity, SecurityConfigError, open_channel, probe_security
 
 HEALTHY = 0
 UNHEALTHY = 1

@@ -22,18 +22,18 @@ import grpc
 from ringserve.backend.engine_process import resolve_engine_args
 from ringserve.formats.cli_env import env_default, env_help, parse_bool
 from ringserve.formats.engine_args import EngineArgs, add_engine_arguments
-from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
-from ringserve.frontend.deployment import ModelDeployment
-from ringserve.frontend.disagg import model_identity
-from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
-from ringserve.frontend.security import ServerSecurity, add_server_security_arguments
-from ringserve.frontend.server import (
+from ringserve.frontend.api.security import ServerSecurity, add_server_security_arguments
+from ringserve.frontend.api.server import (
     DEFAULT_MAX_WAITING_REQUESTS,
     GenerationServicer,
     build_catalog_server,
     describe_model,
 )
-from ringserve.frontend.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
+from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
+from ringserve.frontend.deployment import ModelDeployment
+from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
+from ringserve.frontend.routing.disagg import model_identity
+from ringserve.frontend.text.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
 from ringserve.v1 import generation_pb2 as pb
 
 if sys.version_info >= (3, 11):
@@ -42,10 +42,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 if TYPE_CHECKING:
-    from ringserve.frontend.disagg import DisaggregationServicer
-    from ringserve.frontend.metrics import ServingMetrics
-    from ringserve.frontend.server import FrontendServer
-    from ringserve.frontend.tracing import RequestTracer
+    from ringserve.frontend.api.server import FrontendServer
+    from ringserve.frontend.observability.metrics import ServingMetrics
+    from ringserve.frontend.observability.tracing import RequestTracer
+    from ringserve.frontend.routing.disagg import DisaggregationServicer
 
 log = logging.getLogger("ringserve.serve")
 
@@ -173,7 +173,7 @@ def start_tracing(args: argparse.Namespace, context_length: int) -> RequestTrace
     """The request tracer when an OTLP endpoint is set; the SDK is imported only then."""
     if not args.otlp_traces_endpoint:
         return None
-    from ringserve.frontend.tracing import RequestTracer, TracingSettings
+    from ringserve.frontend.observability.tracing import RequestTracer, TracingSettings
 
     settings = TracingSettings(endpoint=args.otlp_traces_endpoint, protocol=args.otlp_protocol,
                                token_events=args.trace_token_events, max_span_events=args.trace_max_span_events,
@@ -189,7 +189,7 @@ def start_metrics(args: argparse.Namespace, model_name: str) -> tuple[ServingMet
     model's come from `.for_model(name)` and share the registry and the endpoint."""
     if not args.metrics_port:
         return None, None
-    from ringserve.frontend.metrics import ServingMetrics, serve_metrics
+    from ringserve.frontend.observability.metrics import ServingMetrics, serve_metrics
 
     metrics = ServingMetrics(model_name)
     http = serve_metrics(metrics, args.host, args.metrics_port)
@@ -337,7 +337,7 @@ class ModelLauncher:
             raise
         metrics = None
         if self._metrics is not None:
-            from ringserve.frontend.metrics import EngineStatsFeed
+            from ringserve.frontend.observability.metrics import EngineStatsFeed
 
             metrics = self._metrics if self._metrics.model_name == spec.name else self._metrics.for_model(spec.name)
             model.metrics = metrics
@@ -423,7 +423,7 @@ async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], 
 
 def add_disaggregation(server: FrontendServer, args: argparse.Namespace) -> DisaggregationServicer:
     """The internal Disaggregation service (bound to the model once it is loaded): it must exist before the start."""
-    from ringserve.frontend.disagg import DisaggregationServicer
+    from ringserve.frontend.routing.disagg import DisaggregationServicer
     from ringserve.internal import disagg_pb2_grpc
 
     servicer = DisaggregationServicer(None, None, args.role, None)
@@ -433,7 +433,7 @@ def add_disaggregation(server: FrontendServer, args: argparse.Namespace) -> Disa
 
 def bind_disaggregation(servicer: DisaggregationServicer, model: ServedModel, args: argparse.Namespace) -> None:
     """Give the service the model's engine (a disaggregated server runs one model, one replica) and KV peer infos."""
-    from ringserve.frontend.disagg import LocalKv, read_worker_infos
+    from ringserve.frontend.routing.disagg import LocalKv, read_worker_infos
 
     assert model.deployment is not None and model.servicer is not None
     replica = model.deployment.replicas[0]

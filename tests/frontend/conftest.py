@@ -14,7 +14,7 @@ from frontend_testkit import (
     real_gguf_path,
     start_harness,
 )
-from ringserve.frontend.tokenizer import ModelTokenizer, load_tokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ringserve.frontend.api.server import FrontendServer, build_server
 from ringserve.frontend.engine_client import EngineError, SamplingOptions
-from ringserve.frontend.server import FrontendServer, build_server
-from ringserve.frontend.tokenizer import ModelTokenizer, byte_alphabet
+from ringserve.frontend.text.tokenizer import ModelTokenizer, byte_alphabet
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers

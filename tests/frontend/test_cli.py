@@ -9,7 +9,7 @@ import pytest
 from frontend_testkit import ScriptedEngine
 from ringserve.formats.cli_env import env_default, env_name, parse_bool
 from ringserve.frontend import cli
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from test_server import COMPLETION, completion_chunks, start_harness
 
 

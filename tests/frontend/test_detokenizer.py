@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ringserve.frontend.detokenizer import IncrementalDetokenizer
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.text.detokenizer import IncrementalDetokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 
 
 def stream(tokenizer: ModelTokenizer, ids: list[int], chunk_sizes: list[int], skip_special_tokens: bool) -> list[str]:

@@ -6,8 +6,14 @@ import time
 from dataclasses import replace
 
 from ringserve.formats.kv_peer import KvPeerInfo
-from ringserve.frontend.disagg import LocalKv, check_handle
-from ringserve.frontend.router import Upstream, choose_prefill, estimate_prompt_tokens, least_loaded, prompt_prefix
+from ringserve.frontend.routing.disagg import LocalKv, check_handle
+from ringserve.frontend.routing.router import (
+    Upstream,
+    choose_prefill,
+    estimate_prompt_tokens,
+    least_loaded,
+    prompt_prefix,
+)
 from ringserve.internal import disagg_pb2 as dpb
 from ringserve.v1 import generation_pb2 as pb
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from ringserve.formats.segments import new_segment_name
+from ringserve.frontend.api.server import build_server, describe_model
 from ringserve.frontend.engine_client import EngineClient, SamplingOptions
-from ringserve.frontend.server import build_server, describe_model
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from frontend_testkit import COMPLETION, Harness, ScriptedEngine, completion_chunks, start_harness, until
 from ringserve.frontend.engine_client import SamplingOptions
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -18,9 +18,9 @@ from frontend_testkit import (
     completion_chunks,
     until,
 )
-from ringserve.frontend.server import build_server, cache_salt_hash
-from ringserve.frontend.tokenizer import ModelTokenizer
-from ringserve.frontend.torchserve import PredictionError, generate_request_from_prediction
+from ringserve.frontend.api.server import build_server, cache_salt_hash
+from ringserve.frontend.api.torchserve import PredictionError, generate_request_from_prediction
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.torchserve import inference_pb2
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc

@@ -22,8 +22,8 @@ MODEL = "tiny"
 _FRONTEND = textwrap.dedent("""
     import sys, time
     from types import SimpleNamespace
-    from ringserve.frontend.metrics import ServingMetrics, serve_metrics
-    from ringserve.frontend.timeline import RequestTimeline
+    from ringserve.frontend.observability.metrics import ServingMetrics, serve_metrics
+    from ringserve.frontend.observability.timeline import RequestTimeline
 
     requests, running, serve = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "serve"
     metrics = ServingMetrics("tiny")

@@ -12,10 +12,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from ringserve.frontend.api.server import build_server
 from ringserve.frontend.engine_client import EngineUnavailableError
-from ringserve.frontend.server import build_server
-from ringserve.frontend.tokenizer import ModelTokenizer
-from ringserve.frontend.tracing import RequestTracer, TracingSettings, make_exporter, span_limits
+from ringserve.frontend.observability.tracing import RequestTracer, TracingSettings, make_exporter, span_limits
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.v1 import generation_pb2 as pb
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from ringserve.frontend.router import RouterServicer, Upstream
+from ringserve.frontend.routing.router import RouterServicer, Upstream
 from ringserve.internal import disagg_pb2 as dpb
 from ringserve.internal import disagg_pb2_grpc as dpb_grpc
 from ringserve.v1 import generation_pb2 as pb

@@ -18,7 +18,7 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ringserve.frontend import cli, healthcheck
-from ringserve.frontend.security import (
+from ringserve.frontend.api.security import (
     ApiKeyInterceptor,
     ChannelSecurity,
     SecurityConfigError,
@@ -30,8 +30,8 @@ from ringserve.frontend.security import (
     open_aio_channel,
     probe_security,
 )
-from ringserve.frontend.server import FrontendServer, build_server
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.api.server import FrontendServer, build_server
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.torchserve import inference_pb2, inference_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc

@@ -19,9 +19,9 @@ from frontend_testkit import (
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from ringserve.frontend.api.server import describe_model
 from ringserve.frontend.engine_client import EngineBusyError, EngineUnavailableError
-from ringserve.frontend.server import describe_model
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -10,9 +10,9 @@ import pytest
 from frontend_testkit import CONTEXT_LENGTH, MODEL, Harness, completion_chunks
 from observed_engine import TimedEngine
 from prometheus_client import generate_latest
-from ringserve.frontend.metrics import EngineStatsFeed, ServingMetrics
-from ringserve.frontend.server import build_server
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.api.server import build_server
+from ringserve.frontend.observability.metrics import EngineStatsFeed, ServingMetrics
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.v1 import generation_pb2 as pb
 
 

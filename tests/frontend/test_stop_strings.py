@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ringserve.frontend.detokenizer import CompletionText, StopStrings
-from ringserve.frontend.tokenizer import ModelTokenizer
+from ringserve.frontend.text.detokenizer import CompletionText, StopStrings
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 
 
 def reference_cut(text: str, stop: list[str], include: bool) -> tuple[str, bool]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import jinja2
 import pytest
 from frontend_testkit import real_gguf_path, requires_real_gguf
-from ringserve.frontend.tokenizer import ModelTokenizer, load_tokenizer
+from ringserve.frontend.text.tokenizer import ModelTokenizer, load_tokenizer
 
 SAMPLES = [
     "Hello world",

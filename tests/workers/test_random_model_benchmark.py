@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "random_model.py"
 
 def test_the_random_checkpoint_loads_and_runs_like_any_hf_folder(tmp_path, capsys):
     from ringserve.frontend.model_source import ModelNotFoundError, embedded_model_path
-    from ringserve.frontend.tokenizer import load_tokenizer
+    from ringserve.frontend.text.tokenizer import load_tokenizer
     from ringserve.workers.loader import load_model
     from ringserve.workers.model_runner import ModelRunner
     from workers_testkit import NewRequest, ids, plan

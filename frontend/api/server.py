@@ -19,25 +19,25 @@ import jinja2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from ringserve.frontend.catalog import CatalogServicer, ModelCatalog, ModelManager, ServedModel
-from ringserve.frontend.detokenizer import CompletionText
-from ringserve.frontend.engine_client import EngineError, GenerationEngine, KvTransfer, SamplingOptions
-from ringserve.frontend.security import ServerSecurity
-from ringserve.frontend.timeline import RequestTimeline, trace_headers
-from ringserve.frontend.tokenizer import ModelTokenizer
-from ringserve.frontend.torchserve import (
+from ringserve.frontend.api.security import ServerSecurity
+from ringserve.frontend.api.torchserve import (
     INFERENCE_SERVICE_NAME,
     MANAGEMENT_SERVICE_NAME,
     TorchServeInferenceServicer,
     TorchServeManagementServicer,
 )
+from ringserve.frontend.catalog import CatalogServicer, ModelCatalog, ModelManager, ServedModel
+from ringserve.frontend.engine_client import EngineError, GenerationEngine, KvTransfer, SamplingOptions
+from ringserve.frontend.observability.timeline import RequestTimeline, trace_headers
+from ringserve.frontend.text.detokenizer import CompletionText
+from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.torchserve import inference_pb2_grpc, management_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # the servicer only calls them; importing them pulls in the OpenTelemetry SDK / prometheus-client
-    from ringserve.frontend.metrics import ServingMetrics
-    from ringserve.frontend.tracing import RequestTracer
+    from ringserve.frontend.observability.metrics import ServingMetrics
+    from ringserve.frontend.observability.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from ringserve.frontend.timeline import RequestTimeline
+from ringserve.frontend.observability.timeline import RequestTimeline
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from ringserve.frontend.timeline import RequestTimeline
+from ringserve.frontend.observability.timeline import RequestTimeline
 
 log = logging.getLogger(__name__)
 

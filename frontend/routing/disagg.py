@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from ringserve.frontend.api.server import GenerationServicer, _num_samples, _Rejection
 from ringserve.frontend.engine_client import EngineClient, EngineError, KvTransfer
-from ringserve.frontend.server import GenerationServicer, _num_samples, _Rejection
-from ringserve.frontend.timeline import RequestTimeline
+from ringserve.frontend.observability.timeline import RequestTimeline
 from ringserve.internal import disagg_pb2 as dpb
 from ringserve.internal import disagg_pb2_grpc as dpb_grpc
 from ringserve.v1 import generation_pb2 as pb

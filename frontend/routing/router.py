@@ -36,8 +36,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from ringserve.frontend.api.torchserve import TorchServeInferenceServicer
 from ringserve.frontend.launcher import otel_traces_endpoint, otel_traces_protocol
-from ringserve.frontend.torchserve import TorchServeInferenceServicer
 from ringserve.internal import disagg_pb2 as dpb
 from ringserve.internal import disagg_pb2_grpc as dpb_grpc
 from ringserve.torchserve import inference_pb2_grpc
@@ -363,7 +363,7 @@ async def serve_router(args: argparse.Namespace, ready: asyncio.Event | None = N
     if args.otlp_traces_endpoint:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from ringserve.frontend.tracing import TracingSettings, make_exporter, make_resource
+        from ringserve.frontend.observability.tracing import TracingSettings, make_exporter, make_resource
 
         provider = TracerProvider(resource=make_resource(), shutdown_on_exit=False)
         settings = TracingSettings(endpoint=args.otlp_traces_endpoint, protocol=args.otlp_protocol)

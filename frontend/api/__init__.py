@@ -1,0 +1,1 @@
+"""The frontend's gRPC surface: the Generation, TorchServe and health services, validation and transport security."""

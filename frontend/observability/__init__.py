@@ -1,0 +1,1 @@
+"""What the frontend reports about requests: per-request timelines, OpenTelemetry traces, Prometheus metrics."""

@@ -1,0 +1,1 @@
+"""Requests split across servers: the prefill/decode router and the Disaggregation service."""
