@@ -1,10 +1,11 @@
 """The models one frontend serves, by name, and the ringserve.v1 Generation service across them.
 
-A `ServedModel` is one registered model: its `GenerationServicer` (validation, tokenizer, waiting queue), its engine
-(a `ModelDeployment` with its data-parallel replicas, or any `GenerationEngine` in tests), its ModelInfo and its
-state. The `ModelCatalog` maps names to them and knows the default model (the one requests with an empty `model` go
-to). `CatalogServicer` routes each ringserve.v1 RPC by its `model` field. A model that is not registered gets
-NOT_FOUND naming the served ones; one still loading, draining or failed to load gets UNAVAILABLE saying so.
+A `ServedModel` is one registered model: its servicer (validation, tokenizer, waiting queue), its engine (a
+`ModelDeployment` with its data-parallel replicas, or any `GenerationEngine` in tests), its ModelInfo and its state.
+The `ModelCatalog` maps names to them and knows the default model (the one requests with an empty `model` go to).
+The APIs route each request by its `model` field through `servicer_for`: a model that is not registered gets
+NOT_FOUND naming the served ones; one still loading, draining or failed to load gets UNAVAILABLE saying so. The
+catalog knows the servicer and the deployment only as the two protocols below, so it imports neither.
 
 `ModelManager` is what TorchServe's management API (RegisterModel, ScaleWorker, UnregisterModel, SetDefault) and
 `--models-config` act on: it reserves the name, has the launcher's `ModelLoader` start the engines, and drains and
@@ -20,16 +21,13 @@ import math
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from ringserve.frontend.engine_client import EngineError, GenerationEngine
 from ringserve.v1 import generation_pb2 as pb
-from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from ringserve.frontend.api.server import GenerationServicer
-    from ringserve.frontend.deployment import ModelDeployment
     from ringserve.frontend.observability.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -46,6 +44,31 @@ class ModelError(Exception):
         self.message = message
 
 
+class ModelServicer(Protocol):
+    """What a ready model's servicer offers the APIs that reach it through the catalog (api.generation has it)."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse: ...
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: Any) -> pb.DetokenizeResponse: ...
+
+    async def GetEngineStats(self, request: pb.EngineStatsRequest, context: Any) -> pb.EngineStats: ...
+
+
+class ModelReplicas(Protocol):
+    """What the manager does with a model's engine replicas it started (frontend/deployment.py has them)."""
+
+    async def scale(self, count: int, drain_s: float) -> None: ...
+
+    async def stop(self, drain_s: float) -> None: ...
+
+    def describe_replicas(self) -> list[dict[str, Any]]: ...
+
+
 @dataclass(eq=False)
 class ServedModel:
     """One registered model; `servicer` and `engine` are set once its first engine replica is ready."""
@@ -53,9 +76,9 @@ class ServedModel:
     name: str
     url: str = ""
     max_num_seqs: int = 0
-    servicer: GenerationServicer | None = None
+    servicer: ModelServicer | None = None
     engine: GenerationEngine | None = None
-    deployment: ModelDeployment | None = None  # None for a model whose engine the catalog does not own (tests)
+    deployment: ModelReplicas | None = None  # None for a model whose engine the catalog does not own (tests)
     info: pb.ModelInfo | None = None
     ready: bool = False  # the engine answered EngineReady
     draining: bool = False
@@ -131,7 +154,7 @@ class ModelCatalog:
         self.changed()
         return model
 
-    def attach(self, model: ServedModel, servicer: GenerationServicer, engine: GenerationEngine,
+    def attach(self, model: ServedModel, servicer: ModelServicer, engine: GenerationEngine,
                info: pb.ModelInfo, *, ready: bool = True) -> None:  # fmt: skip
         """The model's engine is up: from now on requests reach `servicer`."""
         model.servicer, model.engine, model.info, model.ready = servicer, engine, info, ready
@@ -160,7 +183,7 @@ class ModelCatalog:
             raise ModelError(grpc.StatusCode.NOT_FOUND, f"{what} not served here; served models: {served}")
         return model
 
-    def servicer_for(self, name: str) -> GenerationServicer:
+    def servicer_for(self, name: str) -> ModelServicer:
         """The servicer requests for `name` go to; UNAVAILABLE while the model cannot take requests."""
         model = self.get(name)
         if model.load_error is not None:
@@ -177,53 +200,6 @@ class ModelCatalog:
     def set_default(self, name: str) -> None:
         self.default_name = self.get(name).name
         self.changed()
-
-
-async def _abort(context: grpc.aio.ServicerContext, error: ModelError) -> NoReturn:
-    await context.abort(error.code, error.message)
-    raise AssertionError("context.abort returned")
-
-
-class CatalogServicer(pb_grpc.GenerationServicer):
-    """ringserve.v1.Generation for every served model: each RPC goes to its model's GenerationServicer."""
-
-    def __init__(self, catalog: ModelCatalog) -> None:
-        self._catalog = catalog
-
-    async def _servicer(self, name: str, context: grpc.aio.ServicerContext) -> GenerationServicer:
-        try:
-            return self._catalog.servicer_for(name)
-        except ModelError as error:
-            await _abort(context, error)
-
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        servicer = await self._servicer(request.model, context)
-        async with contextlib.aclosing(servicer.Generate(request, context)) as responses:
-            async for response in responses:
-                yield response
-
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        return await (await self._servicer(request.model, context)).Tokenize(request, context)
-
-    async def Detokenize(self, request: pb.DetokenizeRequest,
-                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        return await (await self._servicer(request.model, context)).Detokenize(request, context)
-
-    async def GetEngineStats(self, request: pb.EngineStatsRequest,
-                             context: grpc.aio.ServicerContext) -> pb.EngineStats:
-        return await (await self._servicer(request.model, context)).GetEngineStats(request, context)
-
-    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        try:
-            return self._catalog.get(request.model).describe()  # also while loading or draining
-        except ModelError as error:
-            await _abort(context, error)
-
-    async def ListModels(self, request: pb.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[m.describe() for m in self._catalog.models()],
-                                     default_model=self._catalog.default_name or "")
 
 
 # -- run-time registration ----------------------------------------------------------------------------------

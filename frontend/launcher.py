@@ -22,13 +22,9 @@ import grpc
 from ringserve.backend.engine_process import resolve_engine_args
 from ringserve.formats.cli_env import env_default, env_help, parse_bool
 from ringserve.formats.engine_args import EngineArgs, add_engine_arguments
+from ringserve.frontend.api.generation import DEFAULT_MAX_WAITING_REQUESTS, GenerationServicer
 from ringserve.frontend.api.security import ServerSecurity, add_server_security_arguments
-from ringserve.frontend.api.server import (
-    DEFAULT_MAX_WAITING_REQUESTS,
-    GenerationServicer,
-    build_catalog_server,
-    describe_model,
-)
+from ringserve.frontend.api.server import build_catalog_server, describe_model
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
 from ringserve.frontend.deployment import ModelDeployment
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model

@@ -6,7 +6,7 @@ and RingServe's own names (`messages`, `max_tokens`, `min_tokens`, `min_p`, `see
 `ignore_eos`, `stop` (a string or a list), `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
 `priority`, `cache_salt`; `n` only as 1, since a prediction returns one text) — or plain UTF-8 text as the prompt.
 Each prediction is translated into a `ringserve.v1.GenerateRequest` and served by the same
-`GenerationServicer.Generate` (validation, tracing, metrics and cancellation included); text comes back as UTF-8
+Generate as ringserve.v1 clients get (validation, tracing, metrics and cancellation included); text comes back as UTF-8
 bytes.
 
 Management (`org.pytorch.serve.grpc.management.ManagementAPIsService`): register, scale, describe, list, set the
@@ -159,12 +159,10 @@ class TorchServeInferenceServicer(inference_pb2_grpc.InferenceAPIsServiceService
         self._generate = generate
         self._is_serving = is_serving
 
-    async def _stream(self, request: inference_pb2.PredictionsRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[str]:
-        generate_request = generate_request_from_prediction(request)
-        async for response in self._generate(generate_request, _ContextWithoutAbort(context)):
-            if response.text:
-                yield response.text
+    def _generate_for(self, request: inference_pb2.PredictionsRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """The Generate stream of a prediction; its failures raise PredictionError in the iterating handler."""
+        return self._generate(generate_request_from_prediction(request), _ContextWithoutAbort(context))
 
     async def Ping(self, request: Any, context: grpc.aio.ServicerContext) -> inference_pb2.TorchServeHealthResponse:
         status = "Healthy" if self._is_serving() else "Unhealthy"
@@ -173,7 +171,7 @@ class TorchServeInferenceServicer(inference_pb2_grpc.InferenceAPIsServiceService
     async def Predictions(self, request: inference_pb2.PredictionsRequest,
                           context: grpc.aio.ServicerContext) -> inference_pb2.PredictionResponse:
         try:
-            text = "".join([chunk async for chunk in self._stream(request, context)])
+            text = "".join([response.text async for response in self._generate_for(request, context)])
         except PredictionError as error:
             await context.abort(error.code, error.message)
         return inference_pb2.PredictionResponse(prediction=text.encode("utf-8"))
@@ -181,8 +179,9 @@ class TorchServeInferenceServicer(inference_pb2_grpc.InferenceAPIsServiceService
     async def StreamPredictions(self, request: inference_pb2.PredictionsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.PredictionResponse]:
         try:
-            async for chunk in self._stream(request, context):
-                yield inference_pb2.PredictionResponse(prediction=chunk.encode("utf-8"))
+            async for response in self._generate_for(request, context):
+                if response.text:
+                    yield inference_pb2.PredictionResponse(prediction=response.text.encode("utf-8"))
         except PredictionError as error:
             await context.abort(error.code, error.message)
 
@@ -193,8 +192,9 @@ class TorchServeInferenceServicer(inference_pb2_grpc.InferenceAPIsServiceService
         async for request in request_iterator:
             sequence = {"sequenceId": request.sequenceId} if request.HasField("sequenceId") else {}
             try:
-                async for chunk in self._stream(request, context):
-                    yield inference_pb2.PredictionResponse(prediction=chunk.encode("utf-8"), **sequence)
+                async for response in self._generate_for(request, context):
+                    if response.text:
+                        yield inference_pb2.PredictionResponse(prediction=response.text.encode("utf-8"), **sequence)
             except PredictionError as error:
                 status = status_pb2.Status(code=error.code.value[0], message=error.message)
                 yield inference_pb2.PredictionResponse(status=status, **sequence)

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from ringserve.frontend.api.server import GenerationServicer, _num_samples, _Rejection
+from ringserve.frontend.api.generation import GenerationServicer
+from ringserve.frontend.api.validation import (
+    RequestError,
+    check_model,
+    num_samples,
+    require_one_sample,
+    sampling_options,
+)
 from ringserve.frontend.engine_client import EngineClient, EngineError, KvTransfer
 from ringserve.frontend.observability.timeline import RequestTimeline
 from ringserve.internal import disagg_pb2 as dpb
@@ -79,25 +86,24 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
         kv = await self._require(context, "prefill")
         gen, req = self._gen, request.request
         # Traced and measured like a Generate: SERVER span "ringserve.prefill" with tokenize, queue and prefill.
-        timeline = gen._start_timeline(req, context) if gen._observed else None
+        timeline = gen.start_timeline(req, context) if gen.observed else None
         if timeline is not None:
             timeline.rpc_method = "Prefill"
         try:
-            gen._check_model(req.model)
-            prompt_ids = await gen._prompt_ids(req)
-            params = gen._sampling_options(req.sampling, len(prompt_ids), req.priority, req.cache_salt)
-            if _num_samples(req.sampling) != 1:
-                raise _Rejection(grpc.StatusCode.INVALID_ARGUMENT, "sampling.n must be 1 for a disaggregated prefill")
-        except _Rejection as rejection:
+            check_model(req.model, gen.limits)
+            prompt_ids = await gen.prompt_ids(req)
+            params = sampling_options(req.sampling, len(prompt_ids), gen.limits, req.priority, req.cache_salt)
+            require_one_sample(num_samples(req.sampling), "a disaggregated prefill")
+        except RequestError as rejection:
             if timeline is not None:
                 timeline.fail(rejection.code, rejection)
-                gen._close_timeline(timeline)
+                gen.close_timeline(timeline)
             await context.abort(rejection.code, rejection.message)
         try:
             return await self._prefill(kv, req, prompt_ids, params, context, timeline)
         finally:
             if timeline is not None:
-                gen._close_timeline(timeline)
+                gen.close_timeline(timeline)
 
     async def _prefill(
         self, kv: LocalKv, req: pb.GenerateRequest, prompt_ids: list[int], params: Any,
@@ -169,7 +175,8 @@ class DisaggregationServicer(dpb_grpc.DisaggregationServicer):
             first_finish=_NAME_BY_FINISH.get(pre.finish_reason, "NONE"), remote_block_ids=tuple(pre.handle.block_ids),
             peer=pack_peer_infos(list(pre.handle.worker_infos)),
         )  # fmt: skip
-        stream = self._gen.generate(request.request, context, prompt_ids=list(pre.prompt_token_ids), kv=transfer)
+        # The handshake passed: the rest is a Generate whose prompt and first token came from the prefill server.
+        stream = self._gen.Generate(request.request, context, prompt_ids=list(pre.prompt_token_ids), kv=transfer)
         async with contextlib.aclosing(stream) as responses:
             async for response in responses:
                 yield response

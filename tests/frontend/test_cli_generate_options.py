@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from frontend_testkit import COMPLETION, ScriptedEngine, completion_chunks, start_harness
-from ringserve.frontend.api.server import cache_salt_hash
+from ringserve.frontend.api.validation import cache_salt_hash
 from ringserve.frontend.text.tokenizer import ModelTokenizer
 from test_cli import run_cli
 

@@ -18,8 +18,9 @@ from frontend_testkit import (
     completion_chunks,
     until,
 )
-from ringserve.frontend.api.server import build_server, cache_salt_hash
+from ringserve.frontend.api.server import build_server
 from ringserve.frontend.api.torchserve import PredictionError, generate_request_from_prediction
+from ringserve.frontend.api.validation import cache_salt_hash
 from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.torchserve import inference_pb2
 from ringserve.v1 import generation_pb2 as pb

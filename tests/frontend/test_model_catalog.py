@@ -11,7 +11,8 @@ import grpc
 import pytest
 from frontend_testkit import MODEL, ScriptedEngine, completion_chunks, start_harness, until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from ringserve.frontend.api.server import GenerationServicer, build_catalog_server
+from ringserve.frontend.api.generation import GenerationServicer
+from ringserve.frontend.api.server import build_catalog_server
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
 from ringserve.frontend.launcher import load_models_config
 from ringserve.frontend.text.tokenizer import ModelTokenizer

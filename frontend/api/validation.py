@@ -1,0 +1,263 @@
+"""Request validation as pure functions: a request message and the model's limits in, checked values out.
+
+Every API that serves generation (ringserve.v1 Generate, TorchServe's predictions, the Disaggregation service) runs
+the same rules; none of them needs a servicer or a gRPC context, so an HTTP API can map `RequestError.code` to its
+own status. A prompt's length is known only once it is tokenized, which is async (long prompts go to a thread),
+so the checks come in two steps around the tokenizer: `prompt_input` before it, `check_prompt` and
+`generation_options` after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from ringserve.frontend.engine_client import SamplingOptions
+from ringserve.v1 import generation_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 256
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's default cap)
+MAX_N = 16  # completions one Generate request may ask for
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # also bounds the text held back while a stop string may be starting
+MAX_CACHE_SALT_CHARS = 1024
+_U64 = 1 << 64
+
+GENERATE_INPUTS = ("text", "messages", "token_ids")
+TOKENIZE_INPUTS = ("text", "messages")
+
+
+class RequestError(Exception):
+    """A request refused before it reaches the engine: the status to answer and the field at fault ("" = none)."""
+
+    def __init__(self, code: grpc.StatusCode, field: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+        self.message = message
+
+
+def _invalid(field: str, message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, field, message)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model; 0 means unknown (that check is skipped)."""
+
+    model: str
+    context_length: int = 0
+    kv_capacity_tokens: int = 0
+    vocab_size: int = 0
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    @classmethod
+    def of(cls, info: pb.ModelInfo, vocab_size: int, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ModelLimits:
+        """The limits in a ModelInfo; `vocab_size` stands in where the ModelInfo has none."""
+        return cls(model=info.model, context_length=info.context_length, kv_capacity_tokens=info.kv_capacity_tokens,
+                   vocab_size=info.vocab_size or vocab_size, default_max_tokens=default_max_tokens)
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """The one input a request sets, checked as far as it can be before tokenizing."""
+
+    kind: str  # "text", "messages" or "token_ids"
+    text: str = ""
+    conversation: tuple[dict[str, str], ...] = ()
+    add_generation_prompt: bool = True
+    token_ids: tuple[int, ...] = ()
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """A Generate request's checked options: the engine's sampling of sample 0, the sample count and stop strings."""
+
+    params: SamplingOptions
+    n: int
+    stop: tuple[str, ...]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+
+
+def check_model(name: str, limits: ModelLimits) -> None:
+    """An empty `model` means the served one; any other name must be it (NOT_FOUND)."""
+    if name and name != limits.model:
+        raise RequestError(grpc.StatusCode.NOT_FOUND, "model",
+                           f"model {name!r} is not served here; served: {limits.model!r} (or leave empty)")
+
+
+def which_input(request: Any, fields: Sequence[str]) -> str:
+    """The one input field the request sets; zero or several is INVALID_ARGUMENT naming them."""
+    present = [name for name in fields if request.HasField(name)]
+    allowed = ", ".join(f"`{name}`" for name in fields)
+    if not present:
+        raise _invalid("input", f"input is required: set exactly one of {allowed}")
+    if len(present) > 1:
+        raise _invalid("input", f"input: set exactly one of {allowed}, not {' and '.join(present)}")
+    return present[0]
+
+
+def prompt_input(request: Any, limits: ModelLimits, fields: Sequence[str] = GENERATE_INPUTS) -> PromptInput:
+    """The request's input (`text`, `messages` or `token_ids`, of `fields`), checked up to tokenization."""
+    kind = which_input(request, fields)
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    if kind == "token_ids":
+        ids = tuple(request.token_ids.ids)
+        if not ids:
+            raise _invalid("token_ids.ids", "token_ids.ids must not be empty")
+        check_token_ids(ids, "token_ids.ids", limits)
+        return PromptInput(kind, token_ids=ids, add_special_tokens=add_special)
+    if kind == "text":
+        if not request.text:
+            raise _invalid("text", "text must not be empty")
+        return PromptInput(kind, text=request.text, add_special_tokens=add_special)
+    chat = request.messages
+    if not chat.messages:
+        raise _invalid("messages.messages", "messages.messages must not be empty")
+    for index, message in enumerate(chat.messages):
+        if not message.role:
+            raise _invalid(f"messages.messages[{index}].role", f"messages.messages[{index}].role must not be empty")
+    conversation = tuple({"role": m.role, "content": m.content} for m in chat.messages)
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return PromptInput(kind, conversation=conversation, add_generation_prompt=add_generation_prompt,
+                       add_special_tokens=add_special)
+
+
+def check_token_ids(ids: Sequence[int], field: str, limits: ModelLimits) -> None:
+    """Every id must be in the vocabulary (INVALID_ARGUMENT naming the first one that is not)."""
+    vocab_size = limits.vocab_size
+    if not ids or not vocab_size or max(ids) < vocab_size:
+        return
+    for index, token_id in enumerate(ids):
+        if token_id >= vocab_size:
+            raise _invalid(f"{field}[{index}]", f"{field}[{index}] = {token_id} is out of range: the vocabulary has "
+                                                f"{vocab_size} tokens (ids 0..{vocab_size - 1})")
+
+
+def check_prompt(ids: Sequence[int], kind: str, limits: ModelLimits) -> None:
+    """A tokenized prompt must be non-empty, leave room for one generated token and fit the KV cache."""
+    if not ids:
+        raise _invalid(kind, f"{kind} tokenized to no tokens")
+    context_length = limits.context_length
+    if context_length and len(ids) >= context_length:
+        raise _invalid("prompt", f"the prompt has {len(ids)} tokens but the context length is {context_length}; "
+                                 f"shorten the prompt to at most {context_length - 1} tokens so one can be generated")
+    kv_capacity = limits.kv_capacity_tokens
+    if kv_capacity and len(ids) + 1 > kv_capacity:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "prompt",
+                           f"the prompt has {len(ids)} tokens but the KV cache holds at most {kv_capacity} tokens")
+
+
+def generation_options(request: pb.GenerateRequest, prompt_len: int, limits: ModelLimits) -> GenerationOptions:
+    """Everything of a Generate request but its input, once the prompt's length is known."""
+    sampling = request.sampling
+    params = sampling_options(sampling, prompt_len, limits, request.priority, request.cache_salt)
+    n = num_samples(sampling)
+    stop = stop_strings(sampling)
+    skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return GenerationOptions(params, n, stop, sampling.include_stop_str_in_output, skip_special)
+
+
+def sampling_options(sampling: pb.SamplingParams, prompt_len: int, limits: ModelLimits, priority: int = 0,
+                     cache_salt: str = "") -> SamplingOptions:
+    """The engine's sampling for a prompt of `prompt_len` tokens; max_tokens is cut to the room left in context."""
+    if sampling.HasField("max_tokens"):
+        max_tokens = sampling.max_tokens
+        if max_tokens <= 0:
+            raise _invalid("sampling.max_tokens", f"sampling.max_tokens must be > 0, got {max_tokens}")
+    else:
+        max_tokens = limits.default_max_tokens
+    if limits.context_length:
+        max_tokens = min(max_tokens, limits.context_length - prompt_len)  # never past the context length
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise _invalid("sampling.temperature", f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):  # also rejects NaN
+        raise _invalid("sampling.top_p", f"sampling.top_p must be in (0, 1], got {top_p}")
+    top_k = sampling.top_k if sampling.HasField("top_k") else 0
+    if top_k < 0:
+        raise _invalid("sampling.top_k", f"sampling.top_k must be >= 0 (0 = off), got {top_k}")
+    check_token_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits)
+    min_tokens = sampling.min_tokens if sampling.HasField("min_tokens") else 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise _invalid("sampling.min_tokens",
+                       f"sampling.min_tokens must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
+    min_p = _bounded_float(sampling, "min_p", 0.0, 0.0, 1.0)
+    repetition_penalty = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
+        raise _invalid("sampling.repetition_penalty",
+                       f"sampling.repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+    frequency_penalty = _bounded_float(sampling, "frequency_penalty", 0.0, -2.0, 2.0)
+    presence_penalty = _bounded_float(sampling, "presence_penalty", 0.0, -2.0, 2.0)
+    num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
+    if not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise _invalid("sampling.logprobs", f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise _invalid("cache_salt",
+                       f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed")
+    return SamplingOptions(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=sampling.seed if sampling.HasField("seed") else None, ignore_eos=sampling.ignore_eos,
+        stop_token_ids=tuple(sampling.stop_token_ids), min_tokens=min_tokens, min_p=min_p,
+        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, num_logprobs=num_logprobs, priority=priority,
+        cache_salt=cache_salt_hash(cache_salt),
+    )
+
+
+def num_samples(sampling: pb.SamplingParams) -> int:
+    n = sampling.n if sampling.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise _invalid("sampling.n", f"sampling.n must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def require_one_sample(n: int, why: str) -> None:
+    """Requests that carry one engine request's KV (a prefill, a decode from KV) cannot fan out."""
+    if n != 1:
+        raise _invalid("sampling.n", f"sampling.n must be 1 for {why}")
+
+
+def stop_strings(sampling: pb.SamplingParams) -> tuple[str, ...]:
+    stop = tuple(sampling.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _invalid("sampling.stop",
+                       f"sampling.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for index, text in enumerate(stop):
+        if not text:
+            raise _invalid(f"sampling.stop[{index}]", f"sampling.stop[{index}] must not be empty")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise _invalid(f"sampling.stop[{index}]", f"sampling.stop[{index}] has {len(text)} characters; at most "
+                                                      f"{MAX_STOP_STRING_CHARS} are allowed")
+    return stop
+
+
+def sample_params(params: SamplingOptions, index: int) -> SamplingOptions:
+    """Sample `index` of n: with a seed, seed + index (documented in SamplingParams.n)."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % _U64)
+
+
+def cache_salt_hash(salt: str) -> int:
+    """The engine's u64 prefix-cache salt for a request's `cache_salt`: 0 (none) when empty, else nonzero."""
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(salt.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def _bounded_float(sampling: pb.SamplingParams, name: str, default: float, low: float, high: float) -> float:
+    """An optional float field of `sampling` that must lie in [low, high]; NaN and infinities are rejected."""
+    value = getattr(sampling, name) if sampling.HasField(name) else default
+    if not low <= value <= high:  # also false for NaN
+        raise _invalid(f"sampling.{name}", f"sampling.{name} must be in [{low:g}, {high:g}], got {value}")
+    return value
