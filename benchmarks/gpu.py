@@ -430,7 +430,8 @@ def bench_attention(
     kind "decode": (batch, context) -> batch sequences with one new token each;
     kind "prefill": (new tokens, context) -> one sequence with that chunk (context - new tokens already cached).
     """
-    from ringserve.workers.attention import AttentionMetadata, get_attention_backend
+    from ringserve.workers.attention import AttentionMetadata
+    from ringserve.workers.attention.selection import get_attention_backend
 
     cfg = SHAPES[shape]
     heads, kv_heads, head_dim, block_size = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], 16

@@ -21,15 +21,8 @@ FORBIDDEN = {
     "ringserve.backend": ("ringserve.frontend", "ringserve.workers"),
     "ringserve.formats": ("ringserve.frontend", "ringserve.backend", "ringserve.workers"),
 }
-# Import circles that exist today and are being broken (issue #25); this list only shrinks.
-EXPECTED_CYCLES: list[set[str]] = [
-    # The servicer circle: the catalog is to depend on a small protocol instead (the frontend's rooms).
-    {"ringserve.frontend.catalog", "ringserve.frontend.deployment", "ringserve.frontend.server",
-     "ringserve.frontend.torchserve"},
-    # get_attention_backend imports the backends (lazily), which import write_kv from the same module.
-    {"ringserve.workers.attention.backend", "ringserve.workers.attention.torch_sdpa",
-     "ringserve.workers.attention.triton_paged"},
-]  # fmt: skip
+# Import circles allowed; none are, and this list only shrinks.
+EXPECTED_CYCLES: list[set[str]] = []
 
 
 def source_modules() -> dict[str, Path]:

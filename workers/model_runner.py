@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from ringserve.workers.attention import attention_metadata_scope, get_attention_backend
+from ringserve.workers.attention import attention_metadata_scope
+from ringserve.workers.attention.selection import get_attention_backend
 from ringserve.workers.cuda_graphs import GRAPH_MODES, DecodeGraphs, GraphMode
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.kv_pull import compute_prompt_kv, run_kv_pulls

@@ -25,6 +25,7 @@ from ringserve.formats.spec_tree import DraftTree
 DEFAULT_MAX_STEP_SLOWDOWN = 2.0
 MAX_SPECULATIVE_TOKENS = 8
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
 
 
 def _setting(default: Any, help_: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
@@ -80,7 +81,7 @@ class EngineArgs:
                                    choices=("auto", *DTYPES))  # fmt: skip
     attention_backend: str = _setting(
         "auto", "workers' attention kernels (default %(default)s = triton_paged on CUDA when triton is installed, "
-        "torch_sdpa on CPU)", choices=("auto", "torch_sdpa", "triton_paged"))  # fmt: skip
+        "torch_sdpa on CPU)", choices=ATTENTION_BACKENDS)  # fmt: skip
     cuda_graphs: str = _setting(
         "auto", "decode steps as CUDA graphs captured at start, for batches up to --max-num-seqs (default "
         "%(default)s = on CUDA with triton_paged attention and one worker; off = eager, like vLLM's --enforce-eager)",

@@ -26,12 +26,12 @@ def test_the_package_folder_links_each_process_folder_by_a_relative_link():
 
 def test_a_source_import_resolves_to_the_checkout_without_site_packages_or_a_build():
     # -S: no site-packages, so neither an installed ringserve nor an editable install's path line can answer.
-    code = "import importlib.util as u; print(u.find_spec('ringserve.frontend.server').origin)"
+    code = "import importlib.util as u; print(u.find_spec('ringserve.frontend.api.server').origin)"
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert Path(out) == PACKAGE / "frontend" / "server.py"
-    assert Path(out).resolve() == ROOT / "frontend" / "server.py"
+    assert Path(out) == PACKAGE / "frontend" / "api" / "server.py"
+    assert Path(out).resolve() == ROOT / "frontend" / "api" / "server.py"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("scikit_build_core") is None, reason="needs the build backend")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.loader import load_model
 from ringserve.workers.model import KVCache, LlamaForCausalLM
 from ringserve.workers.parallel import init_distributed
@@ -34,7 +35,7 @@ def forward_packed(model: LlamaForCausalLM, chunks: list[tuple[list[int], int, l
 
 def run(folder: Path) -> np.ndarray:
     model = load_model(folder, torch.float32, rank=RANK, world_size=WORLD)
-    model.bind_kv_cache(KVCache.allocate(model.config, 16, 4, torch.float32, "cpu"))
+    model.bind_kv_cache(KVCache.allocate(model.config, 16, 4, torch.float32, "cpu"), TorchSdpaBackend())
     forward_packed(model, [(PROMPT_B[:4], 0, [5])], block_size=4)  # B's first chunk goes into the cache
     logits = forward_packed(
         model, [(PROMPT_A, 0, [0, 1]), (PROMPT_B[4:], 4, [5, 6]), ([PROMPT_B[0]], 0, [9])], block_size=4

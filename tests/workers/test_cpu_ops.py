@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM, cpu_ops
 from ringserve.workers.model.fast_paths import NativeRMSNorm, _project, apply_fast_paths
 from ringserve.workers.model.llama import RMSNorm, RotaryEmbedding, rotate
@@ -200,7 +201,7 @@ def test_fused_projections_give_the_unfused_models_logits_in_float32(bias: bool)
     tokens = torch.tensor([3, 14, 15, 92, 65])
     outs = []
     for model in (unfused, fused):
-        model.bind_kv_cache(KVCache.allocate(model.config, 2, 16, torch.float32, "cpu"))
+        model.bind_kv_cache(KVCache.allocate(model.config, 2, 16, torch.float32, "cpu"), TorchSdpaBackend())
         md = AttentionMetadata.build([5], [5], [[0]], 16, None)
         with torch.inference_mode(), attention_metadata_scope(md):
             outs.append(model(tokens, torch.arange(5)))

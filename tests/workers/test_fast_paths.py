@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM, cpu_ops
 from ringserve.workers.model.fast_paths import FusedAttention, FusedMLP, NativeRMSNorm, apply_fast_paths
 from ringserve.workers.model.native_decoder import NativeDecodingLlama
@@ -21,7 +22,7 @@ def tiny(tied: bool = False) -> LlamaForCausalLM:
 
 
 def prefill_logits(model: LlamaForCausalLM) -> torch.Tensor:
-    model.bind_kv_cache(KVCache.allocate(model.config, 2, 16, torch.float32, "cpu"))
+    model.bind_kv_cache(KVCache.allocate(model.config, 2, 16, torch.float32, "cpu"), TorchSdpaBackend())
     md = AttentionMetadata.build([6], [6], [[1]], 16, None)
     with torch.inference_mode(), attention_metadata_scope(md):
         return model(torch.tensor([3, 14, 15, 92, 65, 35]), torch.arange(6))

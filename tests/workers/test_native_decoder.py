@@ -49,7 +49,7 @@ def bf16_model(folder: Path, native: bool) -> tuple[LlamaForCausalLM, KVCache]:
     model = apply_fast_paths(load_hf_model(folder, torch.bfloat16))
     model.native_decode = native
     cache = KVCache.allocate(model.config, 40, BLOCK, torch.bfloat16, "cpu")
-    model.bind_kv_cache(cache)
+    model.bind_kv_cache(cache, torch_sdpa.TorchSdpaBackend())
     return model, cache
 
 
@@ -123,7 +123,7 @@ def test_long_chunks_and_float32_models_keep_the_layer_by_layer_path(folder, mon
     forward_packed(model, [(list(range(1, longest + 1)), 0, list(range(19, 35)))], BLOCK)  # exactly the limit
     assert calls[0] == 1
     f32 = apply_fast_paths(load_hf_model(folder, torch.float32))
-    f32.bind_kv_cache(KVCache.allocate(f32.config, 8, BLOCK, torch.float32, "cpu"))
+    f32.bind_kv_cache(KVCache.allocate(f32.config, 8, BLOCK, torch.float32, "cpu"), torch_sdpa.TorchSdpaBackend())
     forward_packed(f32, [([5, 9], 0, [1])], BLOCK)
     forward_packed(f32, [([3], 2, [1])], BLOCK)
     assert calls[0] == 1 and f32.native_decoder() is None

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.model import KVCache, LlamaForCausalLM
 from ringserve.workers.model_runner import BlockAppend as BlockAppend
 from ringserve.workers.model_runner import NewRequest as NewRequest
@@ -123,7 +124,7 @@ def forward_packed(
 
 def bind_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> KVCache:
     cache = KVCache.allocate(model.config, num_blocks, block_size, torch.float32, "cpu")
-    model.bind_kv_cache(cache)
+    model.bind_kv_cache(cache, TorchSdpaBackend())
     return cache
 
 

@@ -1,4 +1,4 @@
-"""The one interface every attention backend implements, and how a backend is chosen.
+"""The one interface every attention backend implements, and the cache write they share.
 
 The model only computes q/k/v and calls `backend.forward`; writing the cache and reading it through block
 tables is the backend's job, so a CUDA paged kernel can replace the gather path without touching the model.
@@ -41,20 +41,3 @@ def write_kv(
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")
-
-
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """`auto`: the Triton paged kernels on CUDA when triton is installed, else gather + SDPA (CPU, or no triton)."""
-    from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
-    from ringserve.workers.attention.triton_paged import TritonPagedBackend, paged_attention_supported
-
-    if name == "auto":
-        name = TritonPagedBackend.name if paged_attention_supported(device) else TorchSdpaBackend.name
-    if name == TorchSdpaBackend.name:
-        return TorchSdpaBackend()
-    if name == TritonPagedBackend.name:
-        return TritonPagedBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from ringserve.workers.attention import AttentionBackend, get_attention_backend, get_attention_metadata
+from ringserve.workers.attention import AttentionBackend, get_attention_metadata
 from torch import nn
 
 
@@ -281,8 +281,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def bind_kv_cache(self, kv_cache: KVCache, backend: AttentionBackend | None = None) -> None:
-        backend = backend or get_attention_backend("auto", kv_cache.k[0].device)
+    def bind_kv_cache(self, kv_cache: KVCache, backend: AttentionBackend) -> None:
         for layer, k, v in zip(self.model.layers, kv_cache.k, kv_cache.v, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache, layer.self_attn.backend = k, v, backend
 

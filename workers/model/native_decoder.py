@@ -34,7 +34,7 @@ class NativeDecodingLlama(LlamaForCausalLM):
             return super().forward(input_ids, positions, float_logits)
         return self.logits(hidden, float_logits)
 
-    def bind_kv_cache(self, kv_cache: KVCache, backend: AttentionBackend | None = None) -> None:
+    def bind_kv_cache(self, kv_cache: KVCache, backend: AttentionBackend) -> None:
         super().bind_kv_cache(kv_cache, backend)
         self._decoder = None
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 from ringserve.workers.attention import AttentionMetadata, attention_metadata_scope
+from ringserve.workers.attention.selection import get_attention_backend
 from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.model import KVCache, LlamaForCausalLM
 from ringserve.workers.model.fast_paths import apply_fast_paths
@@ -232,7 +233,7 @@ class DraftModelProposer(_ModelDrafter):
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.kv_cache = KVCache.allocate(model.config, num_blocks, block_size, dtype, device)
-        model.bind_kv_cache(self.kv_cache)
+        model.bind_kv_cache(self.kv_cache, get_attention_backend("auto", device))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return first_layers_logits(self.model, input_ids, positions, self.model.config.num_layers)
