@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine_args: EngineArgs = args.engine
     die_with_parent()
+    parent_pid = os.getppid()
 
     step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, engine_args.tensor_parallel_size)
     result_ring = _core.ShmRing.create(new_segment_name("res"), RESULT_RING_BYTES, 1)
@@ -123,8 +125,19 @@ def main(argv: list[str] | None = None) -> int:
             code = stop_child(w, timeout_s=10.0)
             if code not in (0, -signal.SIGTERM):
                 log.warning("worker pid %d exited with %d", w.pid, code)
-        step_ring.unlink()
+        step_ring.unlink()  # the loop removed the names once the workers attached; this covers a failed start
         result_ring.unlink()
+        if os.getppid() != parent_pid:  # the frontend died (we got its death signal): clean up after it
+            leave_nothing_behind(engine_args)
+
+
+def leave_nothing_behind(engine_args: EngineArgs) -> None:
+    """Remove what a frontend that died leaves behind: its KV peer-info folder and any segment of a dead process
+    (its rings, if it died before this engine attached them; a killed worker's KV region)."""
+    if engine_args.kv_info_dir:
+        shutil.rmtree(engine_args.kv_info_dir, ignore_errors=True)
+    for name in _core.reclaim_stale_segments():
+        log.info("removed %s, left by a process that died", name)
 
 
 if __name__ == "__main__":

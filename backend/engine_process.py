@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from typing import Any
 from ringserve.backend.process import engine_environment, stop_child, wait_for_exit
 from ringserve.formats.engine_args import DEFAULT_MAX_STEP_SLOWDOWN, EngineArgs
 from ringserve.formats.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new_segment_name
+
+log = logging.getLogger("ringserve.engine_process")
 
 
 def native_bf16_cpu() -> bool:
@@ -111,12 +114,24 @@ class EngineProcess:
 
     async def wait(self) -> int:
         """Completes when the process exits, with its exit code."""
-        return await wait_for_exit(self.process)
+        code = await wait_for_exit(self.process)
+        await asyncio.to_thread(reclaim_dead_segments)
+        return code
 
     async def stop(self, timeout_s: float) -> int:
         """Wait for the process to exit (SIGTERM, then SIGKILL after `timeout_s` each), then remove the rings."""
         try:
             return await asyncio.to_thread(stop_child, self.process, timeout_s)
         finally:
-            self.request_ring.unlink()
+            self.request_ring.unlink()  # the engine removed the names once it attached; this covers a failed start
             self.event_ring.unlink()
+            await asyncio.to_thread(reclaim_dead_segments)
+
+
+def reclaim_dead_segments() -> None:
+    """After an engine exits, however it exited: remove the segments its processes can no longer remove (those of
+    an engine or worker that was killed before it could unlink its names, such as a worker's KV region)."""
+    from ringserve import _core
+
+    for name in _core.reclaim_stale_segments():
+        log.info("removed %s, left by a process that died", name)

@@ -11,9 +11,9 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ import grpc
 from ringserve.backend.engine_process import resolve_engine_args
 from ringserve.formats.cli_env import env_default, env_help, parse_bool
 from ringserve.formats.engine_args import EngineArgs, add_engine_arguments
+from ringserve.formats.segments import new_kv_info_dir, reclaim_stale_kv_info_dirs
 from ringserve.frontend.api.generation import DEFAULT_MAX_WAITING_REQUESTS, GenerationServicer
 from ringserve.frontend.api.security import ServerSecurity, add_server_security_arguments
 from ringserve.frontend.api.server import build_catalog_server, describe_model
@@ -458,14 +459,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ringserve import _core
 
-    for name in _core.reclaim_stale_segments():
-        log.info("removed stale shared-memory segment %s left by a dead process", name)
-    kv_info_dir = tempfile.TemporaryDirectory(prefix="ringserve-kv-")  # the workers' KV peer infos
-    args.kv_info_dir = kv_info_dir.name
+    for name in [*_core.reclaim_stale_segments(), *reclaim_stale_kv_info_dirs()]:
+        log.info("removed %s, left by a process that died", name)
     engine = serve_engine_args(args)
+    args.kv_info_dir = ""
     if engine.kv_transfer != "none":
-        engine = dataclasses.replace(engine, kv_info_dir=kv_info_dir.name)
+        args.kv_info_dir = new_kv_info_dir()  # the workers' KV peer infos; the engine removes it if we die first
+        engine = dataclasses.replace(engine, kv_info_dir=args.kv_info_dir)
     try:
         return asyncio.run(serve_until_stopped(args, specs, default_model, metadata, security, engine))
     finally:
-        kv_info_dir.cleanup()
+        if args.kv_info_dir:
+            shutil.rmtree(args.kv_info_dir, ignore_errors=True)

@@ -38,6 +38,11 @@ Engine::Engine(EngineConfig config, const std::string& request_ring, const std::
       config_.num_blocks < 0 || config_.max_model_len < 0) {
     throw std::invalid_argument("EngineConfig: block_size, max_num_seqs and max_num_batched_tokens must be > 0");
   }
+  // A segment's name is only the rendezvous. The frontend mapped these rings when it created them and the engine
+  // has now attached, so nothing needs the names any more: without them, the memory goes back to the system when
+  // the last process holding a mapping exits, however it exits.
+  requests_.ring()->unlink();
+  events_.ring()->unlink();
 }
 
 void Engine::stop() noexcept {
@@ -132,6 +137,12 @@ bool Engine::await_workers_ready() {
     }
     if (stopping()) return false;
     housekeeping(true);
+  }
+  if (config_.num_blocks <= 0) {
+    // Every rank attached the step ring before joining the process group, and rank 0 reports ready only after
+    // that group formed: the names of the step and result rings have served their purpose (see the constructor).
+    steps_.ring()->unlink();
+    results_.ring()->unlink();
   }
   EngineConfig config = config_;
   config.num_blocks = static_cast<int32_t>(num_blocks);

@@ -1,3 +1,5 @@
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -130,6 +132,48 @@ TEST(stop_from_another_thread_ends_an_idle_engine) {
   ByteBuffer buf;
   CHECK(events.read(buf, 10s) && std::holds_alternative<EngineReady>(decode_engine_event(buf)));
   std::this_thread::sleep_for(50ms);  // let it go idle on the request ring's futex
+  engine.stop();
+  loop.join();
+  worker.join();
+  CHECK(saw_shutdown.load());
+}
+
+static bool name_exists(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd >= 0) ::close(fd);
+  return fd >= 0;
+}
+
+TEST(ring_names_are_removed_once_every_peer_has_attached) {
+  Rings rings;
+  for (const char* role : {"req", "evt", "step", "res"}) CHECK(name_exists(rings.name(role)));
+  std::atomic<bool> saw_shutdown{false};
+  Engine engine(small_config(), rings.name("req"), rings.name("evt"), rings.name("step"), rings.name("res"), {});
+  // The frontend created the request and event rings and the engine has attached them.
+  CHECK(!name_exists(rings.name("req")) && !name_exists(rings.name("evt")));
+  CHECK(name_exists(rings.name("step")) && name_exists(rings.name("res")));  // the workers have not attached yet
+  std::thread worker(fake_worker, std::ref(rings), std::ref(saw_shutdown));
+  std::thread loop([&] { engine.run(); });
+  RingReader events(rings.by_role["evt"], 0);
+  ByteBuffer buf;
+  CHECK(events.read(buf, 10s) && std::holds_alternative<EngineReady>(decode_engine_event(buf)));
+  // Ready means every worker attached: the mappings keep working, the names are gone.
+  CHECK(!name_exists(rings.name("step")) && !name_exists(rings.name("res")));
+  RingWriter requests(rings.by_role["req"]);
+  AddRequest r;
+  r.request_id = 1;
+  r.prompt_token_ids.assign(4, 5);
+  r.max_tokens = 2;
+  encode(r, buf);
+  CHECK(requests.write(buf, 10s));
+  bool finished = false;
+  while (!finished && events.read(buf, 10s)) {
+    const auto event = decode_engine_event(buf);
+    if (const auto* step = std::get_if<StepEvents>(&event)) {
+      for (const RequestOutput& o : step->outputs) finished |= o.finish_reason != FinishReason::kNone;
+    }
+  }
+  CHECK(finished);
   engine.stop();
   loop.join();
   worker.join();
