@@ -4,8 +4,8 @@ matching client side (channels for the CLI, the health probe and benchmarks).
 Server: `ServerSecurity.from_args` turns the serve flags into credentials, interceptors and channel options for the one
 grpc.aio server. API keys are checked by `ApiKeyInterceptor` on every RPC except the ones a load balancer or an
 operator's tooling needs without a key: `grpc.health.v1.Health`, server reflection and TorchServe's `Ping` (health
-only). Requests whose bytes do not parse are refused with INVALID_ARGUMENT by `MalformedRequestInterceptor` instead of
-the UNKNOWN grpc would answer.
+only). Behind it, `api/boundary.py`'s `RequestBoundaryInterceptor` parses every request and turns what escapes a
+handler into a clear status.
 
 Client: `ChannelSecurity` describes how to dial a server (TLS roots, client certificate, server name, API key) and
 `open_channel` builds the channel. An API key is sent as call credentials, which gRPC only sends over TLS or to a
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import inspect
 import ipaddress
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import grpc
 from ringserve.formats.cli_env import env_default, env_help, parse_bool
+from ringserve.frontend.api.boundary import RequestBoundaryInterceptor
 
 DEFAULT_MAX_MESSAGE_MIB = 64
 # Services answered without an API key: probes and tooling need them, and they reveal no model output.
@@ -143,87 +143,6 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, mes
     return grpc.unary_unary_rpc_method_handler(refuse, response_serializer=handler.response_serializer)
 
 
-# -- malformed requests ---------------------------------------------------------------------------------------------
-
-
-class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Parses requests itself so bytes that are not a valid message (corrupt wire format, a string field holding
-    invalid UTF-8) get INVALID_ARGUMENT; grpc would answer UNKNOWN, which clients read as a server bug."""
-
-    def __init__(self) -> None:
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # per method: handlers are fixed once registered
-
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
-                                                             Awaitable[grpc.RpcMethodHandler | None]],
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        method = handler_call_details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:
-            wrapped = self._wrapped[method] = _parsing_handler(handler, method)
-        return wrapped
-
-
-def _parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    parse = handler.request_deserializer
-    serialize = handler.response_serializer
-
-    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return parse(raw)
-        except Exception as exc:  # protobuf raises DecodeError; any parser failure is the request's fault
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {method} message: {exc}")
-
-    async def each_parsed(raws: Any, context: grpc.aio.ServicerContext) -> Any:
-        async for raw in raws:
-            yield await parsed(raw, context)
-
-    if not handler.request_streaming and not handler.response_streaming:
-        unary_unary = handler.unary_unary
-
-        async def call_unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            return await unary_unary(await parsed(raw, context), context)
-
-        return grpc.unary_unary_rpc_method_handler(call_unary_unary, response_serializer=serialize)
-    if not handler.request_streaming:
-        unary_stream = handler.unary_stream
-        if not inspect.isasyncgenfunction(unary_stream):  # writes with context.write (e.g. Health.Watch)
-
-            async def write_unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> None:
-                await unary_stream(await parsed(raw, context), context)
-
-            return grpc.unary_stream_rpc_method_handler(write_unary_stream, response_serializer=serialize)
-
-        async def call_unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            async for response in unary_stream(await parsed(raw, context), context):
-                yield response
-
-        return grpc.unary_stream_rpc_method_handler(call_unary_stream, response_serializer=serialize)
-    if not handler.response_streaming:
-        stream_unary = handler.stream_unary
-
-        async def call_stream_unary(raws: Any, context: grpc.aio.ServicerContext) -> Any:
-            return await stream_unary(each_parsed(raws, context), context)
-
-        return grpc.stream_unary_rpc_method_handler(call_stream_unary, response_serializer=serialize)
-    stream_stream = handler.stream_stream
-    if not inspect.isasyncgenfunction(stream_stream):
-
-        async def write_stream_stream(raws: Any, context: grpc.aio.ServicerContext) -> None:
-            await stream_stream(each_parsed(raws, context), context)
-
-        return grpc.stream_stream_rpc_method_handler(write_stream_stream, response_serializer=serialize)
-
-    async def call_stream_stream(raws: Any, context: grpc.aio.ServicerContext) -> Any:
-        async for response in stream_stream(each_parsed(raws, context), context):
-            yield response
-
-    return grpc.stream_stream_rpc_method_handler(call_stream_stream, response_serializer=serialize)
-
-
 # -- server ---------------------------------------------------------------------------------------------------------
 
 
@@ -295,7 +214,7 @@ class ServerSecurity:
         chain: list[grpc.aio.ServerInterceptor] = []
         if self.api_keys:
             chain.append(ApiKeyInterceptor(self.api_keys))
-        chain.append(MalformedRequestInterceptor())
+        chain.append(RequestBoundaryInterceptor())
         return chain
 
     def credentials(self) -> grpc.ServerCredentials | None:

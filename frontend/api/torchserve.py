@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 import grpc
 from google.rpc import status_pb2
+from ringserve.frontend.api.validation import RequestError, json_body
 from ringserve.frontend.catalog import ModelError, ModelManager, ModelSpec
 from ringserve.torchserve import inference_pb2, inference_pb2_grpc, management_pb2, management_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
@@ -78,9 +79,9 @@ def generate_request_from_prediction(request: inference_pb2.PredictionsRequest) 
         raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT, f"input.{key}: not UTF-8 text ({exc})") from None
     out = pb.GenerateRequest(model=request.model_name)
     try:
-        body = json.loads(text)
-    except json.JSONDecodeError:
-        body = None
+        body = json_body(text, f"input.{key}")
+    except RequestError as error:
+        raise PredictionError(error.code, error.message) from None
     if not isinstance(body, dict):  # plain text (or a JSON string/number): the prompt itself
         out.text = body if isinstance(body, str) else text
         return out
@@ -127,15 +128,27 @@ def _set_field(message: Any, field: str, value: Any, kind: type, where: str) -> 
     """Set a JSON value on a proto field if it has the field's type (no silent conversions from strings/bools)."""
     if kind is bool or kind is str:
         ok = isinstance(value, kind)
-    else:
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-              and (kind is float or float(value).is_integer()) and math.isfinite(value))
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        ok = False
+    else:  # an integer of any size (the field's range is checked below), or a finite float that fits the kind
+        ok = isinstance(value, int) or (math.isfinite(value) and (kind is float or value.is_integer()))
     if not ok:
-        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: expected {kind.__name__}, got {value!r}")
+        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{where}: expected {kind.__name__}, got {_shown(value)}")
     try:
         setattr(message, field, kind(value))
-    except ValueError as exc:  # out of the proto field's range, e.g. a negative seed
-        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}") from None
+    except (ValueError, OverflowError) as exc:  # out of the proto field's range, e.g. a negative or huge seed
+        raise PredictionError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{where}: {_shown(value)} is out of range ({exc})") from None
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: at most 60 characters."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 
 class _ContextWithoutAbort:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -260,4 +261,30 @@ def _bounded_float(sampling: pb.SamplingParams, name: str, default: float, low: 
     value = getattr(sampling, name) if sampling.HasField(name) else default
     if not low <= value <= high:  # also false for NaN
         raise _invalid(f"sampling.{name}", f"sampling.{name} must be in [{low:g}, {high:g}], got {value}")
+    return value
+
+
+MAX_JSON_DEPTH = 32  # nesting a request body may have (TorchServe's JSON; a real one has 3 or 4 levels)
+
+
+def json_body(text: str, field: str) -> Any:
+    """`text` parsed as JSON, or None when it is not JSON (a TorchServe body may be the prompt as plain text).
+
+    Refuses, naming `field`, what the parser cannot take safely: nesting deeper than MAX_JSON_DEPTH (which would
+    otherwise exhaust the parser's recursion) and integers too long to convert."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise _invalid(field, f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError:
+        return None
+    except ValueError as exc:  # e.g. an integer of more digits than int() converts
+        raise _invalid(field, f"{field}: JSON value not accepted: {exc}") from None
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise _invalid(field, f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return value
