@@ -34,11 +34,11 @@ void set_top(StepResult& r, const std::optional<Int32Array>& ids, const std::opt
   }
 }
 
-// A class of record R with a default constructor and one attribute per field.
+// A class of record R, constructed empty or from its fields by name, with one attribute per field.
 template <class R, ArrayStyle A = ArrayStyle::kList>
 py::class_<R> record_class(py::module_& m, const char* name) {
   py::class_<R> cls(m, name);
-  cls.def(py::init<>());
+  cls.def(py::init(&record_from_kwargs<R>));
   def_fields<R, A>(cls);
   return cls;
 }
@@ -50,21 +50,6 @@ py::tuple sampling_fields() {
   const SamplingParams defaults;
   for_each_field<SamplingParams>([&](const auto& f) { out.append(py::make_tuple(f.name, defaults.*f.member)); });
   return py::tuple(out);
-}
-
-// SamplingParams(**fields): unknown names are an error, so a misspelt knob cannot pass silently.
-SamplingParams sampling_from_kwargs(const py::kwargs& kwargs) {
-  SamplingParams s;
-  size_t used = 0;
-  for_each_field<SamplingParams>([&](const auto& f) {
-    using T = typename std::decay_t<decltype(f)>::Type;
-    if (kwargs.contains(f.name)) {
-      s.*f.member = kwargs[f.name].template cast<T>();
-      ++used;
-    }
-  });
-  if (used != kwargs.size()) throw py::type_error("SamplingParams got an unknown field (see SAMPLING_FIELDS)");
-  return s;
 }
 
 }  // namespace
@@ -81,7 +66,7 @@ void bind_records(py::module_& m) {
       .value("PULL_REMOTE", KvMode::kPullRemote);
 
   py::class_<SamplingParams> sampling(m, "SamplingParams");
-  sampling.def(py::init(&sampling_from_kwargs));
+  sampling.def(py::init(&record_from_kwargs<SamplingParams>));
   def_fields<SamplingParams>(sampling);
   m.attr("SAMPLING_FIELDS") = sampling_fields();
 

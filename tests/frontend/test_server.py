@@ -11,10 +11,10 @@ from frontend_testkit import (
     COMPLETION,
     CONTEXT_LENGTH,
     MODEL,
-    FakeEngineReady,
     Harness,
     ScriptedEngine,
     completion_chunks,
+    engine_ready,
     start_harness,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -269,7 +269,7 @@ async def test_reflection_lists_the_generation_service(harness: Harness) -> None
 
 
 def test_describe_model_takes_limits_from_engine_ready(tiny_tokenizer: ModelTokenizer) -> None:
-    ready = FakeEngineReady(num_total_blocks=100, block_size=16, max_model_len=2048)
+    ready = engine_ready(max_model_len=2048)
     info = describe_model("smollm2", "llama", "float32", 1, ready, tiny_tokenizer)
     assert (info.context_length, info.block_size, info.kv_capacity_tokens) == (2048, 16, 1600)
     assert list(info.eos_token_ids) == tiny_tokenizer.eos_token_ids
