@@ -1,6 +1,8 @@
 // ringserve._core records: classes whose attributes come from each record's field list, and their codecs.
 #include <optional>
 
+#include <pybind11/operators.h>
+
 #include "bindings/fields.h"
 
 namespace ringserve::bindings {
@@ -52,6 +54,26 @@ py::tuple sampling_fields() {
   return py::tuple(out);
 }
 
+// The public API's face of every SamplingParams field (FieldApi), in declaration order: what the frontend's request
+// validation iterates, so a new field's name, range and absent-value default (the struct's) need no edit there.
+py::tuple sampling_api() {
+  py::list out;
+  const SamplingParams defaults;
+  for_each_field<SamplingParams>([&](const auto& f) {
+    py::dict d;
+    d["field"] = f.name;
+    d["api"] = *f.api.name != '\0' ? f.api.name : f.name;
+    d["default"] = defaults.*f.member;
+    d["min"] = f.api.min;
+    d["max"] = f.api.max;
+    d["min_open"] = f.api.min_open;
+    d["note"] = f.api.note;
+    d["presence_of"] = f.api.presence_of;
+    out.append(d);
+  });
+  return py::tuple(out);
+}
+
 }  // namespace
 
 void bind_records(py::module_& m) {
@@ -68,7 +90,19 @@ void bind_records(py::module_& m) {
   py::class_<SamplingParams> sampling(m, "SamplingParams");
   sampling.def(py::init(&record_from_kwargs<SamplingParams>));
   def_fields<SamplingParams>(sampling);
+  sampling.def(py::self == py::self);
+  sampling.def("__copy__", [](const SamplingParams& s) { return s; });
+  sampling.def("__deepcopy__", [](const SamplingParams& s, const py::dict&) { return s; }, py::arg("memo"));
+  sampling.def("__repr__", [](const py::object& s) {
+    std::string out = "SamplingParams(";
+    for_each_field<SamplingParams>([&](const auto& f) {
+      if (out.back() != '(') out += ", ";
+      out += std::string(f.name) + "=" + std::string(py::repr(s.attr(f.name)));
+    });
+    return out + ")";
+  });
   m.attr("SAMPLING_FIELDS") = sampling_fields();
+  m.attr("SAMPLING_API") = sampling_api();
 
   // ---- request ring
   record_class<AddRequest>(m, "AddRequest").def("__repr__", [](const AddRequest& r) {

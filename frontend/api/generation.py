@@ -281,8 +281,8 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
         text, stopped = sample.text.push(new_ids)
         response = pb.GenerateResponse(request_id=request_id, index=sample.index, token_ids=new_ids, text=text,
                                        logprobs=list(output.logprobs))
-        if sample.params.num_logprobs and new_ids:
-            _add_top_logprobs(response, output, len(new_ids), sample.params.num_logprobs)
+        if sample.params.sampling.num_logprobs and new_ids:
+            _add_top_logprobs(response, output, len(new_ids), sample.params.sampling.num_logprobs)
         if stopped:
             reason = pb.FINISH_REASON_STOP
         else:

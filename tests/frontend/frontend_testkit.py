@@ -121,12 +121,12 @@ class ScriptedEngine:
                 await asyncio.sleep(0)
                 last = index == len(self.chunks) - 1
                 finished = last
-                top_ids, top_logprobs = fake_top_logprobs(list(chunk), params.num_logprobs)
+                top_ids, top_logprobs = fake_top_logprobs(list(chunk), params.sampling.num_logprobs)
                 yield _core.RequestOutput(request_id=request_id, new_token_ids=list(chunk),
                                           logprobs=[-0.5] * len(chunk),
                                           finish_reason=self.finish if last else _core.FinishReason.NONE,
                                           num_prompt_tokens=len(prompt_ids), top_token_ids=top_ids,
-                                          top_logprobs=top_logprobs, num_top=params.num_logprobs)
+                                          top_logprobs=top_logprobs, num_top=params.sampling.num_logprobs)
         finally:
             if not finished:
                 self.aborted.append(request_id)
