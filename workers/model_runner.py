@@ -60,8 +60,9 @@ class StepPlanLike(Protocol):
     sched_len: Any
     sched_sample: Any
     finished_slots: Any
-    # Layout version 3 (speculative decoding); plain objects without them plan no lookahead.
-    # sched_lookahead: Any; trim_slots: Any; trim_num_blocks: Any
+    sched_lookahead: Any  # empty = no lookahead this step
+    trim_slots: Any
+    trim_num_blocks: Any
 
 
 class NewRequest:
@@ -212,7 +213,7 @@ class ModelRunner:
 
     def apply_plan_deltas(self, plan: StepPlanLike) -> None:
         # Order matters: trims belong to a slot's old occupant; a finished slot may be reused by a new request.
-        trim_slots = np.asarray(getattr(plan, "trim_slots", ()), np.int64).reshape(-1)
+        trim_slots = np.asarray(plan.trim_slots, np.int64).reshape(-1)
         if len(trim_slots):
             self.batch.trim_blocks(trim_slots, np.asarray(plan.trim_num_blocks, np.int64).reshape(-1))
         self.batch.remove(np.asarray(plan.finished_slots, np.int64).reshape(-1))
@@ -229,7 +230,7 @@ class ModelRunner:
         slots = np.asarray(plan.sched_slots, np.int64).reshape(-1)
         if not len(slots):
             return StepOutput.empty(plan.step_id)
-        lookahead = np.asarray(getattr(plan, "sched_lookahead", ()), np.int64).reshape(-1)
+        lookahead = np.asarray(plan.sched_lookahead, np.int64).reshape(-1)
         if self.proposer is not None and len(lookahead) and lookahead.any():
             step = SpeculativeStep(self.model, self.batch, self.sampler, self.proposer, self.kv_cache)
             return step.execute(plan, slots, lookahead)
