@@ -114,22 +114,23 @@ class Reads(dict):
 
 
 def test_the_worker_batch_keeps_and_uses_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    Reads.seen = set()
     from_columns = SamplingBatch.from_columns.__func__  # type: ignore[attr-defined]
     monkeypatch.setattr(SamplingBatch, "from_columns",
                         classmethod(lambda cls, params, *a, **k: from_columns(cls, Reads(params), *a, **k)))
     greedy_is_plain = input_batch.greedy_is_plain
     monkeypatch.setattr(input_batch, "greedy_is_plain", lambda params: greedy_is_plain(Reads(params)))
     batch = InputBatch(block_size=4, num_kv_blocks=8, max_position=64, device=torch.device("cpu"))
-    batch.params = Reads(batch.params)
+    columns = batch.params
     for name, default in DEFAULTS.items():
-        assert batch.params[name][0] == default, f"the workers' batch has no column {name} at its default"
+        assert name in columns and columns[name][0] == default, f"the workers' batch lacks {name} at its default"
     values = {name: other_value(name) for name in DEFAULTS}
     request = _core.NewRequestData(slot=0, token_ids=[1, 2, 3], num_prompt_tokens=3, block_ids=[0],
                                    sampling=_core.SamplingParams(**values))  # fmt: skip
+    batch.params = Reads(columns)
+    Reads.seen = set()  # from here on, only what the workers' code reads
     batch.add(request)
     batch.sampling_batch(np.array([0]))
     for name, value in values.items():
-        assert batch.params[name][0] == pytest.approx(value), f"the workers' batch did not keep {name}"
+        assert columns[name][0] == pytest.approx(value), f"the workers' batch did not keep {name}"
     unused = set(DEFAULTS) - Reads.seen
     assert not unused, f"no worker layer (InputBatch, SamplingBatch.from_columns, greedy_is_plain) reads {unused}"
