@@ -14,9 +14,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+
+if TYPE_CHECKING:
+    from ringserve import _core
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def status_code_from_number(number: int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-def _default_sampling() -> Any:
+def _default_sampling() -> _core.SamplingParams:
     from ringserve import _core  # the records' defaults (csrc/ringserve/records.h), the one set there is
 
     return _core.SamplingParams()
@@ -71,7 +74,7 @@ class SamplingOptions:
     what the engine does around it. Treat `sampling` as read-only once the options are built (copy to change)."""
 
     max_tokens: int
-    sampling: Any = field(default_factory=_default_sampling)  # _core.SamplingParams
+    sampling: _core.SamplingParams = field(default_factory=_default_sampling)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     priority: int = 0  # lower first
