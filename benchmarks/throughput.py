@@ -59,13 +59,13 @@ def run_offline(runner, prompts: np.ndarray, gen: int, block_size: int, budget: 
     for first in range(0, n, per_step):
         batch = requests[first : first + per_step]
         slots = np.array([r.slot for r in batch], np.int32)
-        runner.execute(StepPlan(step, batch, [], slots, np.zeros(len(batch), np.int32),
-                                np.full(len(batch), p, np.int32), np.ones(len(batch), bool)))  # fmt: skip
+        runner.execute(StepPlan(step, new_requests=batch, sched_slots=slots, sched_start=np.zeros(len(batch), np.int32),
+                                sched_len=np.full(len(batch), p, np.int32), sched_sample=np.ones(len(batch), bool)))
         step += 1
     slots = np.arange(n, dtype=np.int32)
     for k in range(1, gen):
-        runner.execute(StepPlan(step, [], [], slots, np.full(n, p + k - 1, np.int32), np.ones(n, np.int32),
-                                np.ones(n, bool)))  # fmt: skip
+        runner.execute(StepPlan(step, sched_slots=slots, sched_start=np.full(n, p + k - 1, np.int32),
+                                sched_len=np.ones(n, np.int32), sched_sample=np.ones(n, bool)))  # fmt: skip
         step += 1
     elapsed = time.perf_counter() - start
     runner.execute(StepPlan(step, finished_slots=slots))
@@ -76,12 +76,12 @@ def run_single_stream(runner, prompt: np.ndarray, gen: int, block_size: int) -> 
     blocks = np.arange(-(-(len(prompt) + gen) // block_size), dtype=np.int32)
     one = np.zeros(1, np.int32)
     request = NewRequest(0, prompt.astype(np.int32), blocks, num_prompt_tokens=len(prompt), temperature=0.0)
-    runner.execute(StepPlan(0, [request], [], one, one,
-                            np.array([len(prompt)], np.int32), np.ones(1, bool)))  # fmt: skip
+    runner.execute(StepPlan(0, new_requests=[request], sched_slots=one, sched_start=one,
+                            sched_len=np.array([len(prompt)], np.int32), sched_sample=np.ones(1, bool)))  # fmt: skip
     start = time.perf_counter()
     for k in range(1, gen):
-        runner.execute(StepPlan(k, [], [], one, np.array([len(prompt) + k - 1], np.int32), np.ones(1, np.int32),
-                                np.ones(1, bool)))  # fmt: skip
+        runner.execute(StepPlan(k, sched_slots=one, sched_start=np.array([len(prompt) + k - 1], np.int32),
+                                sched_len=np.ones(1, np.int32), sched_sample=np.ones(1, bool)))  # fmt: skip
     elapsed = time.perf_counter() - start
     runner.execute(StepPlan(gen, finished_slots=one))
     return (gen - 1) / elapsed

@@ -249,15 +249,16 @@ class ModelDeployment:
 
 _SUMMED_STATS = ("num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "num_steps",
                  "num_preemptions", "num_scheduled_tokens", "prefix_cache_queries", "prefix_cache_hits",
-                 "total_prompt_tokens", "total_generation_tokens")  # fmt: skip
+                 "total_prompt_tokens", "total_generation_tokens", "spec_proposed_tokens", "spec_accepted_tokens",
+                 "spec_verify_rows")  # fmt: skip
 
 
 def combine_stats(stats: Sequence[Any]) -> Any:
     if len(stats) == 1:
         return stats[0]
-    combined = SimpleNamespace(**{name: sum(getattr(s, name, 0) for s in stats) for name in _SUMMED_STATS})
+    combined = SimpleNamespace(**{name: sum(getattr(s, name) for s in stats) for name in _SUMMED_STATS})
     combined.query_id = 0
     combined.block_size = stats[0].block_size
-    combined.step_time_ns = max(getattr(s, "step_time_ns", 0) for s in stats)
-    combined.kv_usage = sum(getattr(s, "kv_usage", 0.0) for s in stats) / len(stats)
+    combined.step_time_ns = max(s.step_time_ns for s in stats)
+    combined.kv_usage = sum(s.kv_usage for s in stats) / len(stats)
     return combined

@@ -13,10 +13,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+
+if TYPE_CHECKING:
+    from ringserve import _core
 
 log = logging.getLogger(__name__)
 
@@ -58,30 +61,33 @@ def status_code_from_number(number: int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+def _default_sampling() -> _core.SamplingParams:
+    from ringserve import _core  # the records' defaults (csrc/ringserve/records.h), the one set there is
+
+    return _core.SamplingParams()
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Validated per-request sampling, as the engine's AddRequest record carries it. Its sampling fields are named as
-    the records' SamplingParams fields (`_core.SAMPLING_FIELDS`), which `_add_request` copies by name."""
+    """Validated per-request options, as the engine's AddRequest record carries them: `sampling` is the record's
+    own `_core.SamplingParams` (every sampling field and its default, declared once in records.h), the rest is
+    what the engine does around it. Treat `sampling` as read-only once the options are built (copy to change)."""
 
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
+    sampling: _core.SamplingParams = field(default_factory=_default_sampling)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    min_p: float = 0.0  # 0 = off
-    repetition_penalty: float = 1.0  # 1 = off
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    num_logprobs: int = 0  # top-n alternatives per sampled token; 0 = none
     priority: int = 0  # lower first
     cache_salt: int = 0  # u64 mixed into the first block's prefix hash; 0 = none
     trace_id: bytes = bytes(16)  # zero = no trace context
     span_id: bytes = bytes(8)
     trace_flags: int = 0
     kv: KvTransfer | None = None  # disaggregated prefill/decode
+
+    @property
+    def seed(self) -> int | None:
+        """The request's seed; None = unseeded."""
+        return self.sampling.seed if self.sampling.has_seed else None
 
 
 @dataclass(frozen=True)
@@ -366,12 +372,7 @@ class EngineClient:
         record = self._core.AddRequest()
         record.request_id = request_id
         record.prompt_token_ids = list(prompt_ids)
-        # Every sampling field by name (the records declare them: _core.SAMPLING_FIELDS); the seed is optional here.
-        for name, _default in self._core.SAMPLING_FIELDS:
-            if name not in ("seed", "has_seed"):
-                setattr(record.sampling, name, getattr(params, name))
-        record.seed = params.seed if params.seed is not None else 0
-        record.has_seed = params.seed is not None
+        record.sampling = params.sampling  # the record's own struct, copied whole
         record.max_tokens = params.max_tokens
         record.ignore_eos = params.ignore_eos
         record.stop_token_ids = list(params.stop_token_ids)

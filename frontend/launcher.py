@@ -134,9 +134,9 @@ def model_metadata(source: ModelSource) -> tuple[str, int, ModelTokenizer]:
 
 
 def kv_transfer_backend(args: argparse.Namespace) -> str:
-    choice = getattr(args, "kv_transfer", "none")
+    choice = args.kv_transfer
     if choice == "auto":
-        return "none" if getattr(args, "role", "both") == "both" else "shm"
+        return "none" if args.role == "both" else "shm"
     return choice
 
 
@@ -147,7 +147,7 @@ def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
 
 def check_serve_arguments(args: argparse.Namespace) -> str | None:
     """An error message saying what to change, or None; EngineArgs checks the engine flags."""
-    if getattr(args, "data_parallel_size", 1) < 1:
+    if args.data_parallel_size < 1:
         return f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})"
     try:
         serve_engine_args(args)
@@ -157,8 +157,7 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
         return f"--max-waiting-requests must be >= 0 (0 = unbounded; got {args.max_waiting_requests})"
     if args.role != "both" and kv_transfer_backend(args) == "none":
         return f"--role {args.role} needs a KV transfer backend: --kv-transfer shm or nixl"
-    if kv_transfer_backend(args) != "none" and (getattr(args, "models_config", "")
-                                                or getattr(args, "data_parallel_size", 1) > 1):
+    if kv_transfer_backend(args) != "none" and (args.models_config or args.data_parallel_size > 1):
         return ("a disaggregated server (--role prefill/decode or --kv-transfer) serves one model with one engine "
                 "replica: drop --models-config and --data-parallel-size, and run more servers behind the router")
     if args.kv_pin_timeout <= 0:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,92 +26,52 @@ from ringserve.workers.speculative import Proposer
 from ringserve.workers.speculative.execution import SpeculativeStep
 from ringserve.workers.step_output import StepOutput
 
+if TYPE_CHECKING:
+    from ringserve import _core
+
 _GIB = 1 << 30
 log = logging.getLogger(__name__)
 
 
-class NewRequestLike(Protocol):
-    """`_core.NewRequestData` (docs/contracts.md): a slot's tokens and blocks, and its `_core.SamplingParams`."""
-
-    slot: int
-    token_ids: Any  # int32 array-like
-    block_ids: Any
-    num_computed_tokens: int
-    num_prompt_tokens: int
-    sampling: Any  # _core.SamplingParams: every sampling field by name
-    suppress_token_ids: Any  # int32 array-like
-
-
-class BlockAppendLike(Protocol):
-    slot: int
-    block_ids: Any
-
-
-class StepPlanLike(Protocol):
-    """What the runner reads from `_core.StepPlan`; plain Python objects of this shape work too."""
-
-    step_id: int
-    new_requests: Sequence[NewRequestLike]
-    block_appends: Sequence[BlockAppendLike]
-    sched_slots: Any
-    sched_start: Any
-    sched_len: Any
-    sched_sample: Any
-    finished_slots: Any
-    # Layout version 3 (speculative decoding); plain objects without them plan no lookahead.
-    # sched_lookahead: Any; trim_slots: Any; trim_num_blocks: Any
-
-
-class NewRequest:
-    """A `NewRequestLike` built in process (tests, benchmarks, offline use) rather than decoded from a record.
+def NewRequest(
+    slot: int,
+    token_ids: Any,
+    block_ids: Any,
+    num_computed_tokens: int = 0,
+    num_prompt_tokens: int | None = None,  # None = the whole of token_ids is the prompt
+    suppress_token_ids: Any = None,
+    sampling: Any = None,
+    **sampling_fields: Any,
+) -> Any:
+    """A `_core.NewRequestData` built in process (tests, benchmarks, offline use) rather than decoded from a plan.
 
     Sampling fields come by name (`temperature=0.0`, ...) or whole (`sampling=`), with the records' defaults
     (`_core.SamplingParams`): temperature 1.0 samples, so a greedy caller says temperature=0.0.
     """
+    from ringserve import _core  # built from csrc/; imported on use so importing workers/ needs no build
 
-    def __init__(
-        self,
-        slot: int,
-        token_ids: np.ndarray,
-        block_ids: np.ndarray,
-        num_computed_tokens: int = 0,
-        num_prompt_tokens: int | None = None,  # None = the whole of token_ids is the prompt
-        suppress_token_ids: np.ndarray | None = None,
-        sampling: Any = None,
-        **sampling_fields: Any,
-    ) -> None:
-        from ringserve import _core  # built from csrc/; imported on use so importing workers/ needs no build
-
-        self.slot = slot
-        self.token_ids = token_ids
-        self.block_ids = block_ids
-        self.num_computed_tokens = num_computed_tokens
-        self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
-        self.suppress_token_ids = np.zeros(0, np.int32) if suppress_token_ids is None else suppress_token_ids
-        self.sampling = sampling if sampling is not None else _core.SamplingParams(**sampling_fields)
+    record = _core.NewRequestData(slot=slot, token_ids=token_ids, block_ids=block_ids,
+                                  num_computed_tokens=num_computed_tokens,
+                                  num_prompt_tokens=len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
+                                  **sampling_fields)  # fmt: skip
+    if sampling is not None:
+        record.sampling = sampling
+    if suppress_token_ids is not None:
+        record.suppress_token_ids = suppress_token_ids
+    return record
 
 
-@dataclass
-class BlockAppend:
-    slot: int
-    block_ids: np.ndarray
+def BlockAppend(slot: int, block_ids: Any) -> Any:
+    from ringserve import _core
+
+    return _core.BlockAppend(slot=slot, block_ids=block_ids)
 
 
-@dataclass
-class StepPlan:
-    """A `StepPlanLike` built in process; the engine's come from `_core.decode_worker_command`."""
+def StepPlan(step_id: int, **fields: Any) -> Any:
+    """A `_core.StepPlan` built in process; the engine's come from `_core.decode_worker_command`."""
+    from ringserve import _core
 
-    step_id: int
-    new_requests: list[NewRequest] = field(default_factory=list)
-    block_appends: list[BlockAppend] = field(default_factory=list)
-    sched_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
-    finished_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    sched_lookahead: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    trim_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    trim_num_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    return _core.StepPlan(step_id=step_id, **fields)
 
 
 def kv_blocks_for_memory(config: LlamaConfig, block_size: int, dtype: torch.dtype, memory_gib: float) -> int:
@@ -210,9 +168,9 @@ class ModelRunner:
         """Every token the slot holds (prompt, outputs and sampled tokens)."""
         return self.batch.tokens_of(slot)
 
-    def apply_plan_deltas(self, plan: StepPlanLike) -> None:
+    def apply_plan_deltas(self, plan: _core.StepPlan) -> None:
         # Order matters: trims belong to a slot's old occupant; a finished slot may be reused by a new request.
-        trim_slots = np.asarray(getattr(plan, "trim_slots", ()), np.int64).reshape(-1)
+        trim_slots = np.asarray(plan.trim_slots, np.int64).reshape(-1)
         if len(trim_slots):
             self.batch.trim_blocks(trim_slots, np.asarray(plan.trim_num_blocks, np.int64).reshape(-1))
         self.batch.remove(np.asarray(plan.finished_slots, np.int64).reshape(-1))
@@ -221,7 +179,7 @@ class ModelRunner:
         for append in plan.block_appends:
             self.batch.append_blocks(int(append.slot), append.block_ids)
 
-    def execute(self, plan: StepPlanLike) -> StepOutput:
+    def execute(self, plan: _core.StepPlan) -> StepOutput:
         self.apply_plan_deltas(plan)
         if self.kv_pulls:
             pulls, self.kv_pulls = self.kv_pulls, []
@@ -229,7 +187,7 @@ class ModelRunner:
         slots = np.asarray(plan.sched_slots, np.int64).reshape(-1)
         if not len(slots):
             return StepOutput.empty(plan.step_id)
-        lookahead = np.asarray(getattr(plan, "sched_lookahead", ()), np.int64).reshape(-1)
+        lookahead = np.asarray(plan.sched_lookahead, np.int64).reshape(-1)
         if self.proposer is not None and len(lookahead) and lookahead.any():
             step = SpeculativeStep(self.model, self.batch, self.sampler, self.proposer, self.kv_cache)
             return step.execute(plan, slots, lookahead)

@@ -79,4 +79,21 @@ void def_fields(Cls& cls) {
   def_fields<R, A>(cls, [](auto& r) -> auto& { return r; });
 }
 
+// W(**fields): a default W with each named attribute set through its property (so each field converts and checks
+// its value as an assignment would, and a nested record's flattened names work too); an unknown name is a TypeError.
+template <class W>
+W record_from_kwargs(const py::kwargs& kwargs) {
+  if (kwargs.empty()) return W{};
+  py::object record = py::cast(W{});
+  const py::object type = py::type::of(record);
+  for (const auto& [key, value] : kwargs) {
+    const py::object attr = py::getattr(type, key, py::none());
+    if (!py::isinstance(attr, py::module_::import("builtins").attr("property"))) {
+      throw py::type_error(py::str("{}() got an unknown field {!r}").format(type.attr("__name__"), key));
+    }
+    record.attr(key) = value;
+  }
+  return record.cast<W>();
+}
+
 }  // namespace ringserve::bindings

@@ -1,6 +1,8 @@
 // ringserve._core records: classes whose attributes come from each record's field list, and their codecs.
 #include <optional>
 
+#include <pybind11/operators.h>
+
 #include "bindings/fields.h"
 
 namespace ringserve::bindings {
@@ -34,11 +36,11 @@ void set_top(StepResult& r, const std::optional<Int32Array>& ids, const std::opt
   }
 }
 
-// A class of record R with a default constructor and one attribute per field.
+// A class of record R, constructed empty or from its fields by name, with one attribute per field.
 template <class R, ArrayStyle A = ArrayStyle::kList>
 py::class_<R> record_class(py::module_& m, const char* name) {
   py::class_<R> cls(m, name);
-  cls.def(py::init<>());
+  cls.def(py::init(&record_from_kwargs<R>));
   def_fields<R, A>(cls);
   return cls;
 }
@@ -52,19 +54,24 @@ py::tuple sampling_fields() {
   return py::tuple(out);
 }
 
-// SamplingParams(**fields): unknown names are an error, so a misspelt knob cannot pass silently.
-SamplingParams sampling_from_kwargs(const py::kwargs& kwargs) {
-  SamplingParams s;
-  size_t used = 0;
+// The public API's face of every SamplingParams field (FieldApi), in declaration order: what the frontend's request
+// validation iterates, so a new field's name, range and absent-value default (the struct's) need no edit there.
+py::tuple sampling_api() {
+  py::list out;
+  const SamplingParams defaults;
   for_each_field<SamplingParams>([&](const auto& f) {
-    using T = typename std::decay_t<decltype(f)>::Type;
-    if (kwargs.contains(f.name)) {
-      s.*f.member = kwargs[f.name].template cast<T>();
-      ++used;
-    }
+    py::dict d;
+    d["field"] = f.name;
+    d["api"] = *f.api.name != '\0' ? f.api.name : f.name;
+    d["default"] = defaults.*f.member;
+    d["min"] = f.api.min;
+    d["max"] = f.api.max;
+    d["min_open"] = f.api.min_open;
+    d["note"] = f.api.note;
+    d["presence_of"] = f.api.presence_of;
+    out.append(d);
   });
-  if (used != kwargs.size()) throw py::type_error("SamplingParams got an unknown field (see SAMPLING_FIELDS)");
-  return s;
+  return py::tuple(out);
 }
 
 }  // namespace
@@ -81,9 +88,21 @@ void bind_records(py::module_& m) {
       .value("PULL_REMOTE", KvMode::kPullRemote);
 
   py::class_<SamplingParams> sampling(m, "SamplingParams");
-  sampling.def(py::init(&sampling_from_kwargs));
+  sampling.def(py::init(&record_from_kwargs<SamplingParams>));
   def_fields<SamplingParams>(sampling);
+  sampling.def(py::self == py::self);
+  sampling.def("__copy__", [](const SamplingParams& s) { return s; });
+  sampling.def("__deepcopy__", [](const SamplingParams& s, const py::dict&) { return s; }, py::arg("memo"));
+  sampling.def("__repr__", [](const py::object& s) {
+    std::string out = "SamplingParams(";
+    for_each_field<SamplingParams>([&](const auto& f) {
+      if (out.back() != '(') out += ", ";
+      out += std::string(f.name) + "=" + std::string(py::repr(s.attr(f.name)));
+    });
+    return out + ")";
+  });
   m.attr("SAMPLING_FIELDS") = sampling_fields();
+  m.attr("SAMPLING_API") = sampling_api();
 
   // ---- request ring
   record_class<AddRequest>(m, "AddRequest").def("__repr__", [](const AddRequest& r) {

@@ -128,7 +128,7 @@ template <class R>
 void bind_arrays_class(py::module_& m, const char* name) {
   using P = PyArrays<R>;
   py::class_<P> cls(m, name);
-  cls.def(py::init<>());
+  cls.def(py::init(&record_from_kwargs<P>));
   size_t k = 0;
   for_each_field<R>([&](const auto& f) {
     using F = std::decay_t<decltype(f)>;

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -20,6 +21,18 @@ enum class FieldStyle : uint8_t {
   kBytes,      // std::vector<uint8_t> or std::array<uint8_t, N>: Python bytes
 };
 
+// What the public API says about a field a client sets (SamplingParams' fields): its name there, the values it
+// accepts and what a special value means. The frontend's validation and the layer test read it through the binding
+// (_core.SAMPLING_API), so a field's range is written here once. Records no client sets leave it empty.
+struct FieldApi {
+  const char* name = "";         // the field in protos/ringserve/v1 SamplingParams; "" = the record's own name
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  bool min_open = false;         // the range is (min, max] instead of [min, max]
+  const char* note = "";         // what a special value means, for the error message ("0 = off")
+  const char* presence_of = "";  // not set by the client: true when the API field named here is present
+};
+
 template <class R, class T, FieldStyle S = FieldStyle::kPlain>
 struct Field {
   using Record = R;
@@ -27,11 +40,12 @@ struct Field {
   static constexpr FieldStyle style = S;
   const char* name;
   T R::*member;
+  FieldApi api{};
 };
 
 template <class R, class T>
-constexpr Field<R, T> field(const char* name, T R::*member) {
-  return {name, member};
+constexpr Field<R, T> field(const char* name, T R::*member, FieldApi api = {}) {
+  return {name, member, api};
 }
 
 template <class R>

@@ -93,14 +93,24 @@ struct SamplingParams {
   int32_t min_tokens = 0;    // EOS and stop ids are masked (and do not stop) before this many outputs
   int32_t num_logprobs = 0;  // top-n alternatives per sampled token
 
+  bool operator==(const SamplingParams&) const = default;
+
+  // Wire order, and each field's face in the public API (FieldApi: name, accepted range, meaning of special values).
   static constexpr auto fields() {
     using S = SamplingParams;
-    return std::tuple{field("temperature", &S::temperature), field("top_p", &S::top_p), field("top_k", &S::top_k),
-                      field("min_p", &S::min_p), field("repetition_penalty", &S::repetition_penalty),
-                      field("frequency_penalty", &S::frequency_penalty),
-                      field("presence_penalty", &S::presence_penalty), field("seed", &S::seed),
-                      field("has_seed", &S::has_seed), field("min_tokens", &S::min_tokens),
-                      field("num_logprobs", &S::num_logprobs)};
+    return std::tuple{
+        field("temperature", &S::temperature, {.min = 0, .note = "0 = greedy"}),
+        field("top_p", &S::top_p, {.min = 0, .max = 1, .min_open = true}),
+        field("top_k", &S::top_k, {.min = 0, .note = "0 = off"}),
+        field("min_p", &S::min_p, {.min = 0, .max = 1}),
+        field("repetition_penalty", &S::repetition_penalty, {.min = 0, .min_open = true, .note = "1 = off"}),
+        field("frequency_penalty", &S::frequency_penalty, {.min = -2, .max = 2}),
+        field("presence_penalty", &S::presence_penalty, {.min = -2, .max = 2}),
+        field("seed", &S::seed),
+        field("has_seed", &S::has_seed, {.presence_of = "seed"}),
+        field("min_tokens", &S::min_tokens, {.min = 0}),  // the frontend also caps it at max_tokens
+        field("num_logprobs", &S::num_logprobs, {.name = "logprobs", .min = 0, .max = 20}),
+    };
   }
 };
 

@@ -247,8 +247,14 @@ TEST(truncated_arrays_and_bad_fields_are_rejected) {
   set_u32(huge, 16, 0x7fffffff);
   CHECK_THROWS(RecordError, decode_request_record(huge));
   ByteBuffer bad_bool = add;
-  // has_seed: after the prompt, then the sampling floats and ints (7 x 4 bytes) and the seed.
-  bad_bool[16 + 4 + 4 * sample_add_request().prompt_token_ids.size() + 7 * 4 + 8] = 2;
+  // has_seed: after the prompt, then the sampling fields before it (their sizes from the field list).
+  size_t has_seed_at = 16 + 4 + 4 * sample_add_request().prompt_token_ids.size();
+  bool before = true;
+  for_each_field<SamplingParams>([&](const auto& f) {
+    before = before && std::strcmp(f.name, "has_seed") != 0;
+    if (before) has_seed_at += min_encoded_size<typename std::decay_t<decltype(f)>::Type>();
+  });
+  bad_bool[has_seed_at] = 2;
   CHECK_THROWS(RecordError, decode_request_record(bad_bool));
 
   ByteBuffer events = encode_to_bytes(sample_events());

@@ -276,13 +276,13 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
         """The message for one engine output of a sample; the last one (finish reason set) carries its usage."""
         new_ids = list(output.new_token_ids)
         sample.completion_tokens += len(new_ids)
-        sample.spec_proposed_tokens += getattr(output, "num_spec_proposed_tokens", 0)  # layout v3
-        sample.spec_accepted_tokens += getattr(output, "num_spec_accepted_tokens", 0)
+        sample.spec_proposed_tokens += output.num_spec_proposed_tokens
+        sample.spec_accepted_tokens += output.num_spec_accepted_tokens
         text, stopped = sample.text.push(new_ids)
         response = pb.GenerateResponse(request_id=request_id, index=sample.index, token_ids=new_ids, text=text,
                                        logprobs=list(output.logprobs))
-        if sample.params.num_logprobs and new_ids:
-            _add_top_logprobs(response, output, len(new_ids), sample.params.num_logprobs)
+        if sample.params.sampling.num_logprobs and new_ids:
+            _add_top_logprobs(response, output, len(new_ids), sample.params.sampling.num_logprobs)
         if stopped:
             reason = pb.FINISH_REASON_STOP
         else:
@@ -469,9 +469,9 @@ class CatalogServicer(_GenerateRpc, pb_grpc.GenerationServicer):
 
 def _add_top_logprobs(response: pb.GenerateResponse, output: Any, num_new: int, num_logprobs: int) -> None:
     """One TopLogprobs per new token from the output's flattened [num_new, num_top] arrays, padding ids (-1) dropped."""
-    num_top = getattr(output, "num_top", 0)
-    ids: Sequence[int] = getattr(output, "top_token_ids", ())
-    logprobs: Sequence[float] = getattr(output, "top_logprobs", ())
+    num_top = output.num_top
+    ids: Sequence[int] = output.top_token_ids
+    logprobs: Sequence[float] = output.top_logprobs
     width = min(num_top, num_logprobs)
     for row in range(num_new):  # an engine that reported none still gets one (empty) entry per token
         start = row * num_top

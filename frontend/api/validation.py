@@ -9,6 +9,7 @@ so the checks come in two steps around the tokenizer: `prompt_input` before it, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -18,11 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from ringserve import _core
 from ringserve.frontend.engine_client import SamplingOptions
 from ringserve.v1 import generation_pb2 as pb
 
-DEFAULT_MAX_TOKENS = 256
-MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's default cap)
+# The public face of every sampling field (name, range, default when absent), declared with the field in records.h.
+SAMPLING_API: tuple[dict[str, Any], ...] = _core.SAMPLING_API
+DEFAULT_MAX_TOKENS: int = _core.AddRequest().max_tokens
+MAX_LOGPROBS = int(next(f["max"] for f in SAMPLING_API if f["field"] == "num_logprobs"))  # top alternatives per token
 MAX_N = 16  # completions one Generate request may ask for
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # also bounds the text held back while a stop string may be starting
@@ -177,41 +181,46 @@ def sampling_options(sampling: pb.SamplingParams, prompt_len: int, limits: Model
         max_tokens = limits.default_max_tokens
     if limits.context_length:
         max_tokens = min(max_tokens, limits.context_length - prompt_len)  # never past the context length
-    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
-    if not (math.isfinite(temperature) and temperature >= 0.0):
-        raise _invalid("sampling.temperature", f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
-    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
-    if not (0.0 < top_p <= 1.0):  # also rejects NaN
-        raise _invalid("sampling.top_p", f"sampling.top_p must be in (0, 1], got {top_p}")
-    top_k = sampling.top_k if sampling.HasField("top_k") else 0
-    if top_k < 0:
-        raise _invalid("sampling.top_k", f"sampling.top_k must be >= 0 (0 = off), got {top_k}")
     check_token_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits)
-    min_tokens = sampling.min_tokens if sampling.HasField("min_tokens") else 0
-    if not 0 <= min_tokens <= max_tokens:
-        raise _invalid("sampling.min_tokens",
-                       f"sampling.min_tokens must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
-    min_p = _bounded_float(sampling, "min_p", 0.0, 0.0, 1.0)
-    repetition_penalty = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
-        raise _invalid("sampling.repetition_penalty",
-                       f"sampling.repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
-    frequency_penalty = _bounded_float(sampling, "frequency_penalty", 0.0, -2.0, 2.0)
-    presence_penalty = _bounded_float(sampling, "presence_penalty", 0.0, -2.0, 2.0)
-    num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
-    if not 0 <= num_logprobs <= MAX_LOGPROBS:
-        raise _invalid("sampling.logprobs", f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    engine_sampling = sampling_params(sampling)
+    if engine_sampling.min_tokens > max_tokens:
+        raise _invalid("sampling.min_tokens", f"sampling.min_tokens must be in [0, max_tokens = {max_tokens}], "
+                                              f"got {engine_sampling.min_tokens}")
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise _invalid("cache_salt",
                        f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed")
-    return SamplingOptions(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=sampling.seed if sampling.HasField("seed") else None, ignore_eos=sampling.ignore_eos,
-        stop_token_ids=tuple(sampling.stop_token_ids), min_tokens=min_tokens, min_p=min_p,
-        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty, num_logprobs=num_logprobs, priority=priority,
-        cache_salt=cache_salt_hash(cache_salt),
-    )
+    return SamplingOptions(max_tokens=max_tokens, sampling=engine_sampling, ignore_eos=sampling.ignore_eos,
+                           stop_token_ids=tuple(sampling.stop_token_ids), priority=priority,
+                           cache_salt=cache_salt_hash(cache_salt))  # fmt: skip
+
+
+def sampling_params(sampling: pb.SamplingParams) -> _core.SamplingParams:
+    """The engine's SamplingParams from the API's: every field the records declare (SAMPLING_API), absent ones at
+    the record's default, each checked against its declared range (floats also finite); a field the API marks by
+    presence (has_seed) is true when that field is set."""
+    values: dict[str, Any] = {}
+    for spec in SAMPLING_API:
+        if spec["presence_of"]:
+            values[spec["field"]] = sampling.HasField(spec["presence_of"])
+            continue
+        name, low, high = spec["api"], spec["min"], spec["max"]
+        value = getattr(sampling, name) if sampling.HasField(name) else spec["default"]
+        finite = not isinstance(value, float) or math.isfinite(value)
+        in_range = (low < value if spec["min_open"] else low <= value) and value <= high
+        if not (finite and in_range):
+            raise _invalid(f"sampling.{name}", f"sampling.{name} must be {_range_text(spec)}, got {value}")
+        values[spec["field"]] = value
+    return _core.SamplingParams(**values)
+
+
+def _range_text(spec: dict[str, Any]) -> str:
+    """ "in (0, 1]", ">= 0 (0 = greedy)": what the declared range of a sampling field accepts."""
+    low, high = spec["min"], spec["max"]
+    if math.isinf(high):
+        text = f"{'>' if spec['min_open'] else '>='} {low:g}"
+    else:
+        text = f"in {'(' if spec['min_open'] else '['}{low:g}, {high:g}]"
+    return f"{text} ({spec['note']})" if spec["note"] else text
 
 
 def num_samples(sampling: pb.SamplingParams) -> int:
@@ -245,7 +254,9 @@ def sample_params(params: SamplingOptions, index: int) -> SamplingOptions:
     """Sample `index` of n: with a seed, seed + index (documented in SamplingParams.n)."""
     if index == 0 or params.seed is None:
         return params
-    return dataclasses.replace(params, seed=(params.seed + index) % _U64)
+    sampling = copy.copy(params.sampling)
+    sampling.seed = (params.seed + index) % _U64
+    return dataclasses.replace(params, sampling=sampling)
 
 
 def cache_salt_hash(salt: str) -> int:
@@ -254,16 +265,6 @@ def cache_salt_hash(salt: str) -> int:
         return 0
     digest = hashlib.blake2b(salt.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
-
-
-def _bounded_float(sampling: pb.SamplingParams, name: str, default: float, low: float, high: float) -> float:
-    """An optional float field of `sampling` that must lie in [low, high]; NaN and infinities are rejected."""
-    value = getattr(sampling, name) if sampling.HasField(name) else default
-    if not low <= value <= high:  # also false for NaN
-        raise _invalid(f"sampling.{name}", f"sampling.{name} must be in [{low:g}, {high:g}], got {value}")
-    return value
-
-
 MAX_JSON_DEPTH = 32  # nesting a request body may have (TorchServe's JSON; a real one has 3 or 4 levels)
 
 

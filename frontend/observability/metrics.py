@@ -187,8 +187,7 @@ class ServingMetrics:
         if self._last_preemptions is not None and stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
-        spec = (getattr(stats, "spec_verify_rows", 0), getattr(stats, "spec_proposed_tokens", 0),
-                getattr(stats, "spec_accepted_tokens", 0))  # layout v3  # fmt: skip
+        spec = (stats.spec_verify_rows, stats.spec_proposed_tokens, stats.spec_accepted_tokens)
         if self._last_spec is not None:
             for metric, now, before in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
                                            spec, self._last_spec, strict=True):  # fmt: skip
@@ -212,9 +211,7 @@ class EngineStatsFeed:
         self._interval_s = interval_s
         self._pushed = False
         self._task: asyncio.Task[None] | None = None
-        add_listener = getattr(engine, "add_stats_listener", None)
-        if add_listener is not None:
-            add_listener(self._on_pushed)
+        engine.add_stats_listener(self._on_pushed)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._poll())

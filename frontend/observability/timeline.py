@@ -97,7 +97,7 @@ class RequestTimeline:
             self.completion_tokens += len(ids)
         self.num_cached_tokens = output.num_cached_tokens
         self.num_preemptions = output.num_preemptions
-        proposed = getattr(output, "num_spec_proposed_tokens", 0)  # layout v3
+        proposed = output.num_spec_proposed_tokens
         if proposed:
             self.spec_steps.append((emit, proposed, output.num_spec_accepted_tokens))
 

@@ -146,10 +146,10 @@ class RequestTracer:
         }
         if t.params is not None:
             attributes["gen_ai.request.max_tokens"] = t.params.max_tokens
-            attributes["gen_ai.request.temperature"] = t.params.temperature
-            attributes["gen_ai.request.top_p"] = t.params.top_p
-            if t.params.top_k:
-                attributes["gen_ai.request.top_k"] = t.params.top_k
+            attributes["gen_ai.request.temperature"] = t.params.sampling.temperature
+            attributes["gen_ai.request.top_p"] = t.params.sampling.top_p
+            if t.params.sampling.top_k:
+                attributes["gen_ai.request.top_k"] = t.params.sampling.top_k
             if t.params.seed is not None:
                 attributes["gen_ai.request.seed"] = t.params.seed
         return attributes

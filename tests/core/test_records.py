@@ -210,6 +210,23 @@ def test_sampling_params_are_one_struct_embedded_in_the_request_and_the_new_requ
         _core.SamplingParams(temprature=0.5)
 
 
+def test_every_record_is_built_from_its_fields_by_name() -> None:
+    output = _core.RequestOutput(request_id=7, new_token_ids=[3, 4], logprobs=[-0.5, -1.0], num_spec_proposed_tokens=2,
+                                 finish_reason=_core.FinishReason.STOP)  # fmt: skip
+    got = _core.decode_engine_event(_core.encode_record(_core.StepEvents(step_id=1, outputs=[output]))).outputs[0]
+    assert (got.request_id, got.new_token_ids, got.finish_reason) == (7, [3, 4], _core.FinishReason.STOP)
+    assert got.num_spec_proposed_tokens == 2 and got.num_cached_tokens == 0  # the rest keep their defaults
+    request = _core.AddRequest(request_id=9, temperature=0.5, trace_id=b"\x01" * 16)  # a nested field by its name
+    assert (request.sampling.temperature, request.trace_id, request.max_tokens) == (0.5, b"\x01" * 16, 256)
+    assert _core.NewRequestData(slot=2, token_ids=[1, 2], top_k=4).token_ids.tolist() == [1, 2]
+    assert _core.EngineReady(max_model_len=64).max_model_len == 64
+    for cls in (_core.EngineStats, _core.StepPlan, _core.SamplingParams):
+        with pytest.raises(TypeError, match="unknown field 'bogus'"):
+            cls(bogus=1)
+    with pytest.raises(ValueError, match="trace_id"):  # converted and checked as an assignment is
+        _core.AddRequest(trace_id=b"short")
+
+
 def test_the_lookahead_limit_is_exposed_once() -> None:
     assert _core.MAX_LOOKAHEAD_SLOTS == 64
 

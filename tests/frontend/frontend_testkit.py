@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
+from ringserve import _core
 from ringserve.frontend.api.server import FrontendServer, build_server
 from ringserve.frontend.engine_client import EngineError, SamplingOptions
 from ringserve.frontend.text.tokenizer import ModelTokenizer, byte_alphabet
@@ -63,28 +62,6 @@ def build_tiny_tokenizer() -> ModelTokenizer:
                           chat_template_source=TINY_CHAT_TEMPLATE, eos_token_ids=[eos_id])
 
 
-class FakeFinishReason(enum.Enum):
-    """Mirrors `_core.FinishReason` by name."""
-
-    NONE = 0
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-
-
-@dataclass
-class FakeRequestOutput:
-    request_id: int
-    new_token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FakeFinishReason = FakeFinishReason.NONE
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    top_token_ids: list[int] = field(default_factory=list)  # flattened [len(new_token_ids), num_top]
-    top_logprobs: list[float] = field(default_factory=list)
-    num_top: int = 0
-
-
 def fake_top_logprobs(ids: list[int], num_top: int) -> tuple[list[int], list[float]]:
     """Alternatives for each sampled id: the id itself, then ids + 1, ... (flattened), with falling logprobs."""
     top_ids = [token_id + rank for token_id in ids for rank in range(num_top)]
@@ -92,27 +69,19 @@ def fake_top_logprobs(ids: list[int], num_top: int) -> tuple[list[int], list[flo
     return top_ids, top_logprobs
 
 
-@dataclass
-class FakeEngineStats:
-    query_id: int = 1
-    num_running: int = 2
-    num_waiting: int = 1
-    num_total_blocks: int = 100
-    num_free_blocks: int = 40
-    block_size: int = 16
-    num_steps: int = 1234
-    num_preemptions: int = 3
+def engine_stats() -> _core.EngineStats:
+    """The EngineStats the scripted engine answers a stats query with."""
+    return _core.EngineStats(query_id=1, num_running=2, num_waiting=1, num_total_blocks=100, num_free_blocks=40,
+                             block_size=16, num_steps=1234, num_preemptions=3)
 
 
-@dataclass
-class FakeEngineReady:
-    num_total_blocks: int = 100
-    block_size: int = 16
-    max_model_len: int = 64
+def engine_ready(max_model_len: int = 64) -> _core.EngineReady:
+    return _core.EngineReady(num_total_blocks=100, block_size=16, max_model_len=max_model_len)
 
 
 class ScriptedEngine:
-    """Same interface as EngineClient; streams `chunks` of token ids for every request, then `finish`.
+    """Same interface as EngineClient; streams `chunks` of token ids for every request, then `finish`, as the real
+    `_core` records (RequestOutput, EngineStats, EngineReady) an EngineClient yields.
 
     With `hang_after=n` it stops after n chunks and waits forever (until the consumer cancels), which is how tests
     observe that cancellation aborts the request in the engine.
@@ -121,7 +90,7 @@ class ScriptedEngine:
     def __init__(self, chunks: list[list[int]], finish: str = "LENGTH", hang_after: int | None = None,
                  error: EngineError | None = None, ready: bool = True) -> None:
         self.chunks = chunks
-        self.finish = FakeFinishReason[finish]
+        self.finish = _core.FinishReason.__members__[finish]
         self.hang_after = hang_after
         self.error = error
         self.submitted: list[tuple[int, list[int], SamplingOptions]] = []
@@ -139,7 +108,7 @@ class ScriptedEngine:
         return next(self._ids)
 
     async def generate(self, request_id: int, prompt_ids: Sequence[int],
-                       params: SamplingOptions) -> AsyncIterator[FakeRequestOutput]:
+                       params: SamplingOptions) -> AsyncIterator[_core.RequestOutput]:
         if self.error is not None:
             raise self.error
         self.submitted.append((request_id, list(prompt_ids), params))
@@ -152,22 +121,23 @@ class ScriptedEngine:
                 await asyncio.sleep(0)
                 last = index == len(self.chunks) - 1
                 finished = last
-                top_ids, top_logprobs = fake_top_logprobs(list(chunk), params.num_logprobs)
-                yield FakeRequestOutput(request_id, list(chunk), [-0.5] * len(chunk),
-                                        self.finish if last else FakeFinishReason.NONE, len(prompt_ids),
-                                        top_token_ids=top_ids, top_logprobs=top_logprobs,
-                                        num_top=params.num_logprobs)
+                top_ids, top_logprobs = fake_top_logprobs(list(chunk), params.sampling.num_logprobs)
+                yield _core.RequestOutput(request_id=request_id, new_token_ids=list(chunk),
+                                          logprobs=[-0.5] * len(chunk),
+                                          finish_reason=self.finish if last else _core.FinishReason.NONE,
+                                          num_prompt_tokens=len(prompt_ids), top_token_ids=top_ids,
+                                          top_logprobs=top_logprobs, num_top=params.sampling.num_logprobs)
         finally:
             if not finished:
                 self.aborted.append(request_id)
                 self.aborted_event.set()
 
-    async def get_stats(self, timeout: float = 5.0) -> FakeEngineStats:
-        return FakeEngineStats()
+    async def get_stats(self, timeout: float = 5.0) -> _core.EngineStats:
+        return engine_stats()
 
-    async def wait_ready(self, timeout: float | None = None) -> FakeEngineReady:
+    async def wait_ready(self, timeout: float | None = None) -> _core.EngineReady:
         await self._ready.wait()
-        return FakeEngineReady()
+        return engine_ready()
 
     def mark_ready(self) -> None:
         self._ready.set()

@@ -1,38 +1,17 @@
 """A scripted engine whose outputs carry engine timestamps, prefill chunk reports and emit/receive times, as the
-real EngineClient's do, for the tracing and metrics tests."""
+real EngineClient's do (a `TimedOutput` around a real `_core.RequestOutput`), for the tracing and metrics tests."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
-from frontend_testkit import FakeFinishReason, ScriptedEngine
-from ringserve.frontend.engine_client import SamplingOptions
+from frontend_testkit import ScriptedEngine
+from ringserve import _core
+from ringserve.frontend.engine_client import SamplingOptions, TimedOutput
 
 STEP_NS = 1_000_000  # engine steps 1 ms apart
-
-
-@dataclass
-class TimedFakeOutput:
-    request_id: int
-    new_token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FakeFinishReason
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    arrival_time_ns: int
-    first_scheduled_time_ns: int
-    first_token_time_ns: int
-    emit_time_ns: int
-    receive_time_ns: int
-    num_scheduled_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
-    top_token_ids: list[int] = field(default_factory=list)
-    num_spec_proposed_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
 
 
 class TimedEngine(ScriptedEngine):
@@ -52,7 +31,7 @@ class TimedEngine(ScriptedEngine):
         self.lag_ns = lag_ns
 
     async def generate(self, request_id: int, prompt_ids: Sequence[int],
-                       params: SamplingOptions) -> AsyncIterator[TimedFakeOutput]:  # fmt: skip
+                       params: SamplingOptions) -> AsyncIterator[TimedOutput]:  # fmt: skip
         self.submitted.append((request_id, list(prompt_ids), params))
         arrival = time.time_ns()
         scheduled = arrival + STEP_NS
@@ -60,10 +39,14 @@ class TimedEngine(ScriptedEngine):
         computed = self.cached
         first_token = 0
 
-        def output(ids: list[int], reason: FakeFinishReason, scheduled_tokens: int) -> TimedFakeOutput:
-            return TimedFakeOutput(request_id, ids, [-0.5] * len(ids), reason, len(prompt_ids), self.cached,
-                                   arrival, scheduled, first_token, emit, emit + self.lag_ns, scheduled_tokens,
-                                   computed, self.preemptions)  # fmt: skip
+        def output(ids: list[int], reason: _core.FinishReason, scheduled_tokens: int) -> TimedOutput:
+            record = _core.RequestOutput(
+                request_id=request_id, new_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=reason,
+                num_prompt_tokens=len(prompt_ids), num_cached_tokens=self.cached, arrival_time_ns=arrival,
+                first_scheduled_time_ns=scheduled, first_token_time_ns=first_token,
+                num_scheduled_tokens=scheduled_tokens, num_computed_tokens=computed,
+                num_preemptions=self.preemptions)
+            return TimedOutput(record, emit, emit + self.lag_ns)
 
         while True:
             step = min(self.chunk, len(prompt_ids) - computed)
@@ -72,16 +55,16 @@ class TimedEngine(ScriptedEngine):
             await self._wait_until(emit + self.lag_ns)
             if computed == len(prompt_ids):
                 break
-            yield output([], FakeFinishReason.NONE, step)
+            yield output([], _core.FinishReason.NONE, step)
         first_token = emit
         for index, ids in enumerate(self.chunks):
             last = index == len(self.chunks) - 1
             if index:
                 emit += STEP_NS
                 await self._wait_until(emit + self.lag_ns)
-            out = output(list(ids), self.finish if last else FakeFinishReason.NONE, step if index == 0 else 1)
+            out = output(list(ids), self.finish if last else _core.FinishReason.NONE, step if index == 0 else 1)
             if self.spec is not None and index:
-                out.num_spec_proposed_tokens, out.num_spec_accepted_tokens = self.spec
+                out.output.num_spec_proposed_tokens, out.output.num_spec_accepted_tokens = self.spec
             yield out
 
     @staticmethod

@@ -40,7 +40,7 @@ async def test_generate_streams_text_to_stdout(tiny_tokenizer: ModelTokenizer, c
         assert capsys.readouterr().out == COMPLETION + "\n"
         _, prompt, params = engine.submitted[-1]
         assert prompt == tiny_tokenizer.encode_chat([{"role": "user", "content": "hello"}])
-        assert (params.max_tokens, params.temperature) == (5, 0.0)
+        assert (params.max_tokens, params.sampling.temperature) == (5, 0.0)
         assert await run_cli(["generate", "--raw", "--seed", "3", "--ignore-eos", "hello"]) == 0
         assert capsys.readouterr().out == COMPLETION + "\n"
         _, prompt, params = engine.submitted[-1]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
+from ringserve import _core
 from ringserve.formats.engine_args import EngineArgs
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ServedModel
 from ringserve.frontend.deployment import EngineReplica, ModelDeployment
@@ -41,20 +41,22 @@ class ScriptedClient:
                        params: SamplingOptions) -> AsyncIterator[Any]:  # fmt: skip
         self.submitted.append(request_id)
         try:
-            yield SimpleNamespace(new_token_ids=[], num_scheduled_tokens=len(prompt_ids), finish_reason="NONE")
+            yield _core.RequestOutput(request_id=request_id, num_scheduled_tokens=len(prompt_ids))
             for i in range(params.max_tokens):
                 await self.tokens.get()
                 last = i == params.max_tokens - 1
-                yield SimpleNamespace(new_token_ids=[7], num_scheduled_tokens=1,
-                                      finish_reason="LENGTH" if last else "NONE")  # fmt: skip
+                reason = _core.FinishReason.LENGTH if last else _core.FinishReason.NONE
+                yield _core.RequestOutput(request_id=request_id, new_token_ids=[7], logprobs=[-0.5],
+                                          num_scheduled_tokens=1, finish_reason=reason)  # fmt: skip
         finally:
             self.closed.append(request_id)
 
     async def get_stats(self, timeout: float = 5.0) -> Any:
-        return SimpleNamespace(num_running=1, num_waiting=2, num_total_blocks=10, num_free_blocks=4, num_steps=5,
-                               num_preemptions=0, num_scheduled_tokens=3, prefix_cache_queries=8,
-                               prefix_cache_hits=2, total_prompt_tokens=9, total_generation_tokens=4,
-                               block_size=16, step_time_ns=100, kv_usage=0.6, query_id=1)  # fmt: skip
+        return _core.EngineStats(num_running=1, num_waiting=2, num_total_blocks=10, num_free_blocks=4, num_steps=5,
+                                 num_preemptions=0, num_scheduled_tokens=3, prefix_cache_queries=8,
+                                 prefix_cache_hits=2, total_prompt_tokens=9, total_generation_tokens=4,
+                                 block_size=16, step_time_ns=100, kv_usage=0.6, query_id=1, spec_verify_rows=1,
+                                 spec_proposed_tokens=4, spec_accepted_tokens=3)  # fmt: skip
 
 
 def deployment_with(*names: str) -> tuple[ModelDeployment, list[ScriptedClient]]:
@@ -111,7 +113,7 @@ async def test_outstanding_tokens_fall_as_tokens_arrive_and_return_to_zero_at_th
     a.tokens.put_nowait(None)
     a.tokens.put_nowait(None)
     outputs = [o async for o in stream]
-    assert outputs[-1].finish_reason == "LENGTH"
+    assert outputs[-1].finish_reason == _core.FinishReason.LENGTH
     assert deployment.replicas[0].outstanding_tokens == 0
 
 
@@ -137,6 +139,7 @@ async def test_stats_are_summed_over_serving_replicas() -> None:
     stats = await deployment.get_stats()
     assert (stats.num_total_blocks, stats.num_free_blocks, stats.num_waiting) == (20, 8, 4)
     assert stats.block_size == 16 and stats.kv_usage == pytest.approx(0.6)
+    assert (stats.spec_verify_rows, stats.spec_proposed_tokens, stats.spec_accepted_tokens) == (2, 8, 6)
 
 
 async def test_the_catalog_answers_not_found_naming_the_served_models() -> None:

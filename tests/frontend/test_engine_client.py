@@ -18,9 +18,9 @@ from ringserve.frontend.engine_client import (
     SamplingOptions,
 )
 
-PARAMS = SamplingOptions(max_tokens=4, temperature=0.0, seed=9, stop_token_ids=(5,), min_tokens=3, min_p=0.1,
-                         repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.6, num_logprobs=5,
-                         priority=2)
+SAMPLING = _core.SamplingParams(temperature=0.0, seed=9, has_seed=True, min_tokens=3, min_p=0.1,
+                                repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.6, num_logprobs=5)
+PARAMS = SamplingOptions(max_tokens=4, sampling=SAMPLING, stop_token_ids=(5,), priority=2)
 
 
 class Rig:

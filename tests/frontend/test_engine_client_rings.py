@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from ringserve import _core
 from ringserve.formats.segments import new_segment_name
 from ringserve.frontend.api.server import build_server, describe_model
 from ringserve.frontend.engine_client import EngineClient, SamplingOptions
@@ -49,7 +50,8 @@ async def test_request_and_abort_records_reach_the_request_ring(rings: tuple[obj
     client.start()
     try:
         request_id = client.allocate_request_id()
-        stream = client.generate(request_id, [1, 2, 3], SamplingOptions(max_tokens=4, seed=5))
+        seeded = SamplingOptions(max_tokens=4, sampling=_core.SamplingParams(seed=5, has_seed=True))
+        stream = client.generate(request_id, [1, 2, 3], seeded)
         first = asyncio.ensure_future(stream.__anext__())
         add = await read_record(engine_side)
         length, kind, _version = header(add)

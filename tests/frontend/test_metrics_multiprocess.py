@@ -21,7 +21,8 @@ MODEL = "tiny"
 # sample. With --serve it then serves /metrics and prints the port until stdin closes.
 _FRONTEND = textwrap.dedent("""
     import sys, time
-    from types import SimpleNamespace
+    from ringserve import _core
+    from ringserve.frontend.engine_client import TimedOutput
     from ringserve.frontend.observability.metrics import ServingMetrics, serve_metrics
     from ringserve.frontend.observability.timeline import RequestTimeline
 
@@ -33,16 +34,15 @@ _FRONTEND = textwrap.dedent("""
         t.prompt_tokens = 5
         base = time.time_ns()
         for step in range(3):
-            t.on_output(SimpleNamespace(
-                emit_time_ns=base + step * 1_000_000, receive_time_ns=base + step * 1_000_000 + 1000,
-                new_token_ids=[7], num_scheduled_tokens=5 if step == 0 else 1, num_computed_tokens=5,
+            t.on_output(TimedOutput(_core.RequestOutput(
+                new_token_ids=[7], logprobs=[-0.5], num_scheduled_tokens=5 if step == 0 else 1, num_computed_tokens=5,
                 num_cached_tokens=0, arrival_time_ns=base - 2_000_000, first_scheduled_time_ns=base - 1_000_000,
-                first_token_time_ns=base, num_preemptions=0))
+                first_token_time_ns=base, num_preemptions=0),
+                base + step * 1_000_000, base + step * 1_000_000 + 1000))
         t.finish_reason = "length"
         t.finish()
         metrics.observe_request(t)
-    metrics.observe_engine_stats(SimpleNamespace(num_running=running, num_waiting=0, kv_usage=0.5,
-                                                 num_preemptions=0, step_time_ns=0, num_steps=0))
+    metrics.observe_engine_stats(_core.EngineStats(num_running=running, kv_usage=0.5))
     if serve:
         server = serve_metrics(metrics, "127.0.0.1", 0)
         print(server.server_port, flush=True)

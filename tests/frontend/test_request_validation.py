@@ -171,7 +171,7 @@ def test_frequency_and_presence_penalties_must_be_in_minus_two_two(name: str, va
 
 def test_logprobs_are_capped() -> None:
     assert_refused(sampled(logprobs=MAX_LOGPROBS + 1), "sampling.logprobs")
-    assert sampled(logprobs=MAX_LOGPROBS)().params.num_logprobs == MAX_LOGPROBS
+    assert sampled(logprobs=MAX_LOGPROBS)().params.sampling.num_logprobs == MAX_LOGPROBS
 
 
 def test_a_cache_salt_that_is_too_long_is_refused() -> None:
@@ -208,7 +208,8 @@ def test_a_valid_request_keeps_every_option() -> None:
         min_tokens=1, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5, logprobs=2))
     options = generation_options(request, 4, LIMITS)
     params = options.params
-    assert (params.max_tokens, params.temperature, params.top_k, params.seed, params.priority) == (8, 0.5, 4, 7, 3)
-    assert (params.min_tokens, params.num_logprobs) == (1, 2)
+    assert (params.max_tokens, params.sampling.temperature, params.sampling.top_k, params.seed,
+            params.priority) == (8, 0.5, 4, 7, 3)
+    assert (params.sampling.min_tokens, params.sampling.num_logprobs) == (1, 2)
     assert (options.n, options.stop, options.include_stop_str_in_output, options.skip_special_tokens) == (
         2, ("\n",), True, False)

@@ -11,14 +11,15 @@ from frontend_testkit import (
     COMPLETION,
     CONTEXT_LENGTH,
     MODEL,
-    FakeEngineReady,
     Harness,
     ScriptedEngine,
     completion_chunks,
+    engine_ready,
     start_harness,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from ringserve import _core
 from ringserve.frontend.api.server import describe_model
 from ringserve.frontend.engine_client import EngineBusyError, EngineUnavailableError
 from ringserve.frontend.text.tokenizer import ModelTokenizer
@@ -75,27 +76,30 @@ async def test_sampling_defaults_and_context_cap(harness: Harness) -> None:
     params = harness.engine.submitted[-1][2]
     # The default of 256 is capped so prompt + max_tokens fits the context.
     assert params.max_tokens == CONTEXT_LENGTH - 10
-    assert (params.temperature, params.top_p, params.top_k, params.seed, params.ignore_eos) == (1.0, 1.0, 0, None,
-                                                                                                  False)
+    assert params.sampling == _core.SamplingParams()  # the records' defaults, unchanged
+    assert (params.seed, params.ignore_eos) == (None, False)
     await collect(harness.stub, text_request(temperature=0.0, top_p=0.5, top_k=3, seed=7, ignore_eos=True,
                                              stop_token_ids=[4]))
     params = harness.engine.submitted[-1][2]
-    assert (params.temperature, params.top_p, params.top_k, params.seed, params.ignore_eos,
+    s = params.sampling
+    assert (s.temperature, s.top_p, s.top_k, params.seed, params.ignore_eos,
             params.stop_token_ids) == (0.0, 0.5, 3, 7, True, (4,))
 
 
 async def test_penalties_min_tokens_logprobs_and_priority_reach_the_engine(harness: Harness) -> None:
     await collect(harness.stub, text_request(max_tokens=8))
     params = harness.engine.submitted[-1][2]
-    assert (params.min_tokens, params.min_p, params.repetition_penalty, params.frequency_penalty,
-            params.presence_penalty, params.num_logprobs, params.priority) == (0, 0.0, 1.0, 0.0, 0.0, 0, 0)
+    s = params.sampling
+    assert (s.min_tokens, s.min_p, s.repetition_penalty, s.frequency_penalty, s.presence_penalty, s.num_logprobs,
+            params.priority) == (0, 0.0, 1.0, 0.0, 0.0, 0, 0)
     request = text_request(max_tokens=8, min_tokens=8, min_p=0.25, repetition_penalty=1.5, frequency_penalty=-2.0,
                            presence_penalty=0.5, logprobs=20)
     request.priority = -3
     await collect(harness.stub, request)
     params = harness.engine.submitted[-1][2]
-    assert (params.min_tokens, params.min_p, params.repetition_penalty, params.frequency_penalty,
-            params.presence_penalty, params.num_logprobs, params.priority) == (8, 0.25, 1.5, -2.0, 0.5, 20, -3)
+    s = params.sampling
+    assert (s.min_tokens, s.min_p, s.repetition_penalty, s.frequency_penalty, s.presence_penalty, s.num_logprobs,
+            params.priority) == (8, 0.25, 1.5, -2.0, 0.5, 20, -3)
 
 
 async def test_top_logprobs_has_one_entry_per_new_token(harness: Harness) -> None:
@@ -269,7 +273,7 @@ async def test_reflection_lists_the_generation_service(harness: Harness) -> None
 
 
 def test_describe_model_takes_limits_from_engine_ready(tiny_tokenizer: ModelTokenizer) -> None:
-    ready = FakeEngineReady(num_total_blocks=100, block_size=16, max_model_len=2048)
+    ready = engine_ready(max_model_len=2048)
     info = describe_model("smollm2", "llama", "float32", 1, ready, tiny_tokenizer)
     assert (info.context_length, info.block_size, info.kv_capacity_tokens) == (2048, 16, 1600)
     assert list(info.eos_token_ids) == tiny_tokenizer.eos_token_ids

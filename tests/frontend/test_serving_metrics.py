@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import grpc
 import pytest
 from frontend_testkit import CONTEXT_LENGTH, MODEL, Harness, completion_chunks
 from observed_engine import TimedEngine
 from prometheus_client import generate_latest
+from ringserve import _core
 from ringserve.frontend.api.server import build_server
 from ringserve.frontend.observability.metrics import EngineStatsFeed, ServingMetrics
 from ringserve.frontend.text.tokenizer import ModelTokenizer
@@ -75,27 +75,22 @@ async def test_rejected_requests_are_counted_by_status_code(served) -> None:
     assert value(metrics, "ringserve_prompt_tokens_total") == 0
 
 
-@dataclass
-class Stats:
-    num_running: int = 3
-    num_waiting: int = 2
-    num_total_blocks: int = 100
-    num_free_blocks: int = 75
-    num_steps: int = 10
-    num_preemptions: int = 1
-    step_time_ns: int = 0
-    kv_usage: float = 0.25
+def stats(**fields: object) -> _core.EngineStats:
+    """An EngineStats with these tests' baseline counters, `fields` set over them."""
+    baseline = {"num_running": 3, "num_waiting": 2, "num_total_blocks": 100, "num_free_blocks": 75, "num_steps": 10,
+                "num_preemptions": 1, "step_time_ns": 0, "kv_usage": 0.25}
+    return _core.EngineStats(**{**baseline, **fields})
 
 
 def test_engine_stats_set_gauges_and_count_only_new_preemptions() -> None:
     metrics = ServingMetrics(MODEL)
-    metrics.observe_engine_stats(Stats())
+    metrics.observe_engine_stats(stats())
     assert value(metrics, "ringserve_num_requests_running") == 3
     assert value(metrics, "ringserve_num_requests_waiting") == 2
     assert value(metrics, "ringserve_kv_cache_usage_perc") == pytest.approx(0.25)
     assert value(metrics, "ringserve_num_preemptions_total") == 0  # what happened before we looked is not ours
-    metrics.observe_engine_stats(Stats(num_preemptions=4, num_steps=11, step_time_ns=2_000_000))
-    metrics.observe_engine_stats(Stats(num_preemptions=4, num_steps=11, step_time_ns=2_000_000))
+    metrics.observe_engine_stats(stats(num_preemptions=4, num_steps=11, step_time_ns=2_000_000))
+    metrics.observe_engine_stats(stats(num_preemptions=4, num_steps=11, step_time_ns=2_000_000))
     assert value(metrics, "ringserve_num_preemptions_total") == 3
     assert value(metrics, "ringserve_scheduler_step_time_seconds_count") == 1  # the same step seen twice
     assert value(metrics, "ringserve_scheduler_step_time_seconds_sum") == pytest.approx(0.002)
@@ -111,9 +106,9 @@ class PolledEngine:
     def add_stats_listener(self, callback) -> None:
         self.listeners.append(callback)
 
-    async def get_stats(self, timeout: float = 5.0) -> Stats:
+    async def get_stats(self, timeout: float = 5.0) -> _core.EngineStats:
         self.queries += 1
-        return Stats(num_running=self.queries)
+        return stats(num_running=self.queries)
 
 
 async def test_the_feed_polls_only_while_the_engine_pushes_no_stats() -> None:
@@ -127,7 +122,7 @@ async def test_the_feed_polls_only_while_the_engine_pushes_no_stats() -> None:
         assert polled >= 2
         assert value(metrics, "ringserve_num_requests_running") == polled
         for _ in range(6):  # the engine pushes faster than the interval: no queries
-            engine.listeners[0](Stats(num_running=42))
+            engine.listeners[0](stats(num_running=42))
             await asyncio.sleep(0.01)
         assert engine.queries <= polled + 1
         assert value(metrics, "ringserve_num_requests_running") == 42
@@ -135,18 +130,11 @@ async def test_the_feed_polls_only_while_the_engine_pushes_no_stats() -> None:
         await feed.stop()
 
 
-@dataclass
-class SpecStats(Stats):
-    spec_verify_rows: int = 0
-    spec_proposed_tokens: int = 0
-    spec_accepted_tokens: int = 0
-
-
 def test_speculative_decoding_counters_follow_engine_stats() -> None:
     metrics = ServingMetrics(MODEL)
-    metrics.observe_engine_stats(SpecStats(spec_verify_rows=5, spec_proposed_tokens=20, spec_accepted_tokens=8))
+    metrics.observe_engine_stats(stats(spec_verify_rows=5, spec_proposed_tokens=20, spec_accepted_tokens=8))
     assert value(metrics, "ringserve_spec_decode_num_draft_tokens_total") == 0  # before we looked
-    metrics.observe_engine_stats(SpecStats(spec_verify_rows=7, spec_proposed_tokens=28, spec_accepted_tokens=14))
+    metrics.observe_engine_stats(stats(spec_verify_rows=7, spec_proposed_tokens=28, spec_accepted_tokens=14))
     assert value(metrics, "ringserve_spec_decode_num_drafts_total") == 2
     assert value(metrics, "ringserve_spec_decode_num_draft_tokens_total") == 8
     assert value(metrics, "ringserve_spec_decode_num_accepted_tokens_total") == 6

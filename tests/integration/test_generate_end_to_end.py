@@ -165,11 +165,12 @@ def layer_by_layer_greedy(model_path: Path, dtype: torch.dtype, prompt_ids: list
     one = np.zeros(1, np.int32)
     prompt = np.asarray(prompt_ids, np.int32)
     request = NewRequest(0, prompt, np.arange(16, dtype=np.int32), num_prompt_tokens=len(prompt), temperature=0.0)
-    out = runner.execute(StepPlan(0, [request], [], one, one, np.array([len(prompt)], np.int32), np.ones(1, bool)))
+    out = runner.execute(StepPlan(0, new_requests=[request], sched_slots=one, sched_start=one,
+                                  sched_len=np.array([len(prompt)], np.int32), sched_sample=np.ones(1, bool)))
     ids = [int(out.token_ids[0])]
     for k in range(1, n):
-        out = runner.execute(StepPlan(k, [], [], one, np.array([len(prompt) + k - 1], np.int32),
-                                      np.ones(1, np.int32), np.ones(1, bool)))  # fmt: skip
+        out = runner.execute(StepPlan(k, sched_slots=one, sched_start=np.array([len(prompt) + k - 1], np.int32),
+                                      sched_len=np.ones(1, np.int32), sched_sample=np.ones(1, bool)))  # fmt: skip
         ids.append(int(out.token_ids[0]))
     return ids
 

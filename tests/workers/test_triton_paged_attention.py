@@ -18,7 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ from ringserve.workers.attention.selection import get_attention_backend
 from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.attention.triton_paged import TritonPagedBackend, decode_num_splits
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
-from ringserve.workers.model_runner import ModelRunner, NewRequest
+from ringserve.workers.model_runner import BlockAppend, ModelRunner, NewRequest, StepPlan
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -230,14 +230,13 @@ def new_request(slot: int, tokens: list[int], blocks: list[int]) -> NewRequest:
     return NewRequest(slot, np.asarray(tokens, np.int32), np.asarray(blocks, np.int32), temperature=0.0)
 
 
-def step_plan(step_id: int, sched: list[tuple[int, int, int, bool]], **deltas: object) -> SimpleNamespace:
+def step_plan(step_id: int, sched: list[tuple[int, int, int, bool]], **deltas: Any) -> StepPlan:
     """sched: (slot, start, len, sample) per scheduled request; deltas: new_requests, block_appends."""
     cols = list(zip(*sched, strict=True)) if sched else [[], [], [], []]
-    return SimpleNamespace(
+    return StepPlan(
         step_id=step_id, new_requests=deltas.get("new_requests", []), block_appends=deltas.get("block_appends", []),
         sched_slots=np.asarray(cols[0], np.int32), sched_start=np.asarray(cols[1], np.int32),
         sched_len=np.asarray(cols[2], np.int32), sched_sample=np.asarray(cols[3], bool),
-        finished_slots=np.zeros(0, np.int32),
     )  # fmt: skip
 
 
@@ -247,10 +246,10 @@ def greedy_tokens(runner: ModelRunner, steps: int = 4) -> dict[int, list[int]]:
     requests = [new_request(0, long_prompt, [5, 2]), new_request(1, short_prompt, [9])]
     first = runner.execute(step_plan(0, [(0, 0, 12, False), (1, 0, 5, True)], new_requests=requests))
     got = {1: [int(first.token_ids[0])]}
-    second = runner.execute(step_plan(1, [(0, 12, 8, True)], block_appends=[SimpleNamespace(slot=0, block_ids=[0])]))
+    second = runner.execute(step_plan(1, [(0, 12, 8, True)], block_appends=[BlockAppend(0, np.asarray([0], np.int32))]))
     got[0] = [int(second.token_ids[0])]
     for k in range(steps):
-        appends = [SimpleNamespace(slot=1, block_ids=[11])] if len(short_prompt) + k == 8 else []
+        appends = [BlockAppend(1, np.asarray([11], np.int32))] if len(short_prompt) + k == 8 else []
         out = runner.execute(step_plan(2 + k, [(0, 20 + k, 1, True), (1, 5 + k, 1, True)], block_appends=appends))
         got[0].append(int(out.token_ids[0]))
         got[1].append(int(out.token_ids[1]))
@@ -291,7 +290,7 @@ def graph_scenario(runner: ModelRunner, device: str = "cpu", rounds: int = 3) ->
     for live in ([0, 1, 2], [0, 2], [2]):
         for r in range(rounds):
             sched = [(s, len(prompts[s]) + len(got[s]) - 1, 1, True) for s in live]
-            appends = [SimpleNamespace(slot=2, block_ids=[6])] if live == [0, 2] and r == 0 else []
+            appends = [BlockAppend(2, np.asarray([6], np.int32))] if live == [0, 2] and r == 0 else []
             out = runner.execute(step_plan(step, sched, block_appends=appends))
             for s, t in zip(out.slots, out.token_ids, strict=True):
                 got[int(s)].append(int(t))
