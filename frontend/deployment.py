@@ -75,7 +75,8 @@ class EngineReplica:
                                  "the server log)")  # fmt: skip
             self.ready = ready.result()
         except BaseException:
-            self.state = "FAILED"
+            if self.state != "RESTARTING":  # a restart that fails stays RESTARTING: its deployment decides
+                self.state = "FAILED"
             await self.stop(0.0)
             raise
         self.state = "READY"
@@ -288,7 +289,6 @@ class ModelDeployment:
                          replica.restarts)  # fmt: skip
                 self._notify(self._state_listeners)
                 return
-            replica.state = "RESTARTING"
             log.error("model %s: replica %d did not start again: %s", self.name, replica.index, reason)
 
     def _give_up(self, replica: EngineReplica, reason: str) -> None:

@@ -52,7 +52,7 @@ class ScriptedReplica(EngineReplica):
     async def start(self, timeout_s: float) -> Any:
         self.starts += 1
         if self.load_errors:
-            self.state = "FAILED"
+            assert self.state == "RESTARTING"  # what the deployment shows while it tries again
             raise ModelError(grpc.StatusCode.FAILED_PRECONDITION, self.load_errors.pop(0))
         self.client = FakeClient()  # type: ignore[assignment]
         self.clients.append(self.client)  # type: ignore[arg-type]

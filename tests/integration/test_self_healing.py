@@ -145,11 +145,12 @@ def describe(stubs: Path, server: RunningServer, model: str) -> dict[str, object
     run = subprocess.run([sys.executable, str(CLIENT), str(stubs), server.address, "describe", model],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)[0]
+    return json.loads(run.stdout)["ok"][0]
 
 
 def test_a_restart_that_cannot_load_the_weights_fails_the_model_with_the_reason(model_path: Path,
                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    (tmp_path / "stubs").mkdir()
     stubs = compile_torchserve_stubs(CLIENT.parent, tmp_path / "stubs")
     weights = tmp_path / "model.gguf"
     shutil.copyfile(model_path, weights)
