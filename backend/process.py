@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import signal
 import subprocess
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -107,3 +109,40 @@ async def wait_for_exit(proc: subprocess.Popen[bytes]) -> int:
         loop.remove_reader(pidfd)
         os.close(pidfd)
     return proc.wait()
+
+
+def child_pids(pid: int) -> list[tuple[int, int]]:
+    """The children of `pid` now (for the frontend: an engine's workers) as (pid, start time) pairs, so a pid the
+    kernel hands to another process later is not mistaken for them; [] where procfs does not say."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(part) for part in f.read().split()]
+    except (OSError, ValueError):
+        return []
+    return [(child, started) for child in children if (started := _stat(child)[1]) >= 0]
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """(state, start time in clock ticks) of `pid` from /proc/PID/stat; ("", -1) when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])  # fields 3 and 22 of proc(5), counted after the command name
+    except (OSError, IndexError, ValueError):
+        return "", -1
+
+
+def _running(process: tuple[int, int]) -> bool:
+    state, started = _stat(process[0])
+    return started == process[1] and state not in ("Z", "X", "x")
+
+
+def wait_gone(processes: list[tuple[int, int]], timeout_s: float) -> None:
+    """Wait until none of `processes` (child_pids() of a process this one did not start, e.g. a killed engine's
+    workers, which exit on their parent-death signal) runs; SIGKILL those still running after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in processes if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, _started in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)

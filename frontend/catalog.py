@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_S = 30.0
+SERVER_DRAINING = "the server is draining (shutting down) and takes no new requests; retry on another replica"
 
 
 class ModelError(Exception):
@@ -68,6 +69,12 @@ class ModelReplicas(Protocol):
 
     def describe_replicas(self) -> list[dict[str, Any]]: ...
 
+    @property
+    def restarting(self) -> bool: ...
+
+    @property
+    def failure_reason(self) -> str | None: ...
+
 
 @dataclass(eq=False)
 class ServedModel:
@@ -96,6 +103,8 @@ class ServedModel:
             return pb.MODEL_STATE_DRAINING
         if self.servicer is None or self.engine is None or not self.ready:
             return pb.MODEL_STATE_LOADING
+        if self.deployment is not None and self.deployment.restarting:  # its engine is starting again
+            return pb.MODEL_STATE_LOADING
         if self.engine.failure is not None:
             return pb.MODEL_STATE_FAILED
         return pb.MODEL_STATE_READY
@@ -113,7 +122,21 @@ class ServedModel:
         return info
 
     def status_text(self) -> str:
+        """READY, LOADING, DRAINING or FAILED; RESTARTING while a dead engine is being started again."""
+        if self.state == pb.MODEL_STATE_LOADING and self.deployment is not None and self.deployment.restarting:
+            return "RESTARTING"
         return pb.ModelState.Name(self.state).removeprefix("MODEL_STATE_")  # type: ignore[arg-type]
+
+    @property
+    def error(self) -> str | None:
+        """Why the model failed to load or, once its engines spent their restart budget, why it is FAILED."""
+        if self.load_error is not None:
+            return self.load_error
+        if self.deployment is not None and self.deployment.failure_reason is not None:
+            return self.deployment.failure_reason
+        if self.state == pb.MODEL_STATE_FAILED and self.engine is not None:
+            return self.engine.failure
+        return None
 
 
 class ModelCatalog:
@@ -122,6 +145,7 @@ class ModelCatalog:
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
         self.default_name: str | None = None
+        self.draining = False  # the server is shutting down: no new requests for any model
         self._listeners: list[Callable[[], None]] = []
 
     def add_listener(self, callback: Callable[[], None]) -> None:
@@ -185,6 +209,8 @@ class ModelCatalog:
 
     def servicer_for(self, name: str) -> ModelServicer:
         """The servicer requests for `name` go to; UNAVAILABLE while the model cannot take requests."""
+        if self.draining:
+            raise ModelError(grpc.StatusCode.UNAVAILABLE, SERVER_DRAINING)
         model = self.get(name)
         if model.load_error is not None:
             raise ModelError(grpc.StatusCode.UNAVAILABLE,

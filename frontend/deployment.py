@@ -21,26 +21,35 @@ from typing import Any
 
 import grpc
 from ringserve.backend.engine_process import EngineProcess
+from ringserve.backend.process import child_pids, wait_gone
 from ringserve.formats.engine_args import EngineArgs
 from ringserve.frontend.catalog import ModelError
-from ringserve.frontend.engine_client import EngineClient, EngineUnavailableError, SamplingOptions
+from ringserve.frontend.engine_client import EngineClient, EngineError, EngineUnavailableError, SamplingOptions
+from ringserve.frontend.restart_policy import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from ringserve.frontend.text.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
 class EngineReplica:
-    """One engine process serving one model: its rings, its process and the client that talks to it."""
+    """One engine process serving one model: its rings, its process and the client that talks to it. A replica that
+    dies is started again on the same EngineArgs by its deployment (`ModelDeployment._restart`)."""
 
-    def __init__(self, index: int, engine_args: EngineArgs, *, log_level: str = "INFO") -> None:
+    def __init__(self, index: int, engine_args: EngineArgs, policy: RestartPolicy | None = None, *,
+                 log_level: str = "INFO") -> None:  # fmt: skip
         self.index = index
         self._engine_args = engine_args
         self._log_level = log_level
+        self.policy = policy or RestartPolicy(DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S)
         self.engine: EngineProcess | None = None
         self.client: EngineClient | None = None
         self._watch: asyncio.Task[None] | None = None
         self.outstanding_tokens = 0
-        self.state = "STARTING"  # STARTING, READY, DRAINING, STOPPED, FAILED
+        self.state = "STARTING"  # STARTING, READY, RESTARTING, DRAINING, STOPPED, FAILED
         self.ready: Any = None
+        self.ready_at: float | None = None  # time.monotonic() of the last EngineReady
+        self.restarts = 0
+        self.last_failure: str | None = None  # why it last died or failed to start
+        self._worker_pids: list[tuple[int, int]] = []
 
     @property
     def failure(self) -> str | None:
@@ -62,23 +71,25 @@ class EngineReplica:
             if not ready.done():
                 ready.cancel()
                 raise ModelError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"the engine exited with code {self.engine.poll()} while loading the model (see the "
-                                 "server log)")  # fmt: skip
+                                 f"the engine {exit_description(self.engine.poll())} while loading the model (see "
+                                 "the server log)")  # fmt: skip
             self.ready = ready.result()
         except BaseException:
-            self.state = "FAILED"
+            if self.state != "RESTARTING":  # a restart that fails stays RESTARTING: its deployment decides
+                self.state = "FAILED"
             await self.stop(0.0)
             raise
         self.state = "READY"
+        self.ready_at = time.monotonic()
+        self._worker_pids = child_pids(self.engine.pid)
         return self.ready
 
     async def _watch_process(self, engine: EngineProcess) -> None:
-        """Fails the client when the engine process exits."""
+        """Fails the client when the engine process exits (its in-flight streams end UNAVAILABLE)."""
         code = await engine.wait()
         if self.state not in ("STOPPED", "DRAINING") and self.client is not None:
-            self.state = "FAILED"
-            self.client.fail(f"the engine process of replica {self.index} exited with code {code}")
-            log.error("engine replica %d exited with code %s", self.index, code)
+            self.client.fail(f"the engine process of replica {self.index} {exit_description(code)}")
+            log.error("engine replica %d %s", self.index, exit_description(code))
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests and wait (up to timeout_s) for the in-flight ones to finish."""
@@ -90,9 +101,10 @@ class EngineReplica:
             await asyncio.sleep(0.05)
 
     async def stop(self, drain_s: float) -> int | None:
-        """Drain, ask the engine to exit, stop the process and remove the rings. Returns the exit code."""
+        """Drain, ask the engine to exit, stop the process and remove the rings; wait for the workers of an engine
+        that was killed (they follow it through their parent-death signal). Returns the engine's exit code."""
         await self.drain(drain_s)
-        self.state = "STOPPED" if self.state != "FAILED" else "FAILED"
+        self.state = "STOPPED" if self.state not in ("FAILED", "RESTARTING") else self.state
         code: int | None = None
         if self.client is not None:
             if self.client.failure is None and self.engine is not None and self.engine.poll() is None:
@@ -101,14 +113,41 @@ class EngineReplica:
         if self.engine is not None:
             code = await self.engine.stop(15.0)
             self.engine = None
+        if self._worker_pids:
+            await asyncio.to_thread(wait_gone, self._worker_pids, 15.0)
+            self._worker_pids = []
         if self._watch is not None:
             self._watch.cancel()
         return code
 
 
+def exit_description(code: int | None) -> str:
+    """How a process ended, for messages: 'died (signal 9)' or 'exited with code 1'."""
+    if code is None:
+        return "is still running"
+    return f"died (signal {-code})" if code < 0 else f"exited with code {code}"
+
+
+def restart_reason(message: str) -> str:
+    """The `reason` label of ringserve_engine_restarts_total for a failure message (a few fixed values)."""
+    if message.startswith("load failed"):
+        return "load_failed"
+    if "worker" in message:
+        return "worker_died"
+    if "engine process" in message:
+        return "engine_died"
+    return "engine_failed"
+
+
 @dataclass
 class ModelDeployment:
-    """One served model: its tokenizer, ModelInfo and engine replicas; the servicer's GenerationEngine."""
+    """One served model: its tokenizer, ModelInfo and engine replicas; the servicer's GenerationEngine.
+
+    A replica whose engine or a worker dies is restarted (its in-flight requests have ended UNAVAILABLE): the old
+    one's processes and rings are released, then after its RestartPolicy's backoff it starts again on the same
+    EngineArgs. While no replica serves and one is restarting, the model is restarting; once a replica has spent
+    its restart budget it is FAILED with the reason.
+    """
 
     name: str
     url: str
@@ -116,36 +155,48 @@ class ModelDeployment:
     engine_args: EngineArgs  # resolved for this model (backend.engine_process.resolve_engine_args)
     start_timeout_s: float = 600.0
     log_level: str = "INFO"
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    restart_window_s: float = DEFAULT_RESTART_WINDOW_S
     info: Any = None  # pb.ModelInfo, filled once the first replica is ready
     replicas: list[EngineReplica] = field(default_factory=list)
     _request_ids: Any = field(default_factory=lambda: itertools.count(1))
     _replica_ids: Any = field(default_factory=lambda: itertools.count(0))
     _failure_listeners: list[Callable[[str], None]] = field(default_factory=list)
     _stats_listeners: list[Callable[[Any], None]] = field(default_factory=list)
+    _state_listeners: list[Callable[[], None]] = field(default_factory=list)
+    _restart_listeners: list[Callable[[str], None]] = field(default_factory=list)
+    _restarts: set[asyncio.Task[None]] = field(default_factory=set)
+    _stopping: bool = False
     _failed: str | None = None
     _scale_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     # -- replicas -------------------------------------------------------------------------------------------
 
     async def add_replica(self) -> EngineReplica:
-        replica = EngineReplica(next(self._replica_ids), self.engine_args, log_level=self.log_level)
+        policy = RestartPolicy(self.max_restarts, self.restart_window_s)
+        replica = EngineReplica(next(self._replica_ids), self.engine_args, policy, log_level=self.log_level)
         await replica.start(self.start_timeout_s)
-        assert replica.client is not None
-        replica.client.add_failure_listener(lambda message: self._on_replica_failure(replica, message))
-        for listener in self._stats_listeners:
-            replica.client.add_stats_listener(listener)
+        self._wire(replica)
         self.replicas.append(replica)
         self._failed = None
         return replica
 
+    def _wire(self, replica: EngineReplica) -> None:
+        """Listen to a freshly started replica's client."""
+        assert replica.client is not None
+        replica.client.add_failure_listener(lambda message: self._on_replica_failure(replica, message))
+        for listener in self._stats_listeners:
+            replica.client.add_stats_listener(listener)
+
     async def scale(self, count: int, drain_s: float) -> None:
-        """Start or stop replicas until `count` are serving; the newest are stopped first, after draining."""
+        """Start or stop replicas until `count` are serving (or restarting); the newest are stopped first, after
+        draining."""
         if count < 1:
             raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, f"a model needs at least one worker (got {count}); use "
                                                          "UnregisterModel to remove it")  # fmt: skip
         async with self._scale_lock:
             self.replicas = [r for r in self.replicas if r.state not in ("FAILED", "STOPPED")] or self.replicas
-            while len(self.serving_replicas) < count:
+            while len(self.serving_replicas) + len(self._restarting_replicas) < count:
                 await self.add_replica()
             surplus = self.serving_replicas[count:]
             for replica in surplus:
@@ -154,31 +205,106 @@ class ModelDeployment:
             self.replicas = [r for r in self.replicas if r not in surplus]
 
     async def stop(self, drain_s: float) -> None:
+        self._stopping = True
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
         async with self._scale_lock:
             for replica in self.replicas:
                 if replica.state == "READY":
                     replica.state = "DRAINING"
+                elif replica.state == "RESTARTING":  # its restart was cancelled above
+                    replica.state = "STOPPED"
             await asyncio.gather(*(replica.stop(drain_s) for replica in self.replicas))
 
     @property
     def serving_replicas(self) -> list[EngineReplica]:
         return [r for r in self.replicas if r.serving]
 
-    def _on_replica_failure(self, replica: EngineReplica, message: str) -> None:
-        if self.serving_replicas or self._failed is not None:
-            log.error("model %s: replica %d failed (%s); %d replica(s) still serving", self.name, replica.index,
-                      message, len(self.serving_replicas))  # fmt: skip
-            return
-        self._failed = message
-        for callback in self._failure_listeners:
+    @property
+    def _restarting_replicas(self) -> list[EngineReplica]:
+        return [r for r in self.replicas if r.state == "RESTARTING"]
+
+    @property
+    def restarting(self) -> bool:
+        """No replica serves and at least one is being restarted."""
+        return not self.serving_replicas and bool(self._restarting_replicas)
+
+    def add_state_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs when a replica dies, is restarted, serves again or is given up on."""
+        self._state_listeners.append(callback)
+
+    def add_restart_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` runs for each restart, `reason` one of restart_reason()'s labels."""
+        self._restart_listeners.append(callback)
+
+    def _notify(self, listeners: Sequence[Callable[..., None]], *args: Any) -> None:
+        for callback in listeners:
             try:
-                callback(message)
+                callback(*args)
             except Exception:
-                log.exception("model failure listener raised")
+                log.exception("model %s: listener raised", self.name)
+
+    def _on_replica_failure(self, replica: EngineReplica, message: str) -> None:
+        if self._stopping or replica.state != "READY":
+            return  # being stopped, drained or restarted already
+        log.error("model %s: replica %d failed (%s); %d replica(s) still serving", self.name, replica.index,
+                  message, len(self.serving_replicas))  # fmt: skip
+        replica.state, replica.last_failure = "RESTARTING", message
+        task = asyncio.get_running_loop().create_task(self._restart(replica, message))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+        self._notify(self._state_listeners)
+
+    async def _restart(self, replica: EngineReplica, reason: str) -> None:
+        """Release the dead replica, then start it again after the policy's delay until it serves or the policy
+        gives up (then it is FAILED with the reason)."""
+        while True:
+            served_s = time.monotonic() - replica.ready_at if replica.ready_at is not None else 0.0
+            replica.ready_at = None
+            delay = replica.policy.failed(time.monotonic(), served_s)
+            if delay is None:
+                self._give_up(replica, reason)
+                await replica.stop(0.0)
+                return
+            await replica.stop(0.0)  # client closed, engine reaped, rings removed, workers gone
+            replica.state, replica.last_failure = "RESTARTING", reason
+            log.warning("model %s: restarting replica %d in %.0f s (%s; restart %d of at most %d within %.0f s)",
+                        self.name, replica.index, delay, reason, replica.policy.restarts_in_window,
+                        self.max_restarts, self.restart_window_s)  # fmt: skip
+            self._notify(self._restart_listeners, restart_reason(reason))
+            self._notify(self._state_listeners)
+            await asyncio.sleep(delay)
+            replica.restarts += 1
+            try:
+                await replica.start(self.start_timeout_s)
+            except (ModelError, EngineError) as error:
+                reason = f"load failed: {error.message}"
+            except (OSError, TimeoutError, ValueError) as error:
+                reason = f"load failed: {error}"
+            else:
+                replica.last_failure = None
+                self._wire(replica)
+                log.info("model %s: replica %d is serving again (restart %d)", self.name, replica.index,
+                         replica.restarts)  # fmt: skip
+                self._notify(self._state_listeners)
+                return
+            log.error("model %s: replica %d did not start again: %s", self.name, replica.index, reason)
+
+    def _give_up(self, replica: EngineReplica, reason: str) -> None:
+        replica.state = "FAILED"
+        replica.last_failure = (f"{reason} (gave up after {replica.policy.restarts_in_window} restart(s) within "
+                                f"{self.restart_window_s:g} s; --max-restarts {self.max_restarts})")  # fmt: skip
+        log.error("model %s: replica %d is FAILED: %s", self.name, replica.index, replica.last_failure)
+        if not self.serving_replicas and not self._restarting_replicas:
+            self._failed = replica.last_failure
+            self._notify(self._failure_listeners, replica.last_failure)
+        self._notify(self._state_listeners)
 
     def describe_replicas(self) -> list[dict[str, Any]]:
-        return [{"id": f"engine-{r.index}", "status": r.state if r.failure is None else "FAILED",
-                 "pid": r.engine.pid if r.engine is not None else None,
+        return [{"id": f"engine-{r.index}", "status": r.state if r.failure is None or r.state != "READY" else "FAILED",
+                 "pid": r.engine.pid if r.engine is not None else None, "restarts": r.restarts,
+                 "lastFailure": r.last_failure or "",
                  "outstandingTokens": r.outstanding_tokens} for r in self.replicas]  # fmt: skip
 
     # -- GenerationEngine -----------------------------------------------------------------------------------
@@ -187,7 +313,14 @@ class ModelDeployment:
     def failure(self) -> str | None:
         if self.serving_replicas:
             return None
+        if restarting := self._restarting_replicas:
+            return f"it is restarting after its engine failed ({restarting[0].last_failure}); retry shortly"
         return self._failed or "no engine replica of this model is serving"
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Why the model is FAILED (its replicas spent their restart budget), else None."""
+        return None if self.serving_replicas or self._restarting_replicas else self._failed
 
     def allocate_request_id(self) -> int:
         return next(self._request_ids)

@@ -29,9 +29,9 @@ from ringserve.frontend.api.server import build_catalog_server, describe_model
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ModelManager, ModelSpec, ServedModel
 from ringserve.frontend.deployment import ModelDeployment
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
+from ringserve.frontend.restart_policy import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from ringserve.frontend.routing.disagg import model_identity
 from ringserve.frontend.text.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
-from ringserve.v1 import generation_pb2 as pb
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,6 +66,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--shutdown-grace", 5.0, float,
          "seconds in-flight streams get to finish on SIGTERM, and when a model is unregistered or scaled down "
          "(default %(default)s)")
+    flag("--max-restarts", DEFAULT_MAX_RESTARTS, int,
+         "times an engine replica whose engine or a worker died is started again (backoff 1 s doubling to 60 s) "
+         "within --restart-window before its model is FAILED (default %(default)s; 0 = never restart)")
+    flag("--restart-window", DEFAULT_RESTART_WINDOW_S, float,
+         "seconds over which --max-restarts counts restarts (default %(default)s)")
     flag("--data-parallel-size", 1, int,
          "engine replicas of --model, each with its own workers and KV cache; requests go to the replica with the "
          "fewest outstanding tokens (default %(default)s)")
@@ -162,6 +167,10 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
                 "replica: drop --models-config and --data-parallel-size, and run more servers behind the router")
     if args.kv_pin_timeout <= 0:
         return f"--kv-pin-timeout must be > 0 seconds (got {args.kv_pin_timeout})"
+    try:
+        RestartPolicy(args.max_restarts, args.restart_window)
+    except ValueError as error:
+        return str(error)
     return None
 
 
@@ -317,7 +326,8 @@ class ModelLauncher:
         dtype = settings.dtype
         deployment = ModelDeployment(name=spec.name, url=str(source.path), tokenizer=tokenizer, engine_args=settings,
                                      start_timeout_s=self._args.engine_start_timeout,
-                                     log_level=self._args.log_level)  # fmt: skip
+                                     log_level=self._args.log_level, max_restarts=self._args.max_restarts,
+                                     restart_window_s=self._args.restart_window)  # fmt: skip
         model.deployment, model.url, model.max_num_seqs = deployment, str(source.path), settings.max_num_seqs
         try:
             log.info("loading model %s from %s (%d engine replica(s), tensor parallel %d)", spec.name, source.path,
@@ -339,9 +349,11 @@ class ModelLauncher:
             model.metrics = metrics
             model.stats_feed = EngineStatsFeed(deployment, metrics, self._args.metrics_stats_interval)
             model.stats_feed.start()
+            deployment.add_restart_listener(metrics.observe_engine_restart)
         servicer = GenerationServicer(deployment, tokenizer, info, tracer=self._tracer, metrics=metrics,
                                       max_waiting_requests=self._args.max_waiting_requests)
         self._catalog.attach(model, servicer, deployment, info)
+        deployment.add_state_listener(self._catalog.changed)  # health follows restarts
         log.info("model %s is serving (%d KV blocks of %d tokens per replica)", spec.name,
                  replica.ready.num_total_blocks, replica.ready.block_size)  # fmt: skip
 
@@ -402,12 +414,7 @@ async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], 
         server.started()
         await stop_wait
         log.info("stopping: draining in-flight streams for up to %.1f s", args.shutdown_grace)
-        # Engines that died while serving (a model that failed to register was already answered for).
-        failed = [m.name for m in catalog.models() if m.state == pb.MODEL_STATE_FAILED and m.load_error is None]
         await server.stop(args.shutdown_grace)
-        if failed:  # an engine or worker died: say so in the exit code
-            log.error("stopped after the engine of model(s) %s failed", ", ".join(failed))
-            return 1
         return 0
     finally:
         stop_wait.cancel()

@@ -117,7 +117,10 @@ void Engine::worker_died(pid_t pid) {
     }
     if (const auto* failed = std::get_if<WorkerFailed>(&record)) throw_worker_failed(*failed);
   }
-  throw WorkerFailure("worker process " + std::to_string(pid) + " died");
+  const auto rank = std::ranges::find(worker_pids_, pid) - worker_pids_.begin();
+  const std::string how = describe_child_exit(pid);
+  throw WorkerFailure("worker " + std::to_string(rank) + " (pid " + std::to_string(pid) + ") died" +
+                      (how.empty() ? "" : " (" + how + ")"));
 }
 
 bool Engine::await_workers_ready() {

@@ -6,6 +6,8 @@
 #include <iterator>
 #include <string>
 
+#include <sys/wait.h>
+
 namespace ringserve {
 
 bool is_process_alive(pid_t pid) {
@@ -20,6 +22,15 @@ bool is_process_alive(pid_t pid) {
   if (close == std::string::npos || close + 2 >= line.size()) return true;
   const char state = line[close + 2];
   return state != 'Z' && state != 'X' && state != 'x';
+}
+
+std::string describe_child_exit(pid_t pid) {
+  siginfo_t info{};
+  if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != pid) {
+    return "";
+  }
+  if (info.si_code == CLD_EXITED) return "exit code " + std::to_string(info.si_status);
+  return "signal " + std::to_string(info.si_status);
 }
 
 }  // namespace ringserve

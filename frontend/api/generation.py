@@ -95,8 +95,47 @@ class GenerateCall:
     timeline: RequestTimeline | None = field(default=None, repr=False)
 
 
+class OpenStreams:
+    """The Generate streams in progress, for a drain: wait until they finish, then cut the rest with UNAVAILABLE
+    and a message saying why (not gRPC's generic 'Cancelling all calls')."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.cut_message: str | None = None  # set when the rest were cut
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def add(self) -> asyncio.Task[Any] | None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        return task
+
+    def discard(self, task: asyncio.Task[Any] | None) -> None:
+        self._tasks.discard(task)  # type: ignore[arg-type]
+
+    async def drain(self, grace_s: float, message: str) -> None:
+        """Wait up to `grace_s` for the streams to end, then end the rest with UNAVAILABLE `message`."""
+        deadline = time.monotonic() + grace_s
+        # A drain happens once per server life: polling costs nothing that matters.
+        while self._tasks and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        if not self._tasks:
+            return
+        log.warning("the shutdown grace period ended: cutting %d stream(s)", len(self._tasks))
+        self.cut_message = message
+        for task in list(self._tasks):
+            task.cancel()
+        deadline = time.monotonic() + 2.0  # each cut stream answers its status, then ends
+        while self._tasks and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
 class _GenerateRpc:
     """The Generate RPC: route to the model, admit, stream its responses, answer failures with their status."""
+
+    _open_streams: OpenStreams | None = None  # the catalog's Generate tracks its streams for a drain
 
     async def _route(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationServicer:
         raise NotImplementedError
@@ -108,6 +147,8 @@ class _GenerateRpc:
         model = await self._route(request, context)
         call = await model.admit(request, context, prompt_ids, kv)
         timeline = call.timeline  # observation costs one None check per output while tracing and metrics are off
+        streams = self._open_streams
+        task = streams.add() if streams is not None else None
         try:
             # aclosing: when the client cancels or its deadline passes, this task is cancelled and the engine
             # streams' finally blocks abort every request in the engine.
@@ -121,10 +162,16 @@ class _GenerateRpc:
                 timeline.fail(error.code, error)
             await _abort(context, error.code, error.message)
         except (asyncio.CancelledError, GeneratorExit) as stopped:  # the client went away or its deadline passed
+            if streams is not None and streams.cut_message is not None and isinstance(stopped, asyncio.CancelledError):
+                if timeline is not None:  # cut at the end of a drain: say so
+                    timeline.fail(grpc.StatusCode.UNAVAILABLE, stopped)
+                await _abort(context, grpc.StatusCode.UNAVAILABLE, streams.cut_message)
             if timeline is not None:
                 timeline.fail(grpc.StatusCode.CANCELLED, stopped)
             raise
         finally:
+            if streams is not None:
+                streams.discard(task)
             model.release(call)
 
 
@@ -434,6 +481,12 @@ class CatalogServicer(_GenerateRpc, pb_grpc.GenerationServicer):
 
     def __init__(self, catalog: ModelCatalog) -> None:
         self._catalog = catalog
+        self._open_streams = OpenStreams()
+
+    @property
+    def open_streams(self) -> OpenStreams:
+        assert self._open_streams is not None
+        return self._open_streams
 
     async def _servicer(self, name: str, context: grpc.aio.ServicerContext) -> GenerationServicer:
         try:

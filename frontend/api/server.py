@@ -11,7 +11,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from ringserve.frontend.api.generation import DEFAULT_MAX_WAITING_REQUESTS, CatalogServicer, GenerationServicer
+from ringserve.frontend.api.generation import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    CatalogServicer,
+    GenerationServicer,
+    OpenStreams,
+)
 from ringserve.frontend.api.security import ServerSecurity
 from ringserve.frontend.api.torchserve import (
     INFERENCE_SERVICE_NAME,
@@ -62,6 +67,7 @@ class FrontendServer:
     services: tuple[str, ...] = ()  # gRPC service names whose health follows the whole server's
     stopping: bool = False
     starting: bool = False  # set while the start-up models load: the server is not ready until all are
+    open_streams: OpenStreams | None = None  # the Generate streams a drain waits for
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set, repr=False)
     _health_names: set[str] = field(default_factory=set, repr=False)
 
@@ -92,11 +98,19 @@ class FrontendServer:
                 self._spawn(self._mark_ready_when_ready(model))
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """Report NOT_SERVING, then let in-flight RPCs finish for up to `grace` seconds."""
+        """Drain: report NOT_SERVING and refuse new requests (UNAVAILABLE, the server is draining) while the port
+        still accepts; let in-flight streams finish for up to `grace` seconds, end the rest with UNAVAILABLE saying
+        the server is draining, then stop the gRPC server."""
         self.stopping = True
         for task in list(self._tasks):
             task.cancel()
+        self.catalog.draining = True
         await self.health.enter_graceful_shutdown()
+        if self.open_streams is not None and grace is not None:
+            await self.open_streams.drain(grace, f"the server is draining (shutting down): its {grace:g} s grace "
+                                                 "period ended before this stream finished; retry on another "
+                                                 "replica")  # fmt: skip
+            grace = min(grace, 1.0)  # what is left: unary RPCs, which are short
         await self.server.stop(grace)
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
@@ -179,6 +193,7 @@ def build_catalog_server(manager: ModelManager, host: str = "127.0.0.1", port: i
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     frontend = FrontendServer(server=server, port=0, health=health, manager=manager,
+                              open_streams=generation.open_streams,
                               services=(SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME))
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(
         TorchServeInferenceServicer(generation.Generate, lambda: frontend.serving), server)

@@ -273,7 +273,7 @@ class TorchServeManagementServicer(management_pb2_grpc.ManagementAPIsServiceServ
             "maxBatchDelay": 0, "loadedAtStartup": model.loading is None,
             "isDefault": self._manager.catalog.default_name == model.name,
             "workers": workers,
-            "ringserve": {"state": model.status_text(), "error": model.load_error or "",
+            "ringserve": {"state": model.status_text(), "error": model.error or "",
                           "architecture": info.architecture, "contextLength": info.context_length,
                           "dtype": info.dtype, "tensorParallelSize": info.tensor_parallel_size,
                           "blockSize": info.block_size, "kvCapacityTokens": info.kv_capacity_tokens},

@@ -82,6 +82,10 @@ class _MetricFamilies:
                                ["model_name", "finished_reason"], registry=r)
         self.errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code.",
                               ["model_name", "code"], registry=r)
+        self.engine_restarts = Counter("ringserve_engine_restarts",
+                                       "Engine replicas started again after their engine or a worker died, or after "
+                                       "a restart failed to load (reason: worker_died, engine_died, load_failed, "
+                                       "engine_failed).", ["model_name", "reason"], registry=r)  # fmt: skip
 
 
 class ServingMetrics:
@@ -121,6 +125,8 @@ class ServingMetrics:
         self._errors = f.errors
         self._success_by_reason: dict[str, Any] = {}
         self._error_codes: set[str] = set()
+        self._engine_restarts = f.engine_restarts
+        self._restart_reasons: set[str] = set()
         self._last_preemptions: int | None = None
         self._last_num_steps: int | None = None
 
@@ -143,6 +149,14 @@ class ServingMetrics:
         for code in self._error_codes:
             with contextlib.suppress(KeyError):
                 f.errors.remove(self.model_name, code)
+        for reason in self._restart_reasons:
+            with contextlib.suppress(KeyError):
+                f.engine_restarts.remove(self.model_name, reason)
+
+    def observe_engine_restart(self, reason: str) -> None:
+        """An engine replica of this model is being restarted (`reason`: deployment.restart_reason's label)."""
+        self._restart_reasons.add(reason)
+        self._engine_restarts.labels(self.model_name, reason).inc()
 
     # -- per request ----------------------------------------------------------------------------------------
 
@@ -232,8 +246,8 @@ class EngineStatsFeed:
             if self._pushed:  # the engine reported on its own within the last interval
                 self._pushed = False
                 continue
-            if self._engine.failure is not None:
-                return
+            if self._engine.failure is not None:  # dead or restarting: ask again once it serves
+                continue
             try:
                 self._metrics.observe_engine_stats(await self._engine.get_stats(timeout=self._interval_s * 5))
             except Exception as exc:  # a slow or busy engine: try again next interval

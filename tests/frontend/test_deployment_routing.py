@@ -13,6 +13,7 @@ from ringserve.formats.engine_args import EngineArgs
 from ringserve.frontend.catalog import ModelCatalog, ModelError, ServedModel
 from ringserve.frontend.deployment import EngineReplica, ModelDeployment
 from ringserve.frontend.engine_client import EngineUnavailableError, SamplingOptions
+from ringserve.frontend.restart_policy import RestartPolicy
 
 
 class ScriptedClient:
@@ -26,8 +27,13 @@ class ScriptedClient:
         self.tokens = asyncio.Queue[None]()
         self._listeners: list[Any] = []
 
+    num_in_flight = 0
+
     def add_failure_listener(self, callback: Any) -> None:
         self._listeners.append(callback)
+
+    async def close(self, reason: str) -> None:
+        self.failure = self.failure or reason
 
     def add_stats_listener(self, callback: Any) -> None:
         pass
@@ -59,12 +65,12 @@ class ScriptedClient:
                                  spec_proposed_tokens=4, spec_accepted_tokens=3)  # fmt: skip
 
 
-def deployment_with(*names: str) -> tuple[ModelDeployment, list[ScriptedClient]]:
+def deployment_with(*names: str, max_restarts: int = 0) -> tuple[ModelDeployment, list[ScriptedClient]]:
     deployment = ModelDeployment(name="m", url="/models/m.gguf", tokenizer=None,  # type: ignore[arg-type]
-                                 engine_args=EngineArgs())  # fmt: skip
+                                 engine_args=EngineArgs(), max_restarts=max_restarts)  # fmt: skip
     clients = []
     for index, name in enumerate(names):
-        replica = EngineReplica(index, deployment.engine_args)
+        replica = EngineReplica(index, deployment.engine_args, RestartPolicy(max_restarts, 60.0))
         client = ScriptedClient(name)
         replica.client = client  # type: ignore[assignment]
         replica.state = "READY"
@@ -128,8 +134,9 @@ async def test_a_failed_replica_gets_no_new_requests_and_the_model_fails_only_wi
     assert b.submitted == [1] and a.submitted == []
     await stream.aclose()
     b.fail("engine 1 died")
-    assert failures == ["engine 1 died"]
-    assert deployment.failure == "engine 1 died"
+    await asyncio.gather(*deployment._restarts)  # --max-restarts 0: released, then given up on
+    assert len(failures) == 1 and failures[0].startswith("engine 1 died (gave up after 0 restart(s)")
+    assert deployment.failure == failures[0] == deployment.failure_reason
     with pytest.raises(EngineUnavailableError):
         await first_output(deployment.generate(2, [1], options(1)))
 
