@@ -155,8 +155,9 @@ EngineLoopTiming bench_engine_loop(int32_t num_running, int32_t prompt_len, int3
   std::string worker_error;
   std::thread worker([&] {
     try {
-      RingReader plans(ShmRing::attach(step->name()), 0);
-      RingWriter results(ShmRing::attach(res->name()));
+      // The creator's mappings, not the names: the engine unlinks every name once its peers are known to hold them.
+      RingReader plans(step, 0);
+      RingWriter results(res);
       ByteBuffer in, out;
       StepResult result;
       int32_t decode_steps = 0;
@@ -187,8 +188,8 @@ EngineLoopTiming bench_engine_loop(int32_t num_running, int32_t prompt_len, int3
     }
   });
   std::thread frontend([&] {
-    RingWriter requests(ShmRing::attach(req->name()));
-    RingReader events(ShmRing::attach(evt->name()), 0);
+    RingWriter requests(req);
+    RingReader events(evt, 0);
     ByteBuffer buf;
     for (int32_t i = 0; i < num_running; ++i) {
       encode(bench_request(static_cast<uint64_t>(i + 1), prompt_len, max_tokens), buf);
