@@ -322,11 +322,13 @@ async def watch(server: LiveServer, channel: grpc.aio.Channel, record: Record, s
     """Samples the processes every `every_s` and health every second (its latency is part of the report)."""
     next_sample = 0.0
     while time.monotonic() < stop_at:
-        _, latency = await health_latency(channel)
+        status, latency = await health_latency(channel)
         record.health_latency_max_s = max(record.health_latency_max_s, latency)
         record.pids.update(p.pid for p in await asyncio.to_thread(tree, server))  # whose segments to look for
         if time.monotonic() >= next_sample:
-            record.samples.append(await asyncio.to_thread(snapshot, server, record))
+            shot = await asyncio.to_thread(snapshot, server, record)
+            shot["serving"] = status == SERVING  # a replica that is loading is not measured
+            record.samples.append(shot)
             next_sample = time.monotonic() + every_s
         await asyncio.sleep(1.0)
 
@@ -386,9 +388,9 @@ async def idle_kv(stub: pb_grpc.GenerationStub, timeout_s: float) -> pb.EngineSt
 def growth(samples: list[dict[str, Any]], key: str, pid_key: str | None) -> dict[str, Any]:
     """`key` at the start, after warm-up and at the end, and its growth per 1,000 served requests from warm-up to
     the end. Warm-up is the first fifth of the requests (allocator pools, caches, the KV cache's pages touched for
-    the first time). For processes that a kill replaces (the engine and workers), over the samples of the replica
-    that served the most requests."""
-    usable = [s for s in samples if key in s]
+    the first time). Only samples taken while the model served count. For processes that a kill replaces (the engine
+    and workers), over the samples of the replica that served the most requests."""
+    usable = [s for s in samples if key in s and s.get("serving", True)]
     if pid_key is not None and usable:
         by_pid: dict[int, list[dict[str, Any]]] = {}
         for s in usable:
