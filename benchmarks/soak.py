@@ -357,7 +357,12 @@ async def chaos(server: LiveServer, channel: grpc.aio.Channel, rng: random.Rando
             continue
         record.kills[role] += 1
         progress(f"killed the {role} (pid {target.pid})")
-        await asyncio.sleep(0.2)
+        # The frontend hears of the death within a fraction of a second: until then health still says SERVING.
+        noticed_by = time.monotonic() + 10.0
+        while time.monotonic() < noticed_by:
+            if (await health_latency(channel))[0] != SERVING:
+                break
+            await asyncio.sleep(0.02)
         while True:
             status, _ = await health_latency(channel)
             if status == SERVING:
