@@ -49,6 +49,7 @@ class EngineReplica:
         self.ready_at: float | None = None  # time.monotonic() of the last EngineReady
         self.restarts = 0
         self.last_failure: str | None = None  # why it last died or failed to start
+        self.restart_task: asyncio.Task[None] | None = None  # while it is being started again
         self._worker_pids: list[tuple[int, int]] = []
 
     @property
@@ -189,8 +190,8 @@ class ModelDeployment:
             replica.client.add_stats_listener(listener)
 
     async def scale(self, count: int, drain_s: float) -> None:
-        """Start or stop replicas until `count` are serving (or restarting); the newest are stopped first, after
-        draining."""
+        """Start or stop replicas until `count` are serving or restarting. Scaling down stops replicas being
+        restarted first (their restart is cancelled), then the newest serving ones, after draining."""
         if count < 1:
             raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, f"a model needs at least one worker (got {count}); use "
                                                          "UnregisterModel to remove it")  # fmt: skip
@@ -198,11 +199,21 @@ class ModelDeployment:
             self.replicas = [r for r in self.replicas if r.state not in ("FAILED", "STOPPED")] or self.replicas
             while len(self.serving_replicas) + len(self._restarting_replicas) < count:
                 await self.add_replica()
-            surplus = self.serving_replicas[count:]
+            # Fewer wanted: replicas being restarted go first (they serve nothing), then the newest serving ones.
+            excess = len(self.serving_replicas) + len(self._restarting_replicas) - count
+            dropped = self._restarting_replicas[::-1][:max(excess, 0)]
+            for replica in dropped:
+                if replica.restart_task is not None:
+                    replica.restart_task.cancel()
+            await asyncio.gather(*(r.restart_task for r in dropped if r.restart_task is not None),
+                                 return_exceptions=True)
+            for replica in dropped:
+                replica.state = "STOPPED"
+            surplus = self.serving_replicas[max(count - len(self._restarting_replicas), 0):]
             for replica in surplus:
                 replica.state = "DRAINING"  # no new requests from now on
-            await asyncio.gather(*(replica.stop(drain_s) for replica in surplus))
-            self.replicas = [r for r in self.replicas if r not in surplus]
+            await asyncio.gather(*(replica.stop(drain_s) for replica in [*dropped, *surplus]))
+            self.replicas = [r for r in self.replicas if r not in surplus and r not in dropped]
 
     async def stop(self, drain_s: float) -> None:
         self._stopping = True
@@ -254,6 +265,7 @@ class ModelDeployment:
         task = asyncio.get_running_loop().create_task(self._restart(replica, message))
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
+        replica.restart_task = task
         self._notify(self._state_listeners)
 
     async def _restart(self, replica: EngineReplica, reason: str) -> None:

@@ -46,6 +46,19 @@ async def internal_error(context: grpc.aio.ServicerContext, method: str, exc: Ba
                         f"internal error (request id {request_id}); the server log has the details")
 
 
+def _forget_frames(aborted: grpc.aio.AbortError) -> None:
+    """Let go of the frames an abort passed through, and the exceptions it was raised while handling.
+
+    grpc keeps the AbortError in the call's state (it raises it again, from its own code, to send the status), and
+    the handler's frames on its traceback hold the context, which holds that state: a reference cycle that kept the
+    request (a 10 MiB prompt, say) alive until the cycle collector happened to run, so refused requests piled up
+    in memory. With the traceback and context dropped here, and the exception not raised again from this frame, the
+    request is freed when the call ends."""
+    aborted.__traceback__ = None
+    aborted.__context__ = None
+    aborted.__cause__ = None
+
+
 def _bounded_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     serialize = handler.response_serializer
@@ -64,8 +77,9 @@ def _bounded_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
     async def guarded(call: Awaitable[Any], context: grpc.aio.ServicerContext) -> Any:
         try:
             return await call
-        except grpc.aio.AbortError:  # the handler's own status
-            raise
+        except grpc.aio.AbortError as aborted:  # the handler's own status
+            _forget_frames(aborted)
+            return None
         except Exception as exc:
             await internal_error(context, method, exc)
 
@@ -90,8 +104,8 @@ def _bounded_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
             try:
                 async for response in unary_stream(request, context):
                     yield response
-            except grpc.aio.AbortError:
-                raise
+            except grpc.aio.AbortError as aborted:
+                _forget_frames(aborted)
             except Exception as exc:
                 await internal_error(context, method, exc)
 
@@ -115,8 +129,8 @@ def _bounded_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
         try:
             async for response in stream_stream(each_parsed(raws, context), context):
                 yield response
-        except grpc.aio.AbortError:
-            raise
+        except grpc.aio.AbortError as aborted:
+            _forget_frames(aborted)
         except Exception as exc:
             await internal_error(context, method, exc)
 

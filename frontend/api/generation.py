@@ -15,9 +15,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import grpc
 import jinja2
@@ -30,6 +30,7 @@ from ringserve.frontend.api.validation import (
     RequestError,
     check_model,
     check_prompt,
+    check_prompt_size,
     check_token_ids,
     generation_options,
     prompt_input,
@@ -49,12 +50,17 @@ if TYPE_CHECKING:  # the servicer only calls them; importing them pulls in the O
     from ringserve.frontend.observability.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Requests admitted but not yet scheduled by the engine, per model, before new ones get RESOURCE_EXHAUSTED.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
-# Prompts longer than this (characters) are tokenized, and id lists longer than this detokenized, off the event loop.
+# Prompts longer than this (characters) are tokenized, and id lists longer than this detokenized, in a thread through
+# the tokenizer's lock-releasing batch API, so the event loop (every other stream) runs meanwhile.
 _THREAD_TOKENIZE_CHARS = 32_768
 _THREAD_DETOKENIZE_IDS = 32_768
+# At most this many such long tokenizations run at once per model; the rest wait their turn. With the prompt size
+# bound (ModelLimits.max_prompt_bytes) this caps the frontend memory and CPU that long prompts take at any time.
+_MAX_LONG_TOKENIZATIONS = 2
 
 _FINISH_REASONS = {
     "NONE": pb.FINISH_REASON_UNSPECIFIED,
@@ -188,9 +194,11 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
         self._observed = tracer is not None or metrics is not None
         self._tokenizer = tokenizer
         self._model_info = model_info
-        self.limits = ModelLimits.of(model_info, tokenizer.vocab_size, default_max_tokens)
+        self.limits = ModelLimits.of(model_info, tokenizer.vocab_size, default_max_tokens,
+                                     tokenizer.max_bytes_per_token)
         self._max_waiting = max_waiting_requests  # 0 = unbounded
         self._num_waiting = 0
+        self._long_tokenizations = asyncio.Semaphore(_MAX_LONG_TOKENIZATIONS)
 
     @property
     def num_waiting(self) -> int:
@@ -208,6 +216,7 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
         timeline = self.start_timeline(request, context) if self._observed else None
         try:
             check_model(request.model, self.limits)
+            self._check_room(1)  # a full queue refuses at once, before the prompt costs any work
             if prompt_ids is None:
                 prompt_ids = await self.prompt_ids(request)
             else:
@@ -355,6 +364,11 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
 
         Synchronous, so no other request checks or reserves in between (the event loop is the lock).
         """
+        self._check_room(n)
+        self._num_waiting += n
+
+    def _check_room(self, n: int) -> None:
+        """RESOURCE_EXHAUSTED unless the waiting queue has room for n more engine requests."""
         limit = self._max_waiting
         if limit and self._num_waiting + n > limit:
             needs = f"; this request's n = {n} needs {n} places" if n > 1 else ""
@@ -362,7 +376,6 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
                                f"the waiting queue of model {self._model_info.model!r} is full: {self._num_waiting} "
                                f"requests wait to be scheduled (the server's --max-waiting-requests is {limit})"
                                f"{needs}; retry later")
-        self._num_waiting += n
 
     def _scheduled(self, sample: _Sample) -> None:
         """Release the sample's place: the engine reported on it (it was scheduled) or it ended."""
@@ -391,7 +404,7 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
             await _abort(context, rejection.code, rejection.message)
         skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         if len(ids) > _THREAD_DETOKENIZE_IDS:
-            text = await asyncio.to_thread(self._tokenizer.decode, ids, skip_special)
+            text = await self._off_loop(self._tokenizer.decode_unlocked, ids, skip_special)
         else:
             text = self._tokenizer.decode(ids, skip_special)
         return pb.DetokenizeResponse(text=text)
@@ -467,13 +480,26 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
                                f"messages: the chat template rejected the conversation: {exc}") from exc
         except ValueError as exc:  # no chat template
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "messages", f"messages: {exc}") from exc
+        check_prompt_size(text, "messages", self.limits)  # the template's own text counts too
         # The template writes its own special tokens.
         return text, await self._encode(text, add_special_tokens=False)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > _THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
+            return await self._off_loop(self._tokenizer.encode_unlocked, text, add_special_tokens)
         return self._tokenizer.encode(text, add_special_tokens)
+
+    async def _off_loop(self, function: Callable[..., _T], *args: Any) -> _T:
+        """`function(*args)` in a thread, at most _MAX_LONG_TOKENIZATIONS at once. A place is held until the thread
+        ends, also when the request is cancelled meanwhile (the thread cannot be stopped)."""
+        await self._long_tokenizations.acquire()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(None, function, *args)
+        except BaseException:
+            self._long_tokenizations.release()
+            raise
+        future.add_done_callback(lambda _: self._long_tokenizations.release())
+        return await asyncio.shield(future)
 
 
 class CatalogServicer(_GenerateRpc, pb_grpc.GenerationServicer):

@@ -2,8 +2,9 @@
 
 Every API that serves generation (ringserve.v1 Generate, TorchServe's predictions, the Disaggregation service) runs
 the same rules; none of them needs a servicer or a gRPC context, so an HTTP API can map `RequestError.code` to its
-own status. A prompt's length is known only once it is tokenized, which is async (long prompts go to a thread),
-so the checks come in two steps around the tokenizer: `prompt_input` before it, `check_prompt` and
+own status. A prompt's length in tokens is known only once it is tokenized, which is async (long prompts go to a
+thread), so the checks come in two steps around the tokenizer: `prompt_input` before it (which also refuses a text
+too long for the context length whatever it says, without tokenizing it: `check_prompt_size`), `check_prompt` and
 `generation_options` after.
 """
 
@@ -60,12 +61,27 @@ class ModelLimits:
     kv_capacity_tokens: int = 0
     vocab_size: int = 0
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    # The longest text (UTF-8 bytes) that can tokenize to fewer than context_length tokens: longer text is refused
+    # before it is tokenized (see `prompt_bytes_bound`).
+    max_prompt_bytes: int = 0
 
     @classmethod
-    def of(cls, info: pb.ModelInfo, vocab_size: int, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ModelLimits:
-        """The limits in a ModelInfo; `vocab_size` stands in where the ModelInfo has none."""
+    def of(cls, info: pb.ModelInfo, vocab_size: int, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+           max_bytes_per_token: int = 0) -> ModelLimits:
+        """The limits in a ModelInfo; `vocab_size` stands in where the ModelInfo has none; `max_bytes_per_token`
+        is the tokenizer's (ModelTokenizer.max_bytes_per_token), 0 = no size bound before tokenizing."""
         return cls(model=info.model, context_length=info.context_length, kv_capacity_tokens=info.kv_capacity_tokens,
-                   vocab_size=info.vocab_size or vocab_size, default_max_tokens=default_max_tokens)
+                   vocab_size=info.vocab_size or vocab_size, default_max_tokens=default_max_tokens,
+                   max_prompt_bytes=prompt_bytes_bound(info.context_length, max_bytes_per_token))
+
+
+def prompt_bytes_bound(context_length: int, max_bytes_per_token: int) -> int:
+    """The size bound checked before tokenizing: a text of more than (context_length - 1) x max_bytes_per_token
+    bytes has at least context_length tokens, since no token stands for more than max_bytes_per_token bytes, so it
+    would be refused after tokenizing anyway (check_prompt). 0 when either is unknown."""
+    if context_length <= 1 or max_bytes_per_token <= 0:
+        return 0
+    return (context_length - 1) * max_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,7 @@ def prompt_input(request: Any, limits: ModelLimits, fields: Sequence[str] = GENE
     if kind == "text":
         if not request.text:
             raise _invalid("text", "text must not be empty")
+        check_prompt_size(request.text, "text", limits)
         return PromptInput(kind, text=request.text, add_special_tokens=add_special)
     chat = request.messages
     if not chat.messages:
@@ -129,10 +146,36 @@ def prompt_input(request: Any, limits: ModelLimits, fields: Sequence[str] = GENE
     for index, message in enumerate(chat.messages):
         if not message.role:
             raise _invalid(f"messages.messages[{index}].role", f"messages.messages[{index}].role must not be empty")
+    check_prompt_size([m.content for m in chat.messages], "messages", limits)
     conversation = tuple({"role": m.role, "content": m.content} for m in chat.messages)
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     return PromptInput(kind, conversation=conversation, add_generation_prompt=add_generation_prompt,
                        add_special_tokens=add_special)
+
+
+def utf8_size(text: str, limit: int) -> int:
+    """len(text.encode()), or just len(text) when that alone is over `limit` (a character takes at least a byte):
+    a huge text is measured without a copy."""
+    if len(text) > limit:
+        return len(text)
+    return len(text.encode("utf-8"))
+
+
+def check_prompt_size(texts: str | Sequence[str], field: str, limits: ModelLimits) -> None:
+    """Refuse, before tokenizing, a prompt (a text, or a conversation's message contents together) too long to fit
+    the context length whatever it says: INVALID_ARGUMENT naming `field`. Costs O(1) for most texts, at most
+    one UTF-8 encoding of the text."""
+    limit = limits.max_prompt_bytes
+    if not limit:
+        return
+    size = 0
+    for text in [texts] if isinstance(texts, str) else texts:
+        size += utf8_size(text, limit - size)
+        if size > limit:
+            shown = "the conversation's message contents have" if field == "messages" else f"{field} has"
+            raise _invalid(field, f"{field}: the prompt is too long: {shown} more than {limit} bytes, which is more "
+                                  f"than the context length of {limits.context_length} tokens can hold (no token "
+                                  f"stands for more than {limit // (limits.context_length - 1)} bytes); shorten it")
 
 
 def check_token_ids(ids: Sequence[int], field: str, limits: ModelLimits) -> None:

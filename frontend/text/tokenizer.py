@@ -129,11 +129,43 @@ class ModelTokenizer:
                    "pad_token": self.pad_token}
         return ChatTemplate(self.chat_template_source, special)
 
+    @cached_property
+    def max_bytes_per_token(self) -> int:
+        """The most bytes of UTF-8 text one token can stand for: what `max_prompt_bytes` divides by.
+
+        A token covers the input it spells: a byte-level vocabulary's token (GPT-2's byte alphabet) spells one byte
+        per character, any other vocabulary's token at most its own UTF-8 length (SentencePiece's "▁" and byte
+        tokens such as "<0x41>" stand for fewer bytes than they have, never more); special tokens the post-processor
+        adds spell none. A normalizer can shrink text before the model sees it, by at most 3 to 1 per character
+        (Unicode composition: three 3-byte Hangul jamo become one 3-byte syllable; lowercase: the 3-byte Kelvin sign
+        becomes "k"), so with one the bound is three times as wide. (A normalizer that strips or replaces whole runs
+        of text, e.g. `Strip`, can shrink it further: a prompt padded that way may be refused though it would fit.)"""
+        byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
+        spelling = {char: byte for byte, char in byte_alphabet().items()} if byte_level else {}
+
+        def covered(token: str) -> int:
+            if byte_level and all(char in spelling for char in token):
+                return len(token)
+            return len(token.encode("utf-8"))
+
+        longest = max((covered(token) for token in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * (3 if self.backend.normalizer is not None else 1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Holds the interpreter lock while it runs: for short texts (see `encode_unlocked`)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode` through the batch API, which releases the interpreter lock while Rust tokenizes: called in a
+        thread, it lets the event loop run meanwhile (the single-text `encode` holds the lock throughout)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_unlocked(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """`decode` through the batch API, which releases the interpreter lock (for long id lists, in a thread)."""
+        return self.backend.decode_batch([list(token_ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

@@ -131,3 +131,26 @@ async def test_stopping_the_model_cancels_a_pending_restart() -> None:
     await asyncio.sleep(0.05)  # released, now waiting out the 30 s backoff
     await deployment.stop(0.0)
     assert not deployment._restarts and replica.starts == 1
+
+
+async def test_scaling_counts_a_restarting_replica_and_drops_it_first() -> None:
+    serving = ScriptedReplica(fast_policy(3), [])
+    deployment = await deployment_with(serving, 3)
+    restarting = ScriptedReplica(RestartPolicy(3, 60.0, initial_backoff_s=30.0), [])
+    restarting.index = 1
+    await restarting.start(1.0)
+    deployment._wire(restarting)
+    deployment.replicas.append(restarting)
+
+    async def no_new_replica() -> None:
+        raise AssertionError("a replica was added although one is restarting")
+
+    deployment.add_replica = no_new_replica  # type: ignore[method-assign,assignment]
+    restarting.clients[0].fail("worker 0 (pid 9) died (signal 9)")
+    assert restarting.state == "RESTARTING" and restarting.restart_task is not None
+    await deployment.scale(2, 0.0)  # the restarting replica counts: nothing to add
+    assert deployment.replicas == [serving, restarting] and restarting.state == "RESTARTING"
+    await deployment.scale(1, 0.0)  # the one that serves nothing goes, its restart cancelled
+    assert deployment.replicas == [serving] and serving.serving
+    assert restarting.state == "STOPPED" and restarting.restart_task.done() and restarting.starts == 1
+    assert not deployment._restarts

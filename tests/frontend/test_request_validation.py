@@ -21,6 +21,7 @@ from ringserve.frontend.api.validation import (
     check_model,
     check_prompt,
     generation_options,
+    prompt_bytes_bound,
     prompt_input,
     require_one_sample,
 )
@@ -213,3 +214,35 @@ def test_a_valid_request_keeps_every_option() -> None:
     assert (params.sampling.min_tokens, params.sampling.num_logprobs) == (1, 2)
     assert (options.n, options.stop, options.include_stop_str_in_output, options.skip_special_tokens) == (
         2, ("\n",), True, False)
+
+
+# -- the size bound before tokenizing -----------------------------------------------------------------------
+
+SIZED = ModelLimits(model="tiny", context_length=64, max_prompt_bytes=prompt_bytes_bound(64, 10))
+
+
+def test_prompt_bytes_bound_is_what_context_length_minus_one_tokens_can_spell() -> None:
+    assert prompt_bytes_bound(64, 10) == 630
+    assert prompt_bytes_bound(0, 10) == 0 and prompt_bytes_bound(64, 0) == 0  # unknown: no bound
+    assert ModelLimits.of(pb.ModelInfo(model="m", context_length=64), 100, max_bytes_per_token=10).max_prompt_bytes \
+        == 630
+
+
+def test_a_text_over_the_size_bound_is_refused_naming_the_field() -> None:
+    prompt_input(pb.GenerateRequest(text="a" * 630), SIZED)
+    error = assert_refused(lambda: prompt_input(pb.GenerateRequest(text="a" * 631), SIZED), "text")
+    assert "630 bytes" in error.message and "64 tokens" in error.message
+    # Bytes, not characters: 158 four-byte characters are 632 bytes.
+    assert_refused(lambda: prompt_input(pb.GenerateRequest(text="😀" * 158), SIZED), "text")
+    prompt_input(pb.GenerateRequest(text="😀" * 157), SIZED)
+    prompt_input(pb.GenerateRequest(text="a" * 10_000), LIMITS)  # no bound known: tokenizing decides
+
+
+def test_a_conversation_over_the_size_bound_is_refused_by_its_contents_together() -> None:
+    def chat(*contents: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(messages=pb.ChatMessages(
+            messages=[pb.ChatMessage(role="user", content=c) for c in contents]))
+
+    prompt_input(chat("a" * 315, "b" * 315), SIZED)
+    assert_refused(lambda: prompt_input(chat("a" * 315, "b" * 316), SIZED), "messages")
+    assert_refused(lambda: prompt_input(chat("a" * 10_000_000), SIZED), "messages")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 
 import grpc
@@ -278,3 +279,30 @@ def test_describe_model_takes_limits_from_engine_ready(tiny_tokenizer: ModelToke
     assert (info.context_length, info.block_size, info.kv_capacity_tokens) == (2048, 16, 1600)
     assert list(info.eos_token_ids) == tiny_tokenizer.eos_token_ids
     assert info.vocab_size == tiny_tokenizer.vocab_size and info.bos_token_id == tiny_tokenizer.bos_token_id
+
+
+async def test_a_refused_request_is_freed_when_its_call_ends(harness: Harness) -> None:
+    """A refusal aborts the call; grpc keeps the abort in the call's state, and the frames it passed through held
+    the request: a reference cycle that kept every refused request (a 10 MiB prompt, say) in memory until the
+    cycle collector ran. With the collector off, nothing of a refused call may stay alive."""
+    gc.collect()
+    gc.disable()
+    try:
+        marker = "freed-check"
+        refusals = [pb.GenerateRequest(request_id=marker, text="a" * 100_000),  # over the size bound
+                    pb.GenerateRequest(request_id=marker, text="hi", sampling=pb.SamplingParams(temperature=-1.0)),
+                    pb.GenerateRequest(request_id=marker, model="other", text="hi")]
+        for request in refusals:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(harness.stub, request)
+            assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await harness.stub.Tokenize(pb.TokenizeRequest(text=marker * 10_000), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        del refusals, refused, request
+        await asyncio.sleep(0.1)
+        alive = [o for o in gc.get_objects() if (isinstance(o, pb.GenerateRequest) and o.request_id == marker)
+                 or (isinstance(o, pb.TokenizeRequest) and o.text.startswith(marker))]
+        assert not alive, f"{len(alive)} refused request(s) still referenced"
+    finally:
+        gc.enable()

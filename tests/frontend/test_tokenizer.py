@@ -136,3 +136,29 @@ def test_hf_folder_loads_tokenizer_template_and_eos_ids(tiny_tokenizer: ModelTok
 def test_unknown_path_is_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("text", [s for s in SAMPLES if s])
+def test_no_token_stands_for_more_bytes_than_max_bytes_per_token(real_tokenizer: ModelTokenizer, text: str) -> None:
+    """The prompt size bound's premise: tokens >= bytes / max_bytes_per_token, also for the text that packs most
+    bytes into a token (the vocabulary's longest token, repeated)."""
+    per_token = real_tokenizer.max_bytes_per_token
+    for sample in (text, text * 50):
+        ids = real_tokenizer.encode(sample, add_special_tokens=False)
+        assert len(ids) * per_token >= len(sample.encode())
+
+
+def test_max_bytes_per_token_is_the_longest_tokens_spelling(real_tokenizer: ModelTokenizer) -> None:
+    per_token = real_tokenizer.max_bytes_per_token
+    longest = max(real_tokenizer.backend.get_vocab(), key=lambda t: len(real_tokenizer.decode(
+        [real_tokenizer.token_to_id(t)], skip_special_tokens=False).encode()))  # fmt: skip
+    spelled = real_tokenizer.decode([real_tokenizer.token_to_id(longest)], skip_special_tokens=False)
+    assert len(spelled.encode()) == per_token
+    assert len(real_tokenizer.encode(spelled * 100, add_special_tokens=False)) * per_token >= len(spelled) * 100
+
+
+def test_unlocked_encode_and_decode_match_the_plain_ones(real_tokenizer: ModelTokenizer) -> None:
+    for text in SAMPLES:
+        ids = real_tokenizer.encode(text)
+        assert real_tokenizer.encode_unlocked(text) == ids
+        assert real_tokenizer.decode_unlocked(ids, skip_special_tokens=False) == real_tokenizer.decode(ids, False)
