@@ -537,6 +537,18 @@ def test_cuda_kernels_match_reference(dtype, head_dim):
 
 
 @needs_cuda
+@pytest.mark.parametrize("window", [1, 100, 4096])
+def test_cuda_sliding_window_kernels_match_reference(window):
+    step = paged_step([(1, 1), (1, 700), (1, 2100), (300, 300), (129, 1000), (64, 80)], group=4, kv_heads=8,
+                      head_dim=64, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    step.window = window
+    ref = step.in_float32().run(TorchSdpaBackend())[0]
+    for splits in (None, 1, 7):
+        got = step.run(TritonPagedBackend("cuda", num_splits=splits))[0]
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
 def test_cuda_float32_kernels_match_reference_tightly():
     step = paged_step([(1, 300), (40, 90), (17, 17)], group=3, kv_heads=2, head_dim=64, device="cuda")
     assert_matches_reference(step, TritonPagedBackend("cuda"), atol=1e-4)
