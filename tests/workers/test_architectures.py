@@ -106,3 +106,13 @@ def test_the_registry_names_each_architecture_once() -> None:
     assert len(names) == len(set(names))
     gguf = [arch.gguf_name for arch in ARCHITECTURES if arch.gguf_name]
     assert len(gguf) == len(set(gguf))
+
+
+def test_an_unsupported_activation_or_mlp_bias_is_refused(tmp_path: Path) -> None:
+    save_tiny_hf_model("mistral", tmp_path)
+    write_config(tmp_path, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match=r"hidden_act 'gelu_pytorch_tanh' is not supported .*\(supported: silu\)"):
+        load_hf_model(tmp_path, torch.float32)
+    write_config(tmp_path, hidden_act="silu", mlp_bias=True)
+    with pytest.raises(ValueError, match=r"mlp_bias is not supported"):
+        load_hf_model(tmp_path, torch.float32)

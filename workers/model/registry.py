@@ -83,6 +83,12 @@ def read_decoder_config(cfg: dict[str, Any], source: str, **family: Any) -> Llam
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
         raise ValueError(f"{source}: quantization {method!r} is not supported (supported: unquantized safetensors in "
                          "float32/bfloat16/float16, or a GGUF file)")  # fmt: skip
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported by the {cfg.get('model_type')} decoder "
+                         "(supported: silu)")  # fmt: skip
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias is not supported (the decoder's MLP projections have no bias)")
     bias_default = family.pop("attention_bias", False)
     norm_topk_default = family.pop("norm_topk_prob", True)
     heads = int(_need(cfg, "num_attention_heads", source))
