@@ -1,4 +1,4 @@
-"""Tensor parallelism applied to the llama model from outside (gpt-fast style), so model/llama.py stays single-device.
+"""Tensor parallelism applied to the decoder from outside (gpt-fast style), so model/llama.py stays single-device.
 
 Each rank builds the model with a *local* config (its share of heads, KV heads, MLP columns and vocab rows), loads
 only its slice of every checkpoint tensor (`TensorParallelShard.slice`), then `apply_tensor_parallel` adds the
@@ -26,6 +26,7 @@ import torch.distributed.nn.functional
 import torch.nn.functional as F
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.cpu_ops import linear
+from ringserve.workers.model.llama import SparseMoeBlock
 from torch import nn
 
 # Parameter-name suffix -> dim split across ranks (0: output rows, column-parallel; 1: input columns, row-parallel).
@@ -55,10 +56,12 @@ class TensorParallelShard:
                 f"--tensor-parallel-size {n} neither divides the model's {c.num_kv_heads} KV heads nor is a multiple "
                 f"of them; choose a divisor or a multiple of {c.num_kv_heads}"
             )
-        if c.intermediate_size % n:
-            raise ValueError(
-                f"--tensor-parallel-size {n} does not divide the MLP width {c.intermediate_size}; choose a divisor"
-            )
+        for what, width in (("MLP", c.intermediate_size), ("expert", c.moe_intermediate_size),
+                            ("shared expert", c.shared_expert_intermediate_size)):  # fmt: skip
+            if width % n:
+                raise ValueError(
+                    f"--tensor-parallel-size {n} does not divide the {what} width {width}; choose a divisor"
+                )
 
     @property
     def local_kv_heads(self) -> int:
@@ -79,6 +82,8 @@ class TensorParallelShard:
             c,
             vocab_size=self.vocab_per_rank,
             intermediate_size=c.intermediate_size // n,
+            moe_intermediate_size=c.moe_intermediate_size // n,
+            shared_expert_intermediate_size=c.shared_expert_intermediate_size // n,
             num_heads=c.num_heads // n,
             num_kv_heads=self.local_kv_heads,
         )
@@ -173,7 +178,10 @@ def apply_tensor_parallel(model: LlamaForCausalLM, shard: TensorParallelShard) -
     for layer in model.model.layers:
         # Row-parallel: each rank holds a slice of the input features, so the outputs are partial sums.
         layer.self_attn.o_proj.register_forward_hook(_all_reduce_output)
-        layer.mlp.down_proj.register_forward_hook(_all_reduce_output)
+        # Experts are split like MLPs and the router is replicated, so a rank's mixture is a partial sum of the
+        # same weighted experts: one all-reduce of the block's output, not one per expert.
+        moe = isinstance(layer.mlp, SparseMoeBlock)
+        (layer.mlp if moe else layer.mlp.down_proj).register_forward_hook(_all_reduce_output)
     embed = model.model.embed_tokens.weight
     head = model.lm_head.weight
     model.model.embed_tokens = VocabParallelEmbedding(embed, shard.vocab_start)  # type: ignore[assignment]

@@ -18,6 +18,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from ringserve.workers.loader import load_gguf_model, load_model
 from ringserve.workers.loader.weight_names import expand_names
+from ringserve.workers.model import LlamaConfig
+from ringserve.workers.model.registry import read_decoder_config
 from ringserve.workers.model_runner import ModelRunner
 from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM as HfLlamaForCausalLM
@@ -32,12 +34,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def k_quant_bytes(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
-    """Random but finite Q4_K / Q6_K blocks (gguf-py can only dequantize these, not quantize)."""
+    """Random but finite Q4_K / Q5_K / Q6_K blocks (gguf-py can only dequantize these, not quantize)."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if qtype == Q.Q4_K:  # d, dmin are the first two f16 values
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin are the first two f16 values
         raw[..., 0:2] = scale
         raw[..., 2:4] = scale
     else:  # Q6_K: d is the trailing f16
@@ -51,11 +53,13 @@ def write_gguf(
     types: dict[str, Q] | None = None,
     drop: tuple[str, ...] = (),
     raw: dict[str, np.ndarray] | None = None,
+    arch: str = "llama",
 ) -> None:
-    """HF state dict -> llama GGUF. types: gguf name -> storage type (default F32); raw: pre-quantized bytes."""
+    """HF state dict -> GGUF of `arch`. types: gguf name -> storage type (default F32); raw: pre-quantized bytes.
+    llama.cpp permutes Q/K rows for llama only (qwen converters keep HF's order)."""
     cfg = hf.config
     types, raw = types or {}, raw or {}
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -64,17 +68,22 @@ def write_gguf(
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_eos_token_id(2)
     state = hf.state_dict()
-    for name, ours in expand_names(cfg.num_hidden_layers, "gguf").items():
+    for name, ours in expand_names(decoder_config(hf), "gguf").items():
         if name in drop or ours not in state or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         if name in raw:
             writer.add_tensor(name, raw[name], raw_dtype=types[name])
             continue
         w = state[ours].float().numpy()
-        if name.endswith("attn_q.weight"):
+        if arch != "llama":
+            pass
+        elif name.endswith("attn_q.weight"):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif name.endswith("attn_k.weight"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
@@ -89,6 +98,10 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def decoder_config(hf: torch.nn.Module) -> LlamaConfig:
+    return read_decoder_config(hf.config.to_dict(), "test", qk_norm=hasattr(hf.model.layers[0].self_attn, "q_norm"))
 
 
 def tiny_hf(seed: int = 0, **overrides: object) -> torch.nn.Module:
@@ -122,15 +135,17 @@ def test_every_listed_tensor_type_dequantizes_to_the_stored_weights(tmp_path):
         "blk.0.attn_v.weight": Q.F16,
         "blk.0.ffn_gate.weight": Q.Q4_K,
         "blk.0.ffn_down.weight": Q.Q6_K,
+        "blk.1.ffn_gate.weight": Q.Q5_K,
     }
     raw = {
         "blk.0.ffn_gate.weight": k_quant_bytes(256, 256, Q.Q4_K, seed=1),
         "blk.0.ffn_down.weight": k_quant_bytes(256, 256, Q.Q6_K, seed=2),
+        "blk.1.ffn_gate.weight": k_quant_bytes(256, 256, Q.Q5_K, seed=3),
     }
     write_gguf(tmp_path / "mixed.gguf", hf, types=types, raw=raw)
     ours = dict(load_gguf_model(tmp_path / "mixed.gguf", torch.float32).named_parameters())
     state = hf.state_dict()
-    names = expand_names(2, "gguf")
+    names = expand_names(decoder_config(hf), "gguf")
     for gguf_name, qtype in types.items():
         if gguf_name in raw:
             expected = quants.dequantize(raw[gguf_name], qtype)
@@ -204,3 +219,57 @@ def test_fast_reader_reads_what_gguf_reads():
         assert not mine.data.flags.writeable
         assert np.shares_memory(mine.data, ours.data)
     assert all(np.array_equal(m.data, t.data) for m, t in zip(ours.tensors[:8], theirs.tensors[:8], strict=True))
+
+
+K_QUANTS = {"ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "attn_v": Q.Q8_0}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_k_quant_gguf_of_each_architecture_matches_transformers_on_the_dequantized_weights(tmp_path, arch):
+    """Q4_K, Q5_K, Q6_K and Q8_0 tensors (the architecture from `general.architecture`): our logits equal
+    transformers' with the same dequantized weights put into the HF model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = {**TINY, "hidden_size": 256, "intermediate_size": 256}
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        hf = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=64)).eval()
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    else:
+        hf = tiny_hf(**shape)
+    names = expand_names(decoder_config(hf), "gguf")
+    types, raw = {}, {}
+    for i in range(2):
+        for kind, qtype in K_QUANTS.items():
+            name = f"blk.{i}.{kind}.weight"
+            rows, cols = hf.state_dict()[names[name]].shape
+            types[name] = qtype
+            if qtype == Q.Q8_0:
+                raw[name] = quants.quantize(hf.state_dict()[names[name]].numpy(), qtype)
+            else:
+                raw[name] = k_quant_bytes(rows, cols, qtype, seed=10 * i + len(kind))
+    write_gguf(tmp_path / f"{arch}.gguf", hf, types=types, raw=raw, arch=arch)
+    ours = load_model(tmp_path / f"{arch}.gguf")
+    assert ours.config.qk_norm is (arch == "qwen3")
+    with torch.no_grad():  # the reference: the same dequantized weights in transformers' model
+        for name, data in raw.items():
+            hf.state_dict()[names[name]].copy_(torch.from_numpy(quants.dequantize(data, types[name])))
+    bind_cache(ours, num_blocks=16, block_size=BLOCK)
+    seq = [7, 1, 200, 31, 9, 44, 3, 120, 18]
+    (got,) = forward_packed(ours, [(seq, 0, [9, 2, 4])], BLOCK)
+    torch.testing.assert_close(got, hf_logits(hf, seq), atol=1e-3, rtol=0)
+
+
+def test_unsupported_gguf_tensor_type_and_architecture_are_refused_at_load(tmp_path):
+    hf = tiny_hf()
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    iq = np.zeros((64, 64 // block_elems * block_bytes), np.uint8)
+    write_gguf(tmp_path / "iq.gguf", hf, types={"blk.0.attn_q.weight": Q.IQ4_NL}, raw={"blk.0.attn_q.weight": iq})
+    with pytest.raises(ValueError, match=r"tensor types IQ4_NL are not supported \(supported: F32, .*Q4_K, Q5_K, Q6_K"):
+        load_gguf_model(tmp_path / "iq.gguf", torch.float32)
+    write_gguf(tmp_path / "falcon.gguf", hf, arch="falcon")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'falcon' is not supported \(supported: llama, qwen2"):
+        load_gguf_model(tmp_path / "falcon.gguf", torch.float32)

@@ -18,7 +18,9 @@ from workers_testkit import hf_logits, save_tiny_hf_model
 
 RANK_SCRIPT = Path(__file__).with_name("tensor_parallel_rank.py")
 # llama_one_kv_head: 2 ranks > 1 KV head (each rank holds a replica) and vocab 255 (the last shard is padded).
-VARIANTS = ("llama", "llama_tied", "qwen2_attention_bias", "mistral", "llama_one_kv_head")
+# The other families: q/k norms, fused checkpoint tensors, sliding windows, experts (one with a shared expert).
+VARIANTS = ("llama", "llama_tied", "qwen2_attention_bias", "mistral", "llama_one_kv_head", "qwen3", "phi3",
+            "mistral_sliding_window", "mixtral", "qwen2_moe")  # fmt: skip
 
 
 def free_port() -> int:
@@ -59,7 +61,7 @@ def sharded_folders(tmp_path_factory) -> tuple[list[Path], list[np.ndarray]]:
     return folders, references
 
 
-def test_two_ranks_give_the_transformers_logits_for_sharded_llama_qwen2_mistral_folders(sharded_folders, tmp_path):
+def test_two_ranks_give_the_transformers_logits_for_sharded_folders_of_every_family(sharded_folders, tmp_path):
     folders, references = sharded_folders
     results = run_ranks(2, folders, tmp_path)
     for variant, per_rank, expected in zip(VARIANTS, results, references, strict=True):

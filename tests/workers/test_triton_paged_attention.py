@@ -58,16 +58,17 @@ class PagedStep:
     v_cache: torch.Tensor
     metadata: AttentionMetadata
     scale: float
+    window: int | None = None  # a sliding-window layer's window
 
     def run(self, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output, K cache, V cache after the step); each run writes into its own copy of the caches."""
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
-        out = backend.forward(self.q, self.k, self.v, k_cache, v_cache, self.metadata, self.scale)
+        out = backend.forward(self.q, self.k, self.v, k_cache, v_cache, self.metadata, self.scale, self.window)
         return out, k_cache, v_cache
 
     def in_float32(self) -> PagedStep:
         f = {n: getattr(self, n).float() for n in ("q", "k", "v", "k_cache", "v_cache")}
-        return PagedStep(**f, metadata=self.metadata, scale=self.scale)
+        return PagedStep(**f, metadata=self.metadata, scale=self.scale, window=self.window)
 
 
 def paged_step(
@@ -196,6 +197,18 @@ def test_half_precision_stays_close_to_a_float32_reference(dtype, kv_dtype):
     assert got.dtype == dtype and k_cache.dtype == kv_dtype
     assert torch.equal(k_cache.float(), ref_k_cache)
     torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=0)
+
+
+@in_interpreter
+@pytest.mark.parametrize("window", [1, 5, 20])
+def test_sliding_window_masks_older_keys_like_the_reference(window):
+    """Decodes (split and not) and chunks that start before, at and after the window's edge; the reference's window
+    masking is itself checked against a dense computation in test_sliding_window_attention.py."""
+    chunks = [(1, 3), (1, 40), (1, 70), (12, 12), (9, 30), (25, 50)]
+    for splits in (1, 3):
+        step = paged_step(chunks, block_size=8, seed=window)
+        step.window = window
+        assert_matches_reference(step, interpreted_backend(**SMALL_TILES, num_splits=splits), atol=2e-6)
 
 
 @in_interpreter
@@ -520,6 +533,18 @@ def test_cuda_kernels_match_reference(dtype, head_dim):
     ref = decodes.in_float32().run(TorchSdpaBackend())[0]
     for splits in (None, 1, 7):
         got = decodes.run(TritonPagedBackend("cuda", num_splits=splits))[0]
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("window", [1, 100, 4096])
+def test_cuda_sliding_window_kernels_match_reference(window):
+    step = paged_step([(1, 1), (1, 700), (1, 2100), (300, 300), (129, 1000), (64, 80)], group=4, kv_heads=8,
+                      head_dim=64, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    step.window = window
+    ref = step.in_float32().run(TorchSdpaBackend())[0]
+    for splits in (None, 1, 7):
+        got = step.run(TritonPagedBackend("cuda", num_splits=splits))[0]
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 

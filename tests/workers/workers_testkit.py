@@ -14,7 +14,22 @@ from ringserve.workers.model_runner import NewRequest as NewRequest
 from ringserve.workers.model_runner import StepPlan
 from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM as HfLlamaForCausalLM
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 
 def plan(step_id: int, sched: list[tuple[int, int, int, bool]], **deltas: object) -> StepPlan:
@@ -67,18 +82,40 @@ VARIANTS = {
         HfLlamaConfig(**{**TINY, "num_key_value_heads": 1, "vocab_size": 255})
     ),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)),
-}
+    # Architectures of the registry beyond llama; windows of 8 tokens so short prompts cross them.
+    "llama_yarn": lambda: HfLlamaForCausalLM(HfLlamaConfig(**TINY, rope_scaling={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_linear": lambda: HfLlamaForCausalLM(HfLlamaConfig(**TINY, rope_scaling={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama_dynamic": lambda: HfLlamaForCausalLM(HfLlamaConfig(**TINY, rope_scaling={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})),
+    "mistral_sliding_window": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=8)),
+    "qwen2_sliding_window": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 0 global, layer 1 local
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16)),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**TINY, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        norm_topk_prob=False)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[0])),  # layer 0 dense, layer 1 sparse
+}  # fmt: skip
 
 
 def save_tiny_hf_model(variant: str, folder: Path, seed: int = 0, max_shard_size: str | None = None) -> torch.nn.Module:
     """Random-init tiny model saved as safetensors; returns the HF model (float32, eval) as the reference."""
     torch.manual_seed(seed)
     hf = VARIANTS[variant]().eval()
-    if variant == "qwen2_attention_bias":
-        with torch.no_grad():  # HF zero-inits biases; make them matter
-            for layer in hf.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.5)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("_proj.bias"):  # HF zero-inits biases; make them matter
+                param.normal_(0.0, 0.5)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "router.weight")):
+                param.normal_(0.0, 1.0)  # decisive routing: no near-tie that rounding could flip
+            elif name.endswith(("norm.weight", "layernorm.weight")):  # ones at init; make them matter too
+                param.uniform_(0.5, 1.5)
     if max_shard_size is None:
         hf.save_pretrained(folder)
     else:
@@ -100,6 +137,13 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation (its KV cache, its sliding-window cache layers)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
 
 
 def forward_packed(

@@ -24,8 +24,10 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window: a query at position p sees keys (p - window, p]; None = all
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Writes this step's k/v into the cache through the slot mapping, then attends over each context."""
+        """Writes this step's k/v into the cache through the slot mapping, then attends over each context (the
+        blocks wholly before a window stay in the cache and are masked, not freed)."""
         ...
 
 

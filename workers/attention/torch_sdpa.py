@@ -7,6 +7,8 @@ mask. Prefill chunks are batched too: queries padded to the longest chunk, with 
 already in the cache (chunked prefill) and cut at each context's length; when no chunk has cached tokens SDPA's own
 causal path is used.
 So a mixed step is at most two SDPA calls per layer, whatever the number of sequences.
+A sliding-window layer masks keys older than its window in both paths; the native kernels have no window, so a
+sequence longer than the window skips them.
 """
 
 from __future__ import annotations
@@ -30,17 +32,21 @@ class TorchSdpaBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         native, long, ids = metadata.paged_split(q.device.type == "cpu" and native_chunk_attention(q.shape[-1]))
+        if window is not None and any(metadata.seq_lens_cpu[i] > window for i in native):
+            long, native = sorted(long + native), []  # the native kernels attend the whole context
         if native and not paged_attention(q, k_cache, v_cache, metadata, ids, scale, out):
-            decode = [i for i in native if metadata.query_lens_cpu[i] == 1]
-            if decode:
-                self._decode(q, k_cache, v_cache, metadata, decode, scale, out)
-            long = sorted(long + [i for i in native if metadata.query_lens_cpu[i] > 1])
-        if long:
-            self._prefill(q, k_cache, v_cache, metadata, long, scale, out)
+            long = sorted(long + native)
+        trees = metadata.tree_masks or {}
+        decode = [i for i in long if metadata.query_lens_cpu[i] == 1 and i not in trees]
+        if decode:
+            self._decode(q, k_cache, v_cache, metadata, decode, scale, out, window)
+        if chunks := [i for i in long if i not in decode]:
+            self._prefill(q, k_cache, v_cache, metadata, chunks, scale, out, window)
         return out
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -61,6 +67,7 @@ class TorchSdpaBackend:
         seqs: list[int],
         scale: float,
         out: torch.Tensor,
+        window: int | None,
     ) -> None:
         rows = md.cu_seqlens_q[seqs].long()
         seq_lens = md.seq_lens[seqs]
@@ -70,7 +77,10 @@ class TorchSdpaBackend:
         keys = self._gather(k_cache, tables, num_blocks).transpose(1, 2)  # [D, kv_heads, L, head_dim]
         values = self._gather(v_cache, tables, num_blocks).transpose(1, 2)
         # Padded positions past each context (and stale blocks of the padding) must not be attended.
-        mask = torch.arange(keys.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+        key_pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+        mask = key_pos < seq_lens[:, None]
+        if window is not None:  # the query sits at seq_len - 1
+            mask &= key_pos >= seq_lens[:, None] - window
         # Plain matmuls with each KV head's query group as the rows ([D, kv, group, hd] x [D, kv, hd, L]): for one
         # query row they beat CPU SDPA's kernel by far, and no K/V copy is broadcast across the group.
         num_seqs, kv_heads, _, head_dim = keys.shape
@@ -89,6 +99,7 @@ class TorchSdpaBackend:
         seqs: list[int],
         scale: float,
         out: torch.Tensor,
+        window: int | None,
     ) -> None:
         device = q.device
         q_lens = torch.tensor([md.query_lens_cpu[i] for i in seqs], device=device)
@@ -105,7 +116,9 @@ class TorchSdpaBackend:
         query = q[rows].transpose(1, 2).to(keys.dtype)  # [P, heads, max_q, head_dim]
         query_pos = (seq_lens - q_lens)[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)
         trees = md.tree_masks or {}
-        if not any(i in trees for i in seqs) and all(md.seq_lens_cpu[i] == md.query_lens_cpu[i] for i in seqs):
+        fresh = all(md.seq_lens_cpu[i] == md.query_lens_cpu[i] for i in seqs)
+        in_window = window is None or max_q <= window
+        if not any(i in trees for i in seqs) and fresh and in_window:
             # Fresh prompts only: the plain causal mask is exact for every real row (keys past a prompt's end sit
             # after all its real queries), and SDPA's causal path is the fast one.
             keys, values = keys[:, :, :max_q], values[:, :, :max_q]
@@ -123,6 +136,8 @@ class TorchSdpaBackend:
                 mask[p] = False
                 mask[p, :q_len, :s_len] = tree
                 mask[p, q_len:] = mask[p, q_len - 1]  # padded rows repeat the last real row
+            if window is not None:
+                mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
             attn = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
             )  # [P, heads, max_q, head_dim]

@@ -34,6 +34,7 @@ tl: Any = None
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+NO_WINDOW = 2**30  # the kernels' window for global attention: longer than any context
 _MAX_SPLITS = 32  # flash-decoding splits per context: 8 KV heads x 32 fill twice the SMs of an H200 at batch 1
 
 
@@ -77,6 +78,7 @@ def _paged_decode_kernel(
     seq_lens_ptr: tl.tensor,
     block_tables_ptr: tl.tensor,
     qk_scale: float,  # softmax scale * log2(e): the kernel works in exp2
+    window: int,  # sliding window (keys (pos - window, pos]); NO_WINDOW for global attention
     stride_qt: int,
     stride_qh: int,
     stride_ot: int,
@@ -103,9 +105,10 @@ def _paged_decode_kernel(
     seq = tl.load(seq_ids_ptr + row)
     q_row = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = tl.maximum(seq_len - window, 0)  # the oldest key the query (at seq_len - 1) sees
     # Each split owns a whole number of key tiles; a split past the context end leaves an empty partial.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -202,6 +205,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr: tl.tensor,
     block_tables_ptr: tl.tensor,
     qk_scale: float,
+    window: int,
     stride_qt: int,
     stride_qh: int,
     stride_ot: int,
@@ -248,9 +252,11 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Causal: the tile's last query sees keys up to its own position; later keys are never loaded.
+    # Causal: the tile's last query sees keys up to its own position; later keys are never loaded. With a window,
+    # keys before the tile's first query's window are never loaded either.
     kv_end = tl.minimum(seq_len, cached + (q_tile + 1) * BLOCK_M)
-    for tile in range(0, kv_end, BLOCK_N):
+    kv_start = tl.maximum(cached + q_tile * BLOCK_M - window + 1, 0)
+    for tile in range(kv_start, kv_end, BLOCK_N):
         pos = tile + offs_n
         valid = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -262,12 +268,14 @@ def _paged_prefill_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        attend = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        attend = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(attend, s * qk_scale, float("-inf"))
-        # Key 0 is in the first tile and visible to every row, so after it each row's max is finite.
+        # A row may see no key of a tile before its window starts: its max stays -inf, so exp2 gets a finite
+        # stand-in (its p and the rescale of its empty accumulator are then 0, not NaN).
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         if F32_DOT:
@@ -387,12 +395,13 @@ class TritonPagedBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if metadata.tree_masks:
             # Speculative trees need an arbitrary mask per query row; the gather path has it (correct, not fused).
             from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 
-            return TorchSdpaBackend().forward(q, k, v, k_cache, v_cache, metadata, scale)
+            return TorchSdpaBackend().forward(q, k, v, k_cache, v_cache, metadata, scale, window)
         self._check(q, k_cache, v_cache, metadata)
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         if q.stride(-1) != 1:
@@ -403,10 +412,11 @@ class TritonPagedBackend:
         # Triton launches on the current CUDA device; a tensor-parallel rank's tensors may live on another one.
         on_other_gpu = q.is_cuda and q.device.index != torch.cuda.current_device()
         with torch.cuda.device(q.device) if on_other_gpu else contextlib.nullcontext():
+            window = NO_WINDOW if window is None else window
             if len(layout.decode_ids):
-                self._decode(out, q, k_cache, v_cache, metadata, layout, qk_scale)
+                self._decode(out, q, k_cache, v_cache, metadata, layout, qk_scale, window)
             if len(layout.prefill_ids):
-                self._prefill(out, q, k_cache, v_cache, metadata, layout, qk_scale)
+                self._prefill(out, q, k_cache, v_cache, metadata, layout, qk_scale, window)
         return out
 
     def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata) -> None:
@@ -451,6 +461,7 @@ class TritonPagedBackend:
         md: AttentionMetadata,
         layout: _StepLayout,
         qk_scale: float,
+        window: int,
     ) -> None:
         _, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
@@ -460,7 +471,7 @@ class TritonPagedBackend:
             splits = min(self.num_splits, _MAX_SPLITS)
         else:
             splits = decode_num_splits(
-                num_decodes, kv_heads, layout.max_decode_len, self.target_programs, self.min_split_tokens
+                num_decodes, kv_heads, min(layout.max_decode_len, window), self.target_programs, self.min_split_tokens
             )
         if splits > 1:
             part_acc = torch.empty((num_decodes, heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -470,7 +481,7 @@ class TritonPagedBackend:
         self._kernels.decode[(num_decodes, kv_heads, splits)](
             out, part_acc, part_lse, q, k_cache, v_cache,
             layout.decode_ids, md.cu_seqlens_q, md.seq_lens, layout.block_tables,
-            qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            qk_scale, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *self._cache_strides(k_cache, v_cache), layout.block_tables.stride(0), splits,
             GROUP=group, BLOCK_G=max(_MIN_DOT, _next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N=self.decode_block_n, SPLIT_K=splits > 1,
@@ -491,6 +502,7 @@ class TritonPagedBackend:
         md: AttentionMetadata,
         layout: _StepLayout,
         qk_scale: float,
+        window: int,
     ) -> None:
         _, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
@@ -500,7 +512,7 @@ class TritonPagedBackend:
         grid = (len(layout.prefill_ids), -(-layout.max_prefill_query // block_m), heads)
         self._kernels.prefill[grid](
             out, q, k_cache, v_cache, layout.prefill_ids, md.cu_seqlens_q, md.seq_lens, layout.block_tables,
-            qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            qk_scale, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *self._cache_strides(k_cache, v_cache), layout.block_tables.stride(0),
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=self._f32_dot(q), num_warps=warps, num_stages=self.num_stages,

@@ -13,17 +13,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from ringserve.formats.gguf_file import GGUFFile
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.model.registry import Architecture, gguf_architecture
 from ringserve.workers.parallel import TensorParallelShard
 from tqdm import tqdm
 
-# Architectures whose llama.cpp conversion permutes Q/K rows (qwen2 keeps HF's NeoX order).
-_PERMUTED_QK = {"llama": True, "qwen2": False}
+# Storage types gguf's `dequantize` reads: float, the legacy block types and the k-quants.
+SUPPORTED_TYPES = tuple(GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                                                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))  # fmt: skip
 _IGNORED_TENSORS = ("rope_freqs.weight",)  # consumed separately as RoPE frequency factors
 
 
@@ -32,29 +34,50 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def read_gguf_config(reader: GGUFReader, path: str) -> LlamaConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in _PERMUTED_QK:
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {sorted(_PERMUTED_QK)})")
+def _need(reader: GGUFReader, key: str, path: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"{path}: GGUF metadata is missing {key!r}")
+    return value
+
+
+def read_gguf_config(reader: GGUFReader, path: str) -> tuple[Architecture, LlamaConfig]:
+    """The architecture from `general.architecture` and the config from its metadata; every refusal (architecture,
+    experts, partial rotary, RoPE scaling, tensor storage type) is raised here, before any weight is read."""
+    entry = gguf_architecture(_field(reader, "general.architecture"), path)
+    arch = entry.gguf_name
     tensors = {t.name: t for t in reader.tensors}
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    unsupported = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in SUPPORTED_TYPES})
+    if unsupported:
+        raise ValueError(f"{path}: tensor types {', '.join(unsupported)} are not supported "
+                         f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")  # fmt: skip
+    if int(_field(reader, f"{arch}.expert_count", 0) or 0):
+        raise ValueError(f"{path}: mixture-of-experts GGUF files are not supported; load the model's Hugging Face "
+                         "safetensors folder instead")  # fmt: skip
+    hidden = int(_need(reader, f"{arch}.embedding_length", path))
+    heads = int(_need(reader, f"{arch}.attention.head_count", path))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"{path}: partial rotary (rope dims {rope_dim} of head_dim {head_dim}) is not supported")
     scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
     rope_scaling: dict[str, Any] | None = None
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    if scaling_type in ("linear", "yarn"):
+        rope_scaling = {"rope_type": scaling_type, "factor": float(_need(reader, f"{arch}.rope.scaling.factor", path))}
+        if scaling_type == "yarn":
+            original = _need(reader, f"{arch}.rope.scaling.original_context_length", path)
+            rope_scaling["original_max_position_embeddings"] = int(original)
     elif scaling_type not in ("none", None):
-        raise ValueError(f"{path}: rope scaling {scaling_type!r} is not supported (supported: none, linear, llama3)")
+        # llama3 files carry their scaling as the `rope_freqs` tensor, with no scaling type.
+        raise ValueError(f"{path}: rope scaling {scaling_type!r} is not supported (supported: none, linear, yarn)")
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    layers = int(_need(reader, f"{arch}.block_count", path))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaConfig(
+    return entry, LlamaConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # ggml order: [hidden, vocab]
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(_need(reader, f"{arch}.feed_forward_length", path)),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -64,6 +87,8 @@ def read_gguf_config(reader: GGUFReader, path: str) -> LlamaConfig:
         max_position=int(_field(reader, f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        layer_windows=(int(window),) * layers if window else (),
         eos_token_ids=[] if eos is None else [int(eos)],
     )
 
@@ -84,11 +109,10 @@ def load_gguf_model(
     """Quantized blocks span whole rows, so each tensor is dequantized whole and then sliced to this rank's part."""
     path = str(path)
     reader = GGUFFile(path)
-    config = read_gguf_config(reader, path)
-    arch = _field(reader, "general.architecture")
+    arch, config = read_gguf_config(reader, path)
     shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
-    model = build_empty_model(config, dtype, device, shard)
-    names = expand_names(config.num_layers, "gguf")
+    model = build_empty_model(config, dtype, device, shard, arch.model_class)
+    names = expand_names(config, "gguf")
     sink = WeightSink(model, shard)
     for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor", file=sys.stderr):
         if tensor.name in _IGNORED_TENSORS:
@@ -97,7 +121,7 @@ def load_gguf_model(
             continue
         ours = names.get(tensor.name)
         if ours is None:
-            raise KeyError(f"unexpected tensor {tensor.name!r} in {path}; it maps to no llama parameter")
+            raise KeyError(f"unexpected tensor {tensor.name!r} in {path}; it maps to no {arch.name} parameter")
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first; torch's is reverse
         data = tensor.data
         # Quantized blocks run along a row, so a rank that needs whole rows (column-parallel, vocab, KV heads)
@@ -113,7 +137,7 @@ def load_gguf_model(
             raise ValueError(f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
         array = array.reshape(shape)
         # Un-permuting works head by head, so a slice of whole heads un-permutes with its own head count.
-        if _PERMUTED_QK[arch] and ours.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        if arch.gguf_permuted_qk and ours.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             array = unpermute_qk(array, shape[0] // config.head_dim)
         array = np.ascontiguousarray(array, dtype=np.float32)
         if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping

@@ -10,21 +10,43 @@ import torch
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.model.registry import Architecture, hf_architecture
 from ringserve.workers.parallel import TensorParallelShard
 from safetensors import safe_open
 from tqdm import tqdm
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def read_hf_config(folder: Path) -> LlamaConfig:
+def read_hf_config(folder: Path) -> tuple[Architecture, LlamaConfig]:
+    """The architecture entry for the folder's config.json and the model config read from it (refusals name why)."""
+    source = f"{folder}/config.json"
     raw = json.loads((folder / "config.json").read_text())
-    model_type = raw.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{folder}/config.json has model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    return LlamaConfig.from_hf_dict(raw)
+    arch = hf_architecture(raw, source)
+    return arch, arch.read_config(raw, source)
+
+
+def fused_parts(name: str, config: LlamaConfig, fused_names: tuple[str, ...]) -> list[tuple[str, int]]:
+    """A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) -> (our parameter, rows) in checkpoint order;
+    [] for any other name."""
+    prefix, _, last = name.rpartition(".")
+    prefix, _, fused = prefix.rpartition(".")
+    if last != "weight" or fused not in fused_names:
+        return []
+    if fused == "qkv_proj":
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [(f"{prefix}.q_proj.weight", q), (f"{prefix}.k_proj.weight", kv), (f"{prefix}.v_proj.weight", kv)]
+    if fused == "gate_up_proj":
+        width = config.intermediate_size
+        return [(f"{prefix}.gate_proj.weight", width), (f"{prefix}.up_proj.weight", width)]
+    return []
+
+
+def our_name(key: str, arch: Architecture) -> str:
+    for theirs, ours in arch.hf_renames:
+        key = key.replace(theirs, ours)
+    return key
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -50,10 +72,10 @@ def load_hf_model(
 ) -> LlamaForCausalLM:
     """The model, or with world_size > 1 rank `rank`'s tensor-parallel shard of it (reading only that part)."""
     folder = Path(folder)
-    config = read_hf_config(folder)
+    arch, config = read_hf_config(folder)
     shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
-    model = build_empty_model(config, dtype, device, shard)
-    names = expand_names(config.num_layers, "hf")
+    model = build_empty_model(config, dtype, device, shard, arch.model_class)
+    names = expand_names(config, "hf")
     sink = WeightSink(model, shard)
     files = safetensors_files(folder)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]  # memory-mapped
@@ -64,9 +86,16 @@ def load_hf_model(
                 bar.update(1)
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
-                ours = names.get(key)
+                renamed = our_name(key, arch)
+                parts = fused_parts(renamed, config, arch.fused)
+                if parts:
+                    full = handle.get_tensor(key)
+                    for (ours, _), tensor in zip(parts, full.split([rows for _, rows in parts]), strict=True):
+                        sink.assign(ours, tensor, key)
+                    continue
+                ours = names.get(renamed)
                 if ours is None:
-                    raise KeyError(f"unexpected tensor {key!r} in {folder}; it maps to no llama parameter")
+                    raise KeyError(f"unexpected tensor {key!r} in {folder}; it maps to no {arch.name} parameter")
                 if not sink.wants(ours) and ours == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied checkpoints sometimes save the head anyway; the embedding wins
                 if shard is None:

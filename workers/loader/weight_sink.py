@@ -8,11 +8,15 @@ from ringserve.workers.parallel import TensorParallelShard, apply_tensor_paralle
 
 
 def build_empty_model(
-    config: LlamaConfig, dtype: torch.dtype, device: torch.device | str, shard: TensorParallelShard | None = None
+    config: LlamaConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: TensorParallelShard | None = None,
+    model_class: type[LlamaForCausalLM] = LlamaForCausalLM,
 ) -> LlamaForCausalLM:
     """Allocates the model (this rank's shard of it) without random init, since every weight is loaded next."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(shard.local_config() if shard else config)
+        model = model_class(shard.local_config() if shard else config)
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         # to_empty replaces each module's parameter separately, which unties shared weights.

@@ -8,6 +8,9 @@ parallelism), so workers/model/llama.py stays the reference they are tested agai
   projections' one rounding;
 - weights on transparent huge pages (workers/model/hugepages.py);
 - decode steps in bf16 by the one-call native decoder (workers/model/native_decoder.py) where it applies.
+Fusion and the one-call decoder are llama's: layers with q/k norms (Qwen3) or experts (Mixtral, Qwen-MoE) keep their
+plain forward, and a model with sliding-window layers never takes the one-call decoder (`fusable`,
+`NativeDecoder.supports`); the native projections and norms apply to every architecture.
 
 Each fast module is a subclass of the plain one that overrides `forward`; `_become` swaps a module's class in place
 (as torch.nn.utils.parametrize does), so its parameters, state_dict names, forward hooks (tensor parallelism's
@@ -45,12 +48,20 @@ def apply_fast_paths(model: LlamaForCausalLM) -> LlamaForCausalLM:
         elif type(module) is RMSNorm:
             _become(module, NativeRMSNorm)
     for layer in model.model.layers:
+        if not fusable(layer):
+            continue
         _become(layer, FusedDecoderLayer)
         layer.self_attn = FusedAttention.fuse(layer.self_attn, model.model.rotary.cos_sin)
         layer.mlp = FusedMLP.fuse(layer.mlp)
     _place_weights_on_huge_pages(model)
     _become(model, NativeDecodingLlama)
     return model
+
+
+def fusable(layer: LlamaDecoderLayer) -> bool:
+    """Fusion and the native decoder take plain llama layers; a layer with q/k norms (Qwen3) or a mixture of experts
+    keeps its plain forward (its projections and norms still run on the native kernels)."""
+    return type(layer.mlp) is LlamaMLP and not hasattr(layer.self_attn, "q_norm")
 
 
 def _become(module: nn.Module, cls: type[nn.Module]) -> None:
@@ -174,7 +185,7 @@ def _place_weights_on_huge_pages(model: LlamaForCausalLM) -> None:
     fused = [(module, name) for layer in model.model.layers
              for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "qkv_bias"),
                                   (layer.mlp, "gate_up_weight"))
-             if getattr(module, name) is not None]  # fmt: skip
+             if getattr(module, name, None) is not None]  # fmt: skip
 
     def rebind(i: int, tensor: torch.Tensor) -> None:
         if i < len(params):

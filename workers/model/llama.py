@@ -1,21 +1,24 @@
-"""Llama-family decoder over a packed batch with a paged KV cache, in plain PyTorch.
+"""The decoder of the llama family over a packed batch with a paged KV cache, in plain PyTorch.
 
+One config-driven model serves every architecture that is a llama with flags (workers/model/registry.py lists them):
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen where configured),
+RoPE scaling (workers/model/rope.py), and a mixture of experts in place of the MLP (Mixtral, Qwen2/3-MoE).
 The forward takes the flat token ids and positions of every sequence in the step (no padding) and reads the
 step's layout (slot mapping, block tables, which rows produce logits) from the attention metadata.
-Parameter names follow Hugging Face's LlamaForCausalLM so the HF loader maps names one to one.
+Parameter names follow Hugging Face's LlamaForCausalLM / Qwen2MoeForCausalLM, so the loaders map names by table.
 This file is the reference: the fast paths (fused projections, native CPU kernels, the one-call decoder, huge
 pages) are applied to a loaded model from outside by workers/model/fast_paths.py and tested against it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from ringserve.workers.attention import AttentionBackend, get_attention_metadata
+from ringserve.workers.model.rope import rope_frequencies
 from torch import nn
 
 
@@ -30,80 +33,39 @@ class LlamaConfig:
     head_dim: int
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # HF-style dict: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}; None = plain RoPE.
+    # HF-style dict with "rope_type" (workers/model/rope.py: linear, dynamic, llama3, yarn) and its parameters;
+    # None = plain RoPE.
     rope_scaling: dict[str, Any] | None = None
     max_position: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    # One entry per layer: its sliding window, or None for global attention; empty = every layer global.
+    layer_windows: tuple[int | None, ...] = ()
+    # Mixture of experts (SparseMoeBlock): num_experts = 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen-MoE's always-on expert; 0 = none
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # which layers are sparse; empty = all of them
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Reads a Hugging Face config.json (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
-        heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        eos = cfg.get("eos_token_id")
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position=_attended_positions(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and does not write the flag.
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-        )
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (a query sees the last `window` positions, itself included), or None."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """K and V of every layer for one block."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
-
-
-def _attended_positions(cfg: dict[str, Any]) -> int:
-    """Sliding-window attention is not implemented, so a windowed model is only exact up to its window."""
-    limit = int(cfg.get("max_position_embeddings", 4096))
-    window = cfg.get("sliding_window")
-    windowed = cfg.get("use_sliding_window", cfg.get("model_type") == "mistral")
-    return min(limit, int(window)) if windowed and window else limit
-
-
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] with the checkpoint's scaling applied (float32, as HF computes them)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling {kind!r} (supported: none, linear, llama3)")
 
 
 class RotaryStep(NamedTuple):
@@ -130,13 +92,16 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, device: torch.device) -> torch.Tensor:
         """The float32 table [2, max_position, head_dim] of every position's cos and sin."""
         if self._cos_sin is None or self._cos_sin.device != device:
-            inv_freq = rope_inv_freq(self.config)
+            cfg = self.config
+            inv_freq, attention_factor = rope_frequencies(
+                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position
+            )
             if self.freq_factors is not None:
                 inv_freq = inv_freq / self.freq_factors.cpu()
             t = torch.arange(self.config.max_position, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos_sin = torch.stack((emb.cos(), emb.sin())).to(device)
+            self._cos_sin = (torch.stack((emb.cos(), emb.sin())) * attention_factor).to(device)
         return self._cos_sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
@@ -168,7 +133,7 @@ class LlamaAttention(nn.Module):
     """Grouped-query attention: num_heads query heads share num_kv_heads key/value heads, read through the paged KV
     cache by the attention backend with the step's metadata."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         bias = config.attention_bias
@@ -177,6 +142,10 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.window = config.window(layer)
+        if config.qk_norm:  # one weight over head_dim, shared by every head
+            self.q_norm = RMSNorm(self.head_dim, config.rms_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_eps)
         # Bound by LlamaForCausalLM.bind_kv_cache; plain attributes, not buffers, so state_dict stays weights only.
         self.backend: AttentionBackend | None = None
         self.k_cache: torch.Tensor | None = None
@@ -184,8 +153,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryStep) -> torch.Tensor:
         tokens = x.shape[0]
-        q = rotate(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), rope)
-        k = rotate(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), rope)
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, rope), rotate(k, rope)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attend(q, k, v).reshape(tokens, self.num_heads * self.head_dim))
 
@@ -193,29 +165,62 @@ class LlamaAttention(nn.Module):
         """Writes this step's k and v into the cache, then attends causally over each sequence's cached context."""
         if self.k_cache is None or self.v_cache is None or self.backend is None:
             raise RuntimeError("no KV cache bound; call LlamaForCausalLM.bind_kv_cache before the forward pass")
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_attention_metadata(), self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_attention_metadata(), self.scale,
+                                    window=self.window)  # fmt: skip
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then the MLP, each added to the stream it read."""
+class SparseMoeBlock(nn.Module):
+    """Mixture of SwiGLU experts (Mixtral, Qwen2/3-MoE): each token goes to its top-k experts by router softmax,
+    their outputs weighted by those probabilities (renormalised to sum to 1 with norm_topk_prob); Qwen2-MoE adds an
+    always-on shared expert scaled by a sigmoid gate."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():  # only the experts some token chose
+            rows, slot = torch.where(chosen == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then the MLP (or mixture of experts), each added to the stream it read."""
+
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer)
+        dense = not config.is_moe_layer(layer)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size) if dense else SparseMoeBlock(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
 
@@ -233,7 +238,7 @@ class LlamaModel(nn.Module):
         table = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

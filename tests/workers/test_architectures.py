@@ -1,0 +1,118 @@
+"""Every architecture of the registry serves transformers' greedy tokens through the real scheduler and a ModelRunner,
+RoPE scalings equal transformers' tables, and unsupported checkpoints are refused at load naming what they ask for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ringserve.workers.loader import load_hf_model
+from ringserve.workers.model.registry import ARCHITECTURES
+from ringserve.workers.model.rope import rope_frequencies
+from ringserve.workers.model_runner import ModelRunner
+from transformers import LlamaConfig as HfLlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from workers_testkit import hf_greedy, save_tiny_hf_model, serve_in_process
+
+BLOCK = 4
+# One variant per kind of difference from llama: dense with RoPE scaling, bias, q/k norm, fused checkpoint
+# tensors, sliding windows (every layer, and mixed with global layers), experts with and without a shared one.
+ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "mistral_sliding_window",
+                         "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe")  # fmt: skip
+PROMPTS = [[5, 9, 200, 3, 17, 8, 44, 61, 90, 12, 7, 33, 150, 2, 99, 64, 31], [250, 1, 2], list(range(30, 52))]
+NEW_TOKENS = 32
+
+
+@pytest.mark.parametrize("variant", ARCHITECTURE_VARIANTS)
+def test_chunked_prefill_and_greedy_decode_equal_transformers(tmp_path: Path, variant: str) -> None:
+    """Prefill chunks of 8 tokens (the windows are 8 long, so chunks cross window boundaries mid-prompt) batched
+    with other requests' decodes, then 32 greedy tokens each, through the C++ scheduler and the fast paths."""
+    hf = save_tiny_hf_model(variant, tmp_path)
+    runner = ModelRunner(load_hf_model(tmp_path, torch.float32), block_size=BLOCK, num_kv_blocks=64)
+    requests = [
+        {"request_id": i + 1, "prompt_token_ids": p, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+        for i, p in enumerate(PROMPTS)
+    ]
+    got, _ = serve_in_process(runner, requests, num_blocks=64, block_size=BLOCK, max_num_batched_tokens=8)
+    for i, prompt in enumerate(PROMPTS):
+        assert got[i + 1] == hf_greedy(hf, prompt, NEW_TOKENS), f"{variant}: prompt {i}"
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 512},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "beta_fast": 16, "beta_slow": 2,
+         "mscale": 1.0, "mscale_all_dim": 0.5},
+    ],
+    ids=lambda s: s["rope_type"],
+)  # fmt: skip
+def test_rope_scaling_equals_transformers(scaling: dict) -> None:
+    hf = HfLlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=2048,
+                       rope_scaling={**scaling, "rope_theta": 500000.0})  # fmt: skip
+    want, want_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    got, factor = rope_frequencies(64, 500000.0, scaling, 2048)
+    torch.testing.assert_close(got, want.float(), atol=0, rtol=1e-6)
+    assert factor == pytest.approx(want_factor)
+
+
+def write_config(folder: Path, **changes: object) -> None:
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: Path) -> None:
+    save_tiny_hf_model("llama", tmp_path)
+    write_config(tmp_path, architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
+    with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM is not supported \(supported: .*Qwen3MoeForCausalLM"):
+        load_hf_model(tmp_path, torch.float32)
+
+
+def test_a_missing_config_field_is_named(tmp_path: Path) -> None:
+    save_tiny_hf_model("qwen3", tmp_path)
+    write_config(tmp_path, num_attention_heads=None)
+    with pytest.raises(ValueError, match=r"config.json is missing 'num_attention_heads'"):
+        load_hf_model(tmp_path, torch.float32)
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path: Path) -> None:
+    save_tiny_hf_model("llama", tmp_path)
+    write_config(tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quantization 'gptq' is not supported \(supported: unquantized"):
+        load_hf_model(tmp_path, torch.float32)
+
+
+def test_an_unsupported_rope_scaling_is_refused(tmp_path: Path) -> None:
+    save_tiny_hf_model("phi3", tmp_path)
+    write_config(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0]})
+    with pytest.raises(ValueError, match=r"rope scaling 'longrope' is not supported \(supported: default, linear"):
+        load_hf_model(tmp_path, torch.float32)
+
+
+def test_the_registry_names_each_architecture_once() -> None:
+    names = [n for arch in ARCHITECTURES for n in arch.hf_architectures]
+    assert len(names) == len(set(names))
+    gguf = [arch.gguf_name for arch in ARCHITECTURES if arch.gguf_name]
+    assert len(gguf) == len(set(gguf))
+
+
+def test_an_unsupported_activation_or_mlp_bias_is_refused(tmp_path: Path) -> None:
+    save_tiny_hf_model("mistral", tmp_path)
+    write_config(tmp_path, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match=r"hidden_act 'gelu_pytorch_tanh' is not supported .*\(supported: silu\)"):
+        load_hf_model(tmp_path, torch.float32)
+    write_config(tmp_path, hidden_act="silu", mlp_bias=True)
+    with pytest.raises(ValueError, match=r"mlp_bias is not supported"):
+        load_hf_model(tmp_path, torch.float32)
