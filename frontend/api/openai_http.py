@@ -186,23 +186,23 @@ class EventStream(Response):
         self._rest = rest
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        async def body(data: bytes, more: bool = True) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": more})
+
         async with contextlib.aclosing(self._rest) as rest:
             try:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 async with cancelled_on_disconnect(receive):
-                    await send({"type": "http.response.body", "body": self._first, "more_body": True})
+                    await body(self._first)
                     async for event in rest:
-                        await send({"type": "http.response.body", "body": event, "more_body": True})
+                        await body(event)
+                await body(b"", more=False)
             except (ClientGone, OSError):  # uvicorn raises an OSError when sending to a closed connection
                 return
-            except ApiError as error:  # e.g. the engine failed, or the drain's grace period ended
-                await send({"type": "http.response.body", "body": sse(json.dumps(error.body())) + DONE,
-                            "more_body": True})
-            except Exception as exc:
-                error = _internal_error(exc)
-                await send({"type": "http.response.body", "body": sse(json.dumps(error.body())) + DONE,
-                            "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception as exc:  # ApiError: the engine failed, or the drain's grace period ended
+                error = exc if isinstance(exc, ApiError) else _internal_error(exc)
+                with contextlib.suppress(OSError):
+                    await body(sse(json.dumps(error.body())) + DONE, more=False)
 
 
 def _internal_error(exc: BaseException) -> ApiError:
@@ -332,6 +332,9 @@ class OpenAIApi:
         try:  # the first chunk before the headers: a refusal (bad field, queue full, draining) is still a status
             async with cancelled_on_disconnect(request.receive):
                 prompt, response = await anext(responses)
+        except ClientGone:
+            await responses.aclose()
+            return Response(status_code=499)
         except BaseException:
             await responses.aclose()
             raise

@@ -7,7 +7,6 @@ the errors the shared validation (api/validation.py) raises with the `ringserve.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -128,9 +127,11 @@ def parse_body(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
             f"a JSON {type(value).__name__}"
         raise invalid("", f"the request body must be a JSON object; it is {what}")
     _refuse_unsupported(value, UNSUPPORTED_FIELDS, "")
-    for index, message in enumerate(value.get("messages") or ()):
+    messages = value.get("messages")
+    for index, message in enumerate(messages if isinstance(messages, list) else ()):
         if isinstance(message, dict):
             _refuse_unsupported(message, UNSUPPORTED_MESSAGE_FIELDS, f"messages[{index}].")
+            _refuse_non_text_parts(message.get("content"), f"messages[{index}].content")
     try:
         return model.model_validate(value)
     except pydantic.ValidationError as exc:
@@ -149,9 +150,19 @@ def _refuse_unsupported(body: dict[str, Any], unsupported: Mapping[str, str], wh
                             "implemented); remove the field", f"{where}{name}", "unsupported_field")  # fmt: skip
 
 
+def _refuse_non_text_parts(content: Any, where: str) -> None:
+    for index, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ApiError(400, f"{where}[{index}].type: content parts of type {kind!r} are not supported by this "
+                                "server (only text)", f"{where}[{index}].type", "unsupported_field")  # fmt: skip
+
+
 def _validation_error(exc: pydantic.ValidationError) -> ApiError:
     error = exc.errors(include_url=False)[0]
-    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    # A union's errors name the member tried (`str`, `list[TextPart]`) in the location: not a field.
+    loc = [part for part in error["loc"] if isinstance(part, int) or not _is_type_tag(part)]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
     if error["type"] == "extra_forbidden":
         return ApiError(400, f"unknown field {param!r}; see docs/apis.md for the fields this server accepts", param,
                         "unknown_field")  # fmt: skip
@@ -160,6 +171,10 @@ def _validation_error(exc: pydantic.ValidationError) -> ApiError:
     shown = repr(error.get("input"))
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return invalid(param, f"{param}: {error['msg']} (got {shown})")
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "none", "function-after", "literal")
 
 
 # -- into GenerateRequests ------------------------------------------------------------------------------------------
@@ -259,8 +274,3 @@ def _set(message: Any, field: str, value: Any, name: str) -> None:
         shown = f"an integer of {len(str(value))} digits" if isinstance(value, int) and value > 10**30 else value
         raise invalid(name, f"{name}: {shown} is out of range") from None
 
-
-def shown_json(value: Any) -> str:
-    """A value as an error message quotes it (JSON, at most 60 characters)."""
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
