@@ -3,20 +3,23 @@ disconnects, the waiting queue, draining, API keys, the body size limit, tracepa
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
+import trustme
 from frontend_testkit import COMPLETION, CONTEXT_LENGTH, MODEL, ScriptedEngine, completion_chunks, until
 from observed_engine import TimedEngine
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from ringserve.frontend.api.security import ServerSecurity
+from ringserve.frontend.api.security import ServerSecurity, add_server_security_arguments
 from ringserve.frontend.api.server import FrontendServer, build_server
 from ringserve.frontend.observability.metrics import ServingMetrics
 from ringserve.frontend.observability.tracing import RequestTracer, TracingSettings, span_limits
@@ -349,3 +352,33 @@ async def test_traceparent_joins_the_trace_and_metrics_count_the_api(tiny_tokeni
     finally:
         await http.client.aclose()
         await http.server.stop(grace=None)
+
+
+async def test_mutual_tls_settings_are_the_grpc_ports(tiny_tokenizer: ModelTokenizer, tmp_path) -> None:
+    server_ca, client_ca = trustme.CA(), trustme.CA()
+    leaf, client_leaf = server_ca.issue_cert("127.0.0.1"), client_ca.issue_cert("client.example")
+    files = {"ca.pem": server_ca.cert_pem.bytes(), "server.pem": leaf.private_key_and_cert_chain_pem.bytes(),
+             "client-ca.pem": client_ca.cert_pem.bytes(),
+             "client.pem": client_leaf.private_key_and_cert_chain_pem.bytes()}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    flags = ["--tls-cert-file", str(tmp_path / "server.pem"), "--tls-key-file", str(tmp_path / "server.pem"),
+             "--tls-client-ca-file", str(tmp_path / "client-ca.pem")]
+    parser = argparse.ArgumentParser()
+    add_server_security_arguments(parser)
+    security = ServerSecurity.from_args(parser.parse_args(flags))
+    served = await start_http(tiny_tokenizer, ScriptedEngine(completion_chunks(tiny_tokenizer)), security)
+    url = str(served.client.base_url).replace("http://", "https://")
+    try:
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        async with httpx.AsyncClient(verify=context, timeout=10) as stranger:
+            with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
+                await stranger.get(f"{url}/health")
+        context.load_cert_chain(str(tmp_path / "client.pem"))
+        async with httpx.AsyncClient(verify=context, timeout=10) as client:
+            assert (await client.get(f"{url}/health")).status_code == 200
+            reply = await client.post(f"{url}/v1/completions", json={"prompt": "hi"})
+            assert reply.json()["choices"][0]["text"] == COMPLETION
+    finally:
+        await served.client.aclose()
+        await served.server.stop(grace=None)
