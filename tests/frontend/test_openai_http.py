@@ -382,3 +382,19 @@ async def test_mutual_tls_settings_are_the_grpc_ports(tiny_tokenizer: ModelToken
     finally:
         await served.client.aclose()
         await served.server.stop(grace=None)
+
+
+def test_the_http_port_flag_reads_its_variable_and_refuses_a_taken_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringserve.frontend.launcher import add_serve_arguments, check_serve_arguments
+
+    def parsed(*flags: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        return parser.parse_args(list(flags))
+
+    assert parsed().http_port == 0  # off by default
+    assert check_serve_arguments(parsed("--http-port", "8000")) is None
+    assert "--http-port" in (check_serve_arguments(parsed("--http-port", "50051")) or "")  # the gRPC port
+    assert "--http-port" in (check_serve_arguments(parsed("--http-port", "70000")) or "")
+    monkeypatch.setenv("RINGSERVE_HTTP_PORT", "8001")
+    assert parsed().http_port == 8001
