@@ -266,11 +266,11 @@ class OpenAIApi:
         generate = chat_request(body, request_id)
         servicer = self._servicer(generate.model)
         meta = RequestMeta(request_id, generate.model or self._default_model(), generate.sampling.n or 1)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        output = ChatFormat(Choices(meta, 1), self._token_texts(servicer), body.logprobs, include_usage)
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+        output = ChatFormat(Choices(meta, 1), self._token_texts(servicer), bool(body.logprobs), include_usage)
         renames = CHAT_RENAMES if body.max_completion_tokens is None else {
             **CHAT_RENAMES, "sampling.max_tokens": "max_completion_tokens"}
-        return await self._respond(request, [generate], output, body.stream, renames)
+        return await self._respond(request, [generate], output, bool(body.stream), renames)
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = parse_body(await self._body(request), CompletionRequest)
@@ -279,10 +279,10 @@ class OpenAIApi:
         servicer = self._servicer(generates[0].model)
         meta = RequestMeta(request_id, generates[0].model or self._default_model(), generates[0].sampling.n or 1)
         echoed = [self._prompt_text(servicer, g) for g in generates] if body.echo else None
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
         output = CompletionFormat(Choices(meta, len(generates)), self._token_texts(servicer),
                                   body.logprobs is not None, include_usage, echoed)  # fmt: skip
-        return await self._respond(request, generates, output, body.stream)
+        return await self._respond(request, generates, output, bool(body.stream))
 
     async def tokenize(self, request: Request) -> Response:
         body: TokenizeRequest = parse_body(await self._body(request), TokenizeRequest)

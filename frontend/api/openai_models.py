@@ -33,11 +33,13 @@ UNSUPPORTED_MESSAGE_FIELDS: dict[str, str] = {
 
 
 class _Request(BaseModel):
+    """Every field is optional (null = its default, as some clients send every field) except the input."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class SamplingFields(_Request):
@@ -52,7 +54,7 @@ class SamplingFields(_Request):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted as OpenAI does; it has no effect on generation
     # vLLM's extra sampling fields
@@ -82,7 +84,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
 
@@ -90,7 +92,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Any  # a string, a list of strings, a list of token ids or a list of such lists
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
 
 
 class TokenizeRequest(_Request):

@@ -398,3 +398,12 @@ def test_the_http_port_flag_reads_its_variable_and_refuses_a_taken_port(monkeypa
     assert "--http-port" in (check_serve_arguments(parsed("--http-port", "70000")) or "")
     monkeypatch.setenv("RINGSERVE_HTTP_PORT", "8001")
     assert parsed().http_port == 8001
+
+
+async def test_null_fields_mean_their_defaults(http: Http) -> None:
+    nulls = {name: None for name in ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
+                                     "stream_options", "logprobs", "top_logprobs", "user", "tools", "logit_bias",
+                                     "response_format")}  # fmt: skip
+    response = await http.post("/v1/chat/completions", {**CHAT, **nulls})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == COMPLETION
