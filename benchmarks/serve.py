@@ -13,11 +13,19 @@ for the engine to go idle and reports any KV block still held as `blocks_leaked`
     python benchmarks/serve.py --request-rate 4 --duration 30
     python benchmarks/serve.py --quick                      # under a minute, server start included
     python benchmarks/serve.py --target 10.0.0.5:50051 --tls-ca-file ca.pem --api-key KEY
+    python benchmarks/serve.py --api ringserve,openai       # the front doors on the same load, one after the other
+
+`--api` picks the front doors to load, each in its own phase on the same server with the same seeded requests (a
+cache salt per phase keeps one phase's prompts out of the next one's prefix cache): `ringserve` streams
+ringserve.v1 Generate over gRPC, `openai` streams POST /v1/completions (token-id prompts, SSE) over HTTP/1.1.
 
 The last line of output is one JSON object: request_throughput (completed requests/s), output_tok_s (tokens streamed
 to clients, cancelled streams included, per second), ttft_ms and itl_ms ({mean, median, p99}; inter-token latency is
 the gap between consecutive streamed messages that carry tokens), completed, cancelled (streams this script cancelled
-on purpose), errors (anything else that failed) with error_codes, blocks_leaked, and the baseline.
+on purpose), errors (anything else that failed) with error_codes, blocks_leaked, and the baseline, all of the first
+API's phase; then per API `<api>_output_tok_s`, `<api>_ttft_ms_median` and `<api>_frontend_cpu_us_per_token` (CPU
+time of the frontend process per streamed token, when this script started the server), and `apis` with each
+phase's full figures.
 """
 
 from __future__ import annotations
@@ -36,11 +44,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.frontend.api.security import ChannelSecurity, add_channel_security_arguments, channel_security_from_args
@@ -120,16 +129,16 @@ class Workload:
             index += 1
 
 
-def generate_request(plan: RequestPlan) -> pb.GenerateRequest:
+def generate_request(plan: RequestPlan, salt: str = "") -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=f"bench-{plan.index}", token_ids=pb.TokenIds(ids=plan.prompt_ids),
                               sampling=pb.SamplingParams(max_tokens=plan.max_tokens, temperature=1.0, seed=plan.index,
-                                                         ignore_eos=True))  # fmt: skip
+                                                         ignore_eos=True), cache_salt=salt)  # fmt: skip
 
 
-async def stream(stub: pb_grpc.GenerationStub, plan: RequestPlan, timeout_s: float) -> StreamResult:
+async def stream(stub: pb_grpc.GenerationStub, plan: RequestPlan, timeout_s: float, salt: str = "") -> StreamResult:
     result = StreamResult()
     start = time.perf_counter()
-    call = stub.Generate(generate_request(plan), timeout=timeout_s)
+    call = stub.Generate(generate_request(plan, salt), timeout=timeout_s)
     cancelled = False
     try:
         if plan.cancel_after == 0:  # gone before the first token: queued, prefilling, or just admitted
@@ -168,6 +177,57 @@ async def stream(stub: pb_grpc.GenerationStub, plan: RequestPlan, timeout_s: flo
     return result
 
 
+async def stream_openai(client: httpx.AsyncClient, plan: RequestPlan, timeout_s: float, salt: str) -> StreamResult:
+    """The plan as a streamed OpenAI text completion: one SSE chunk per engine output, as Generate's messages."""
+    result = StreamResult()
+    body = {"prompt": plan.prompt_ids, "max_tokens": plan.max_tokens, "temperature": 1.0, "seed": plan.index,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+    start = time.perf_counter()
+    try:
+        async with contextlib.AsyncExitStack() as scope:
+            if plan.cancel_after == 0:  # gone before the first token: queued, prefilling, or just admitted
+                await scope.enter_async_context(asyncio.timeout(plan.cancel_delay_s))
+            response = await scope.enter_async_context(
+                client.stream("POST", "/v1/completions", json=body, timeout=timeout_s))
+            if response.status_code != 200:
+                result.outcome, result.error = "error", f"HTTP {response.status_code}"
+                return result
+            last, finished = start, False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                if '"finish_reason":null' not in line:  # the last chunk, the usage chunk or an error: parse it
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        result.outcome, result.error = "error", str(chunk["error"].get("code"))
+                        return result
+                    if chunk.get("usage"):
+                        result.tokens = chunk["usage"]["completion_tokens"]
+                        continue
+                    finished = True
+                    if chunk["choices"][0]["finish_reason"] == "abort":
+                        result.outcome, result.error = "error", "finish_reason abort"
+                now = time.perf_counter()
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+                result.tokens += 1  # one token per chunk until the usage chunk says how many there were
+                if plan.cancel_after is not None and result.tokens >= plan.cancel_after and not finished:
+                    result.outcome = "cancelled"  # leaving the block closes the connection: the server aborts
+                    return result
+            if not finished:
+                result.outcome, result.error = "error", "the stream ended without a finish_reason"
+    except TimeoutError:
+        result.outcome = "cancelled"
+    except httpx.HTTPError as error:
+        result.outcome, result.error = "error", type(error).__name__
+    return result
+
+
 def summary(values_s: list[float]) -> dict[str, float | None]:
     if not values_s:
         return {"mean": None, "median": None, "p99": None}
@@ -176,11 +236,15 @@ def summary(values_s: list[float]) -> dict[str, float | None]:
             "p99": round(float(np.percentile(ms, 99)), 3)}
 
 
+Streamer = Callable[[RequestPlan], Awaitable[StreamResult]]
+APIS = ("ringserve", "openai")
+
+
 class LoadRun:
     """Drives the load and accumulates what the streams saw."""
 
-    def __init__(self, stub: pb_grpc.GenerationStub, args: argparse.Namespace, workload: Workload) -> None:
-        self.stub = stub
+    def __init__(self, streamer: Streamer, args: argparse.Namespace, workload: Workload) -> None:
+        self.streamer = streamer
         self.args = args
         self.plans = workload.plans()
         self.results: list[StreamResult] = []
@@ -188,7 +252,7 @@ class LoadRun:
                         dynamic_ncols=True)  # fmt: skip
 
     async def one(self) -> None:
-        result = await stream(self.stub, next(self.plans), self.args.request_timeout)
+        result = await self.streamer(next(self.plans))
         self.results.append(result)
         self.bar.update(1)
         if result.outcome == "error" and sum(r.outcome == "error" for r in self.results) <= 5:
@@ -264,12 +328,21 @@ async def wait_serving(address: str, security: ChannelSecurity, proc: subprocess
     raise RuntimeError(f"{address} is not SERVING after {timeout_s:.0f} s")
 
 
+@dataclass(frozen=True)
+class Target:
+    address: str  # gRPC host:port
+    http_url: str  # the OpenAI-compatible API's base URL ("" = not served)
+    pid: int | None  # the frontend process, when this script started it
+
+
 @contextlib.asynccontextmanager
-async def server_for(args: argparse.Namespace, security: ChannelSecurity) -> AsyncIterator[str]:
-    """The address to load: --target as given, or a server this script starts (and stops) on a free port."""
+async def server_for(args: argparse.Namespace, security: ChannelSecurity) -> AsyncIterator[Target]:
+    """The server to load: --target (and --http-target) as given, or a server this script starts (and stops) on free
+    ports, with the HTTP API when an --api needs it."""
     if args.target:
         await wait_serving(args.target, security, None, 30.0)
-        yield args.target
+        scheme = "https" if security.uses_tls else "http"
+        yield Target(args.target, f"{scheme}://{args.http_target}" if args.http_target else "", None)
         return
     model = args.model
     if not model:
@@ -282,6 +355,11 @@ async def server_for(args: argparse.Namespace, security: ChannelSecurity) -> Asy
            "--model", model, "--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs), *args.server_arg]  # fmt: skip
     if args.num_kv_blocks:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    http_url = ""
+    if "openai" in args.api:
+        http_port = free_port()
+        cmd += ["--http-port", str(http_port)]
+        http_url = f"http://127.0.0.1:{http_port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}  # only the flags configure it
     with tempfile.TemporaryDirectory(prefix="ringserve-serve-bench-") as log_dir:
         log_path = Path(log_dir) / "server.log"
@@ -290,7 +368,7 @@ async def server_for(args: argparse.Namespace, security: ChannelSecurity) -> Asy
         progress(f"starting a server: {' '.join(cmd[3:])}")
         try:
             await wait_serving(f"127.0.0.1:{port}", security, proc, args.server_start_timeout, log_path)
-            yield f"127.0.0.1:{port}"
+            yield Target(f"127.0.0.1:{port}", http_url, proc.pid)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -304,38 +382,115 @@ async def server_for(args: argparse.Namespace, security: ChannelSecurity) -> Asy
                 progress(f"the server exited with {code}; its log:\n{log_text[-3000:]}")
 
 
+def frontend_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) the frontend process has used; None when unknown (a --target server)."""
+    if pid is None:
+        return None
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+@contextlib.asynccontextmanager
+async def streamer_for(api: str, target: Target, stub: pb_grpc.GenerationStub, args: argparse.Namespace,
+                       security: ChannelSecurity) -> AsyncIterator[Streamer]:  # fmt: skip
+    """How one request of the plan is streamed through `api`; each phase salts its prompts' prefix-cache blocks."""
+    salt = f"bench-{api}"
+    if api == "ringserve":
+        yield lambda plan: stream(stub, plan, args.request_timeout, salt)
+        return
+    if not target.http_url:
+        raise SystemExit("--api openai needs the server's HTTP port: --http-target host:port with --target")
+    headers = {"authorization": f"Bearer {security.api_key}"} if security.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(args.concurrency, 1) * 2)
+    cert = (security.cert_file, security.key_file) if security.cert_file else None
+    async with httpx.AsyncClient(base_url=target.http_url, headers=headers, limits=limits, timeout=None,
+                                 verify=security.ca_file or True, cert=cert) as client:  # fmt: skip
+        yield lambda plan: stream_openai(client, plan, args.request_timeout, salt)
+
+
 # -- main ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    """One API's share of the run: its baseline, then what its load rounds saw."""
+
+    api: str
+    streamer: Streamer
+    baseline: list[StreamResult] = field(default_factory=list)
+    results: list[StreamResult] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    cpu_s: float | None = 0.0
+    stats: pb.EngineStats | None = None
+    idle: bool = True
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     security = channel_security_from_args(args)
-    async with server_for(args, security) as address:
+    async with server_for(args, security) as target, contextlib.AsyncExitStack() as streamers:
         options = [("grpc.max_receive_message_length", -1)]
-        async with open_channel(address, security, options) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            corpus = list((await stub.Tokenize(pb.TokenizeRequest(text=PROSE, add_special_tokens=False),
-                                               timeout=30)).token_ids)  # fmt: skip
-            info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+        channel = await streamers.enter_async_context(open_channel(target.address, security, options))
+        stub = pb_grpc.GenerationStub(channel)
+        corpus = list((await stub.Tokenize(pb.TokenizeRequest(text=PROSE, add_special_tokens=False),
+                                           timeout=30)).token_ids)  # fmt: skip
+        info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+        phases = [Phase(api, await streamers.enter_async_context(streamer_for(api, target, stub, args, security)))
+                  for api in args.api]  # fmt: skip
+        # Baseline: the same kind of requests, one at a time, on the same server (also warms it up).
+        baseline_args = argparse.Namespace(**{**vars(args), "cancel_fraction": 0.0, "len_dist": "fixed"})
+        for phase in phases:
+            plans = Workload(baseline_args, corpus).plans()
+            phase.baseline = [await phase.streamer(next(plans)) for _ in range(args.baseline_requests)]
+        # Rounds alternate the APIs' order, so a drift in the machine's speed falls on every API alike.
+        for round_index in range(args.rounds):
+            for phase in phases if round_index % 2 == 0 else reversed(phases):
+                progress(f"round {round_index + 1}/{args.rounds}: {args.duration / args.rounds:.0f} s of "
+                         f"{phase.api} load")  # fmt: skip
+                round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + round_index})
+                await load_round(phase, target, stub, round_args, corpus)
+    result: dict[str, object] = {"benchmark": "serve", "model": info.model}
+    figures = {phase.api: phase_figures(phase, args) for phase in phases}
+    result.update(figures[args.api[0]])
+    for api, phase_result in figures.items():
+        result[f"{api}_output_tok_s"] = phase_result["output_tok_s"]
+        result[f"{api}_ttft_ms_median"] = phase_result["ttft_ms"]["median"]  # type: ignore[index]
+        result[f"{api}_frontend_cpu_us_per_token"] = phase_result["frontend_cpu_us_per_token"]
+    if "ringserve" in figures:
+        base = figures["ringserve"]["output_tok_s"]
+        for api in figures.keys() - {"ringserve"}:
+            result[f"{api}_vs_ringserve_output_tok_s"] = round(figures[api]["output_tok_s"] / base, 3) if base else None
+    result["apis"] = figures
+    result["errors"] = sum(phase_result["errors"] for phase_result in figures.values())  # type: ignore[misc]
+    result["blocks_leaked"] = max(phase_result["blocks_leaked"] for phase_result in figures.values())  # type: ignore
+    return result
 
-            # Baseline: the same kind of requests, one at a time, on the same server (also warms it up).
-            baseline_args = argparse.Namespace(**{**vars(args), "cancel_fraction": 0.0, "len_dist": "fixed"})
-            baseline_plans = Workload(baseline_args, corpus).plans()
-            baseline = [await stream(stub, next(baseline_plans), args.request_timeout)
-                        for _ in range(args.baseline_requests)]  # fmt: skip
-            progress(f"baseline: {len(baseline)} requests one at a time; now {args.duration:.0f} s of load")
 
-            load = LoadRun(stub, args, Workload(args, corpus))
-            start = time.perf_counter()
-            deadline = start + args.duration
-            if args.request_rate:
-                await load.open_loop(deadline)
-            else:
-                await load.closed_loop(deadline)
-            elapsed = time.perf_counter() - start
-            load.bar.close()
-            stats, idle = await engine_idle_stats(stub, args.idle_timeout)
+async def load_round(phase: Phase, target: Target, stub: pb_grpc.GenerationStub, args: argparse.Namespace,
+                     corpus: list[int]) -> None:  # fmt: skip
+    """--duration / --rounds seconds of this phase's API under the load, then until the engine is idle again."""
+    load = LoadRun(phase.streamer, args, Workload(args, corpus))
+    cpu_before = frontend_cpu_s(target.pid)
+    start = time.perf_counter()
+    deadline = start + args.duration / args.rounds
+    if args.request_rate:
+        await load.open_loop(deadline)
+    else:
+        await load.closed_loop(deadline)
+    phase.elapsed_s += time.perf_counter() - start
+    cpu_after = frontend_cpu_s(target.pid)
+    phase.cpu_s = None if cpu_before is None or cpu_after is None or phase.cpu_s is None else \
+        phase.cpu_s + cpu_after - cpu_before
+    load.bar.close()
+    phase.results += load.results
+    phase.stats, idle = await engine_idle_stats(stub, args.idle_timeout)
+    phase.idle = phase.idle and idle
 
-    results = load.results
+
+def phase_figures(phase: Phase, args: argparse.Namespace) -> dict[str, object]:
+    results, baseline, elapsed, stats = phase.results, phase.baseline, phase.elapsed_s, phase.stats
+    assert stats is not None
     outcomes = Counter(r.outcome for r in results)
     tokens = sum(r.tokens for r in results)
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
@@ -344,11 +499,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     base_gaps = [gap for r in baseline for gap in r.gaps_s]
     itl = summary(gaps)
     base_itl = summary(base_gaps)
+    cpu_per_token = round(phase.cpu_s / tokens * 1e6, 1) if phase.cpu_s is not None and tokens else None
     return {
-        "benchmark": "serve",
-        "model": info.model,
+        "api": phase.api,
         "mode": f"poisson {args.request_rate}/s" if args.request_rate else f"concurrency {args.concurrency}",
         "duration_s": args.duration,
+        "rounds": args.rounds,
         "elapsed_s": round(elapsed, 2),
         "request_throughput": round(outcomes["completed"] / elapsed, 3),
         "output_tok_s": round(tokens / elapsed, 2),
@@ -359,8 +515,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "errors": outcomes["error"],
         "error_codes": dict(Counter(r.error for r in results if r.outcome == "error")),
         "output_tokens": tokens,
+        "frontend_cpu_us_per_token": cpu_per_token,
         "blocks_leaked": stats.total_kv_blocks - stats.free_kv_blocks,
-        "engine_idle": idle,
+        "engine_idle": phase.idle,
         "num_preemptions": stats.num_preemptions,
         "baseline": {"requests": len(baseline), "ttft_ms": summary(base_ttft), "itl_ms": base_itl},
         "itl_median_vs_baseline": round(itl["median"] / base_itl["median"], 3)
@@ -393,10 +550,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one stream (s)")
     load.add_argument("--idle-timeout", type=float, default=60.0,
                       help="seconds to wait after the load for the engine to go idle before counting blocks")
+    load.add_argument("--api", type=lambda text: [api.strip() for api in text.split(",")], default=["ringserve"],
+                      help="front doors to load, comma-separated, each in its own phase: " + ", ".join(APIS))
+    load.add_argument("--rounds", type=int, default=1,
+                      help="split --duration into this many rounds per API, alternating the APIs' order")
     load.add_argument("--quick", action="store_true", help="a short run: under a minute with the server start")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
     server = parser.add_argument_group("server (ignored with --target)")
     server.add_argument("--target", default="", help="host:port of a running server; default: start one")
+    server.add_argument("--http-target", default="", help="host:port of --target's HTTP API (for --api openai)")
     server.add_argument("--model", default="", help="model to serve (default: the embedded SmolLM2-135M-Instruct)")
     server.add_argument("--dtype", default="float32")
     server.add_argument("--max-num-seqs", type=int, default=0, help="default: --concurrency (at least 8)")
@@ -414,6 +576,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.baseline_requests = min(args.baseline_requests, 2)
     if args.request_rate < 0 or args.concurrency < (0 if args.request_rate else 1):
         parser.error("--request-rate must be >= 0 and --concurrency >= 1 (or 0 with a --request-rate: unbounded)")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if not args.api or set(args.api) - set(APIS) or len(set(args.api)) != len(args.api):
+        parser.error(f"--api takes distinct names among {', '.join(APIS)}, comma-separated")
     if not 0.0 <= args.cancel_fraction <= 1.0:
         parser.error("--cancel-fraction must be in [0, 1]")
     if min(args.input_len, args.output_len) < 1 or args.duration <= 0:

@@ -55,6 +55,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     flag("--host", "127.0.0.1", str, "address to listen on (default %(default)s)")
     flag("--port", 50051, int, "gRPC port (default %(default)s)")
+    flag("--http-port", 0, int,
+         "serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+         "/tokenize, /detokenize) on this port, with the gRPC port's TLS and API keys; 0 = off (default)")
     flag("--model", EMBEDDED_MODEL_NAME, str,
          "a .gguf file, a Hugging Face folder, or the embedded model's name (default %(default)s)")
     flag("--served-model-name", "", str, "name clients use in GenerateRequest.model (default: from --model)")
@@ -158,6 +161,9 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
         serve_engine_args(args)
     except ValueError as error:
         return str(error)
+    if not 0 <= args.http_port <= 65535 or (args.http_port and args.http_port in (args.port, args.metrics_port)):
+        return (f"--http-port must be a free port in 1..65535 other than --port and --metrics-port, or 0 (off); got "
+                f"{args.http_port}")
     if args.max_waiting_requests < 0:
         return f"--max-waiting-requests must be >= 0 (0 = unbounded; got {args.max_waiting_requests})"
     if args.role != "both" and kv_transfer_backend(args) == "none":
@@ -393,11 +399,16 @@ async def serve_until_stopped(args: argparse.Namespace, specs: list[ModelSpec], 
     manager = ModelManager(catalog, launcher.load, drain_s=args.shutdown_grace,
                            runtime_changes=args.model_management)
     server = build_catalog_server(manager, args.host, args.port, security=security)
+    if args.http_port:
+        server.add_http(args.host, args.http_port, security)
     disaggregation = add_disaggregation(server, args)
     server.starting = True
     try:
         await server.start()  # health answers NOT_SERVING while the models load
         log.info("gRPC port %d: %s", server.port, (security or ServerSecurity()).describe())
+        if server.http is not None:
+            log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if server.http.tls else "http",
+                     args.host, server.http.port)  # fmt: skip
         for spec in specs:
             registration = asyncio.create_task(manager.register(spec))
             await asyncio.wait({registration, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

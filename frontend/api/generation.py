@@ -77,6 +77,15 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
     raise AssertionError("context.abort returned")  # it always raises; this keeps type checkers honest
 
 
+async def _refuse(context: grpc.aio.ServicerContext, rejection: RequestError) -> NoReturn:
+    """Refuse a request: gRPC answers its status; an HTTP front door's call context (it has `refuse`) takes the
+    RequestError whole, so its answer can name the field in its own API's terms."""
+    refuse = getattr(context, "refuse", None)
+    if refuse is not None:
+        await refuse(rejection)
+    await _abort(context, rejection.code, rejection.message)
+
+
 @dataclass(eq=False)
 class _Sample:
     """One of a Generate request's n completions: its engine request and its streamed text."""
@@ -201,6 +210,10 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
         self._long_tokenizations = asyncio.Semaphore(_MAX_LONG_TOKENIZATIONS)
 
     @property
+    def tokenizer(self) -> ModelTokenizer:
+        return self._tokenizer
+
+    @property
     def num_waiting(self) -> int:
         """Engine requests admitted (or reserved for n > 1) that have had no engine output yet."""
         return self._num_waiting
@@ -237,7 +250,7 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
             if timeline is not None:
                 timeline.fail(rejection.code, rejection)
                 self.close_timeline(timeline)
-            await _abort(context, rejection.code, rejection.message)
+            await _refuse(context, rejection)
         request_id = request.request_id or uuid.uuid4().hex
         if timeline is not None:
             timeline.request_id = request_id
@@ -391,7 +404,7 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
             check_model(request.model, self.limits)
             prompt, ids = await self._tokenize(prompt_input(request, self.limits, TOKENIZE_INPUTS))
         except RequestError as rejection:
-            await _abort(context, rejection.code, rejection.message)
+            await _refuse(context, rejection)
         return pb.TokenizeResponse(token_ids=ids, prompt=prompt)
 
     async def Detokenize(self, request: pb.DetokenizeRequest,
@@ -401,7 +414,7 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
             ids = list(request.token_ids)
             check_token_ids(ids, "token_ids", self.limits)
         except RequestError as rejection:
-            await _abort(context, rejection.code, rejection.message)
+            await _refuse(context, rejection)
         skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         if len(ids) > _THREAD_DETOKENIZE_IDS:
             text = await self._off_loop(self._tokenizer.decode_unlocked, ids, skip_special)
@@ -435,6 +448,7 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
         headers = trace_headers(context.invocation_metadata()) if self._tracer is not None else None
         timeline = RequestTimeline(self._model_info.model, headers)
         timeline.chat = request.HasField("messages")
+        timeline.api = getattr(context, "api", "ringserve")  # the front door: an HTTP call context names its API
         return timeline
 
     def close_timeline(self, timeline: RequestTimeline) -> None:

@@ -174,6 +174,10 @@ class ServerSecurity:
     client_ca: bytes = b""  # non-empty = mutual TLS: a client certificate is required and verified
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_MIB << 20
+    # The files the PEM blocks came from: the HTTP server (uvicorn, Python's ssl) loads a key pair only from files.
+    certificate_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSecurity:
@@ -192,6 +196,7 @@ class ServerSecurity:
             client_ca=_read_pem(client_ca, "--tls-client-ca-file", "CERTIFICATE") if client_ca else b"",
             api_keys=load_api_keys(args.api_key, args.api_key_file),
             max_message_bytes=args.max_message_size_mib << 20,
+            certificate_file=cert, key_file=key, client_ca_file=client_ca,
         )
         if cert:
             _check_key_pair(cert, key, client_ca)

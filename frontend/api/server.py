@@ -33,6 +33,7 @@ from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # the servicer only calls them; importing them pulls in the OpenTelemetry SDK / prometheus-client
+    from ringserve.frontend.api.openai_http import OpenAIHttpServer
     from ringserve.frontend.observability.metrics import ServingMetrics
     from ringserve.frontend.observability.tracing import RequestTracer
 
@@ -68,6 +69,8 @@ class FrontendServer:
     stopping: bool = False
     starting: bool = False  # set while the start-up models load: the server is not ready until all are
     open_streams: OpenStreams | None = None  # the Generate streams a drain waits for
+    generation: CatalogServicer | None = None  # ringserve.v1 Generation over the catalog, which every API serves by
+    http: OpenAIHttpServer | None = None  # the OpenAI-compatible HTTP API, when --http-port is set
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set, repr=False)
     _health_names: set[str] = field(default_factory=set, repr=False)
 
@@ -88,19 +91,29 @@ class FrontendServer:
         assert engine is not None, "the default model is still loading"
         return engine
 
+    def add_http(self, host: str, port: int, security: ServerSecurity | None = None) -> int:
+        """Serve the OpenAI-compatible HTTP API on `port` too (bound now, served from `start`); the bound port."""
+        from ringserve.frontend.api.openai_http import OpenAIHttpServer  # FastAPI and uvicorn load only if used
+
+        assert self.generation is not None
+        self.http = OpenAIHttpServer(self, self.generation, host, port, security)
+        return self.http.port
+
     async def start(self) -> None:
         """Start serving; health follows the models (NOT_SERVING until the default one's engine is ready)."""
         await self._refresh_health()  # the health servicer starts out SERVING
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
         self.catalog.add_listener(self._health_changed)
         for model in self.catalog.models():
             if model.engine is not None and not model.ready:
                 self._spawn(self._mark_ready_when_ready(model))
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """Drain: report NOT_SERVING and refuse new requests (UNAVAILABLE, the server is draining) while the port
-        still accepts; let in-flight streams finish for up to `grace` seconds, end the rest with UNAVAILABLE saying
-        the server is draining, then stop the gRPC server."""
+        """Drain: report NOT_SERVING and refuse new requests (UNAVAILABLE, the server is draining; HTTP 503) while
+        the ports still accept; let in-flight streams (gRPC and HTTP) finish for up to `grace` seconds, end the rest
+        with UNAVAILABLE saying the server is draining, then stop the gRPC and HTTP servers."""
         self.stopping = True
         for task in list(self._tasks):
             task.cancel()
@@ -112,6 +125,8 @@ class FrontendServer:
                                                  "replica")  # fmt: skip
             grace = min(grace, 1.0)  # what is left: unary RPCs, which are short
         await self.server.stop(grace)
+        if self.http is not None:
+            await self.http.stop()
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self.server.wait_for_termination(timeout)
@@ -193,7 +208,7 @@ def build_catalog_server(manager: ModelManager, host: str = "127.0.0.1", port: i
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     frontend = FrontendServer(server=server, port=0, health=health, manager=manager,
-                              open_streams=generation.open_streams,
+                              open_streams=generation.open_streams, generation=generation,
                               services=(SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME))
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(
         TorchServeInferenceServicer(generation.Generate, lambda: frontend.serving), server)

@@ -154,6 +154,8 @@ def _shown(value: Any) -> str:
 class _ContextWithoutAbort:
     """Wraps a servicer context so an abort in the wrapped Generate becomes a PredictionError the caller handles."""
 
+    api = "torchserve"  # the `api` label of these requests in metrics and traces
+
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
 

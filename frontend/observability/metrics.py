@@ -1,6 +1,7 @@
 """Prometheus metrics: request latencies from RequestTimelines, engine gauges and counters from EngineStats.
 
-Every name starts with `ringserve_` and carries a `model_name` label. With several frontend processes, set
+Every name starts with `ringserve_` and carries a `model_name` label; the request counters also carry `api`, the
+front door the request came through (`ringserve`, `openai`, ...). With several frontend processes, set
 PROMETHEUS_MULTIPROC_DIR (prometheus-client's multiprocess mode) and every process's samples are summed on scrape.
 """
 
@@ -78,10 +79,10 @@ class _MetricFamilies:
         self.spec_accepted_tokens = counter("ringserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_acceptance = gauge("ringserve_spec_decode_acceptance_rate",
                                      "Accepted / verified draft tokens since the engine started (0 before any).")
-        self.success = Counter("ringserve_request_success", "Finished requests by finish reason.",
-                               ["model_name", "finished_reason"], registry=r)
-        self.errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code.",
-                              ["model_name", "code"], registry=r)
+        self.success = Counter("ringserve_request_success", "Finished requests by finish reason and API.",
+                               ["model_name", "finished_reason", "api"], registry=r)
+        self.errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code and API.",
+                              ["model_name", "code", "api"], registry=r)
         self.engine_restarts = Counter("ringserve_engine_restarts",
                                        "Engine replicas started again after their engine or a worker died, or after "
                                        "a restart failed to load (reason: worker_died, engine_died, load_failed, "
@@ -123,8 +124,8 @@ class ServingMetrics:
         self._last_spec: tuple[int, int, int] | None = None
         self._success = f.success
         self._errors = f.errors
-        self._success_by_reason: dict[str, Any] = {}
-        self._error_codes: set[str] = set()
+        self._success_by_reason: dict[tuple[str, str], Any] = {}
+        self._error_codes: set[tuple[str, str]] = set()
         self._engine_restarts = f.engine_restarts
         self._restart_reasons: set[str] = set()
         self._last_preemptions: int | None = None
@@ -143,12 +144,12 @@ class ServingMetrics:
                        f.spec_acceptance):  # fmt: skip
             with contextlib.suppress(KeyError):
                 family.remove(self.model_name)
-        for reason in self._success_by_reason:
+        for reason, api in self._success_by_reason:
             with contextlib.suppress(KeyError):
-                f.success.remove(self.model_name, reason)
-        for code in self._error_codes:
+                f.success.remove(self.model_name, reason, api)
+        for code, api in self._error_codes:
             with contextlib.suppress(KeyError):
-                f.errors.remove(self.model_name, code)
+                f.errors.remove(self.model_name, code, api)
         for reason in self._restart_reasons:
             with contextlib.suppress(KeyError):
                 f.engine_restarts.remove(self.model_name, reason)
@@ -163,13 +164,13 @@ class ServingMetrics:
     def observe_request(self, t: RequestTimeline) -> None:
         """Samples of one finished RPC (call after `t.finish()`)."""
         if t.error_code is not None:
-            self._error_codes.add(t.error_code.name)
-            self._errors.labels(self.model_name, t.error_code.name).inc()
+            self._error_codes.add((t.error_code.name, t.api))
+            self._errors.labels(self.model_name, t.error_code.name, t.api).inc()
         elif t.finish_reason:
-            counter = self._success_by_reason.get(t.finish_reason)
+            key = (t.finish_reason, t.api)
+            counter = self._success_by_reason.get(key)
             if counter is None:
-                counter = self._success_by_reason[t.finish_reason] = self._success.labels(self.model_name,
-                                                                                          t.finish_reason)
+                counter = self._success_by_reason[key] = self._success.labels(self.model_name, *key)
             counter.inc()
         if t.prompt_tokens and t.params is not None:  # reached the engine
             self.prompt_tokens.inc(t.prompt_tokens)

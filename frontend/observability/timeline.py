@@ -30,7 +30,7 @@ class RequestTimeline:
     """
 
     __slots__ = (
-        "chat", "completion_tokens", "emit_ns", "end_ns", "engine_arrival_ns", "error", "error_code",
+        "api", "chat", "completion_tokens", "emit_ns", "end_ns", "engine_arrival_ns", "error", "error_code",
         "finish_reason", "first_scheduled_ns", "first_token_ns", "kv_pull_blocks", "kv_pulled_ns", "model",
         "num_cached_tokens", "num_preemptions", "params", "parent_headers", "prefill_chunks", "prompt_tokens",
         "receive_ns", "request_id", "rpc_method", "rpc_start_ns", "send_ns", "spec_steps", "token_ids",
@@ -42,6 +42,7 @@ class RequestTimeline:
         self.model = model
         self.parent_headers = parent_headers  # W3C traceparent/tracestate from the call's metadata
         self.request_id = ""
+        self.api = "ringserve"  # the front door the request came through: ringserve (gRPC), openai (HTTP), ...
         self.rpc_method = "Generate"  # or the disaggregation RPCs: Prefill, GenerateFromKv
         self.kv_pull_blocks = 0  # GenerateFromKv: prompt blocks pulled from the prefill server before the first step
         self.kv_pulled_ns = 0  # engine emit time of the first output after the pull (end of the step that pulled)

@@ -141,6 +141,7 @@ class RequestTracer:
             "rpc.service": _RPC_SERVICES.get(t.rpc_method, "ringserve.internal.Disaggregation"),
             "rpc.method": t.rpc_method,
             "ringserve.request_id": t.request_id,
+            "ringserve.api": t.api,  # the front door: ringserve (gRPC), openai (HTTP), ...
             "ringserve.replica": self.settings.replica,
             "ringserve.tensor_parallel_size": self.settings.tensor_parallel_size,
         }

@@ -80,7 +80,7 @@ def test_any_frontend_serves_the_sum_of_every_frontends_samples(tmp_path: Path) 
         return samples[(name, frozenset((model, *labels)))]
 
     # Counters and histograms are summed over both processes: 2 + 3 requests.
-    assert value("ringserve_request_success_total", ("finished_reason", "length")) == 5
+    assert value("ringserve_request_success_total", ("finished_reason", "length"), ("api", "ringserve")) == 5
     assert value("ringserve_prompt_tokens_total") == 5 * 5
     assert value("ringserve_generation_tokens_total") == 5 * 3
     assert value("ringserve_time_to_first_token_seconds_count") == 5

@@ -45,7 +45,7 @@ async def test_finished_requests_are_counted_with_their_tokens_and_latencies(ser
     await asyncio.sleep(0.02)  # samples are taken on the loop just after each RPC
     prompt_len = len(harness.engine.submitted[0][1])
     outputs_per_request = len(harness.engine.chunks)
-    assert value(metrics, "ringserve_request_success_total", finished_reason="length") == 3
+    assert value(metrics, "ringserve_request_success_total", finished_reason="length", api="ringserve") == 3
     assert value(metrics, "ringserve_prompt_tokens_total") == 3 * prompt_len
     assert value(metrics, "ringserve_generation_tokens_total") == generated
     assert value(metrics, "ringserve_prefix_cache_queries_total") == 3 * prompt_len
@@ -69,9 +69,9 @@ async def test_rejected_requests_are_counted_by_status_code(served) -> None:
     with pytest.raises(grpc.aio.AioRpcError):
         await harness.stub.Generate(pb.GenerateRequest(text="hi", model="other"), timeout=10).read()
     await asyncio.sleep(0.02)
-    assert value(metrics, "ringserve_request_errors_total", code="INVALID_ARGUMENT") == 1
-    assert value(metrics, "ringserve_request_errors_total", code="NOT_FOUND") == 0
-    assert value(metrics, "ringserve_request_success_total", finished_reason="length") == 0
+    assert value(metrics, "ringserve_request_errors_total", code="INVALID_ARGUMENT", api="ringserve") == 1
+    assert value(metrics, "ringserve_request_errors_total", code="NOT_FOUND", api="ringserve") == 0
+    assert value(metrics, "ringserve_request_success_total", finished_reason="length", api="ringserve") == 0
     assert value(metrics, "ringserve_prompt_tokens_total") == 0
 
 

@@ -45,8 +45,9 @@ def test_metrics_count_what_was_served(model_path: Path, tmp_path: Path) -> None
     def value(name: str, *labels: tuple[str, str]) -> float:
         return samples[(name, tuple(sorted(model + labels)))]
 
-    assert value("ringserve_request_success_total", ("finished_reason", "length")) == len(MAX_TOKENS)
-    assert value("ringserve_request_errors_total", ("code", "INVALID_ARGUMENT")) == 1
+    success = value("ringserve_request_success_total", ("finished_reason", "length"), ("api", "ringserve"))
+    assert success == len(MAX_TOKENS)
+    assert value("ringserve_request_errors_total", ("code", "INVALID_ARGUMENT"), ("api", "ringserve")) == 1
     assert value("ringserve_prompt_tokens_total") == prompt_tokens
     assert value("ringserve_generation_tokens_total") == sum(MAX_TOKENS)
     assert value("ringserve_prefix_cache_queries_total") == prompt_tokens
