@@ -13,11 +13,18 @@ for the engine to go idle and reports any KV block still held as `blocks_leaked`
     python benchmarks/serve.py --request-rate 4 --duration 30
     python benchmarks/serve.py --quick                      # under a minute, server start included
     python benchmarks/serve.py --target 10.0.0.5:50051 --tls-ca-file ca.pem --api-key KEY
+    python benchmarks/serve.py --api ringserve kserve       # the same load through each API, one after the other
+
+`--api` picks the front doors: `ringserve` (ringserve.v1 Generate, prompts as token ids) and `kserve` (KServe v2
+ModelStreamInfer, one stream per request, the same prompt windows as text and the same sampling as
+sampling_parameters). Each API gets the same seeded workload in turn, on the same server.
 
 The last line of output is one JSON object: request_throughput (completed requests/s), output_tok_s (tokens streamed
 to clients, cancelled streams included, per second), ttft_ms and itl_ms ({mean, median, p99}; inter-token latency is
 the gap between consecutive streamed messages that carry tokens), completed, cancelled (streams this script cancelled
-on purpose), errors (anything else that failed) with error_codes, blocks_leaked, and the baseline.
+on purpose), errors (anything else that failed) with error_codes, blocks_leaked, and the baseline; these are the
+first --api's figures, `apis` has each API's, and `<api>_output_tok_s` and `<api>_ttft_ms_median` name them flat
+(e.g. kserve_output_tok_s).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.frontend.api.security import ChannelSecurity, add_channel_security_arguments, channel_security_from_args
 from ringserve.frontend.api.security import open_aio_channel as open_channel
+from ringserve.kserve import grpc_service_pb2 as kpb
+from ringserve.kserve import grpc_service_pb2_grpc as kpb_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 from tqdm import tqdm
@@ -168,6 +177,86 @@ async def stream(stub: pb_grpc.GenerationStub, plan: RequestPlan, timeout_s: flo
     return result
 
 
+API_CHOICES = ("ringserve", "kserve")
+
+
+class Front:
+    """One API's client for the load: how a plan becomes a stream on the shared channel."""
+
+    def __init__(self, api: str, channel: grpc.aio.Channel, piece_text: dict[int, str]) -> None:
+        self.api = api
+        self.stub = pb_grpc.GenerationStub(channel)
+        self.kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
+        self.piece_text = piece_text  # token id -> its text, so a KServe prompt is the same window as text
+
+    async def stream(self, plan: RequestPlan, timeout_s: float) -> StreamResult:
+        if self.api == "kserve":
+            return await kserve_stream(self.kserve, plan, "".join(self.piece_text[i] for i in plan.prompt_ids),
+                                       timeout_s)  # fmt: skip
+        return await stream(self.stub, plan, timeout_s)
+
+
+def kserve_request(plan: RequestPlan, prompt: str) -> kpb.ModelInferRequest:
+    """The plan as Triton's vLLM-style tensors: text_input, stream, sampling_parameters (the same sampling)."""
+    sampling = json.dumps({"max_tokens": plan.max_tokens, "temperature": 1.0, "seed": plan.index, "ignore_eos": True})
+    request = kpb.ModelInferRequest(id=f"bench-{plan.index}")
+    for name, datatype, raw in (("text_input", "BYTES", prompt.encode()), ("stream", "BOOL", None),
+                                ("sampling_parameters", "BYTES", sampling.encode())):
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(b"\x01" if raw is None else len(raw).to_bytes(4, "little") + raw)
+    return request
+
+
+async def kserve_stream(stub: kpb_grpc.GRPCInferenceServiceStub, plan: RequestPlan, prompt: str,
+                        timeout_s: float) -> StreamResult:
+    """One KServe ModelStreamInfer stream per request (so it can be cancelled alone). Its responses carry text, not
+    token counts: a completed stream counts its max_tokens (ignore_eos runs it that far), a cancelled one a token
+    per response."""
+    result = StreamResult()
+    start = time.perf_counter()
+    request = kserve_request(plan, prompt)
+    call = stub.ModelStreamInfer(iter([request]), timeout=timeout_s)
+    cancelled = False
+    try:
+        if plan.cancel_after == 0:
+            await asyncio.sleep(plan.cancel_delay_s)
+            cancelled = call.cancel()
+            if cancelled:
+                result.outcome = "cancelled"
+                return result
+        last = start
+        async for response in call:
+            now = time.perf_counter()
+            if response.error_message:
+                result.outcome, result.error = "error", response.error_message.split(":")[0]
+                return result
+            reply = response.infer_response
+            if reply.raw_output_contents and len(reply.raw_output_contents[0]) > 4:
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+                result.tokens += 1
+            if reply.parameters["triton_final_response"].bool_param:
+                result.tokens = plan.max_tokens
+                return result
+            if plan.cancel_after is not None and result.tokens >= plan.cancel_after:
+                cancelled = call.cancel()
+                result.outcome = "cancelled"
+                return result
+        result.outcome, result.error = "error", "the stream ended without a final response"
+    except grpc.aio.AioRpcError as error:
+        if cancelled and error.code() == grpc.StatusCode.CANCELLED:
+            result.outcome = "cancelled"
+        else:
+            result.outcome, result.error = "error", error.code().name
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    return result
+
+
 def summary(values_s: list[float]) -> dict[str, float | None]:
     if not values_s:
         return {"mean": None, "median": None, "p99": None}
@@ -179,8 +268,8 @@ def summary(values_s: list[float]) -> dict[str, float | None]:
 class LoadRun:
     """Drives the load and accumulates what the streams saw."""
 
-    def __init__(self, stub: pb_grpc.GenerationStub, args: argparse.Namespace, workload: Workload) -> None:
-        self.stub = stub
+    def __init__(self, front: Front, args: argparse.Namespace, workload: Workload) -> None:
+        self.front = front
         self.args = args
         self.plans = workload.plans()
         self.results: list[StreamResult] = []
@@ -188,7 +277,7 @@ class LoadRun:
                         dynamic_ncols=True)  # fmt: skip
 
     async def one(self) -> None:
-        result = await stream(self.stub, next(self.plans), self.args.request_timeout)
+        result = await self.front.stream(next(self.plans), self.args.request_timeout)
         self.results.append(result)
         self.bar.update(1)
         if result.outcome == "error" and sum(r.outcome == "error" for r in self.results) <= 5:
@@ -307,8 +396,31 @@ async def server_for(args: argparse.Namespace, security: ChannelSecurity) -> Asy
 # -- main ------------------------------------------------------------------------------------------------------------
 
 
+async def piece_texts(stub: pb_grpc.GenerationStub, ids: list[int]) -> dict[int, str]:
+    """Each token's text, so a window of token ids can be sent as text (the corpus is ASCII: pieces concatenate)."""
+    unique = sorted(set(ids))
+    texts = await asyncio.gather(*(stub.Detokenize(pb.DetokenizeRequest(token_ids=[i]), timeout=30) for i in unique))
+    return {i: reply.text for i, reply in zip(unique, texts, strict=True)}
+
+
+def api_figures(results: list[StreamResult], elapsed: float) -> dict[str, object]:
+    outcomes = Counter(r.outcome for r in results)
+    return {
+        "request_throughput": round(outcomes["completed"] / elapsed, 3),
+        "output_tok_s": round(sum(r.tokens for r in results) / elapsed, 2),
+        "ttft_ms": summary([r.ttft_s for r in results if r.ttft_s is not None]),
+        "itl_ms": summary([gap for r in results for gap in r.gaps_s]),
+        "completed": outcomes["completed"],
+        "cancelled": outcomes["cancelled"],
+        "errors": outcomes["error"],
+        "error_codes": dict(Counter(r.error for r in results if r.outcome == "error")),
+        "output_tokens": sum(r.tokens for r in results),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, object]:
     security = channel_security_from_args(args)
+    loads: dict[str, tuple[list[StreamResult], float]] = {}
     async with server_for(args, security) as address:
         options = [("grpc.max_receive_message_length", -1)]
         async with open_channel(address, security, options) as channel:
@@ -316,56 +428,55 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             corpus = list((await stub.Tokenize(pb.TokenizeRequest(text=PROSE, add_special_tokens=False),
                                                timeout=30)).token_ids)  # fmt: skip
             info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+            pieces = await piece_texts(stub, corpus) if "kserve" in args.api else {}
 
             # Baseline: the same kind of requests, one at a time, on the same server (also warms it up).
             baseline_args = argparse.Namespace(**{**vars(args), "cancel_fraction": 0.0, "len_dist": "fixed"})
             baseline_plans = Workload(baseline_args, corpus).plans()
             baseline = [await stream(stub, next(baseline_plans), args.request_timeout)
                         for _ in range(args.baseline_requests)]  # fmt: skip
-            progress(f"baseline: {len(baseline)} requests one at a time; now {args.duration:.0f} s of load")
+            progress(f"baseline: {len(baseline)} requests one at a time; now {args.duration:.0f} s of load per API "
+                     f"({', '.join(args.api)})")  # fmt: skip
 
-            load = LoadRun(stub, args, Workload(args, corpus))
-            start = time.perf_counter()
-            deadline = start + args.duration
-            if args.request_rate:
-                await load.open_loop(deadline)
-            else:
-                await load.closed_loop(deadline)
-            elapsed = time.perf_counter() - start
-            load.bar.close()
-            stats, idle = await engine_idle_stats(stub, args.idle_timeout)
+            for api in args.api:  # one after another, each with the same seeded workload
+                load = LoadRun(Front(api, channel, pieces), args, Workload(args, corpus))
+                start = time.perf_counter()
+                deadline = start + args.duration
+                if args.request_rate:
+                    await load.open_loop(deadline)
+                else:
+                    await load.closed_loop(deadline)
+                loads[api] = (load.results, time.perf_counter() - start)
+                load.bar.close()
+                stats, idle = await engine_idle_stats(stub, args.idle_timeout)
+                if stats.total_kv_blocks != stats.free_kv_blocks:
+                    break  # a leak: report it at once, under this API's figures
 
-    results = load.results
-    outcomes = Counter(r.outcome for r in results)
-    tokens = sum(r.tokens for r in results)
-    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
-    gaps = [gap for r in results for gap in r.gaps_s]
-    base_ttft = [r.ttft_s for r in baseline if r.ttft_s is not None]
-    base_gaps = [gap for r in baseline for gap in r.gaps_s]
-    itl = summary(gaps)
-    base_itl = summary(base_gaps)
+    figures = {api: api_figures(results, elapsed) for api, (results, elapsed) in loads.items()}
+    first = figures[args.api[0]]
+    base_itl = summary([gap for r in baseline for gap in r.gaps_s])
+    itl: dict[str, float | None] = first["itl_ms"]  # type: ignore[assignment]
+    per_api: dict[str, object] = {}
+    for api, each in figures.items():
+        per_api[f"{api}_output_tok_s"] = each["output_tok_s"]
+        per_api[f"{api}_ttft_ms_median"] = each["ttft_ms"]["median"]  # type: ignore[index]
     return {
         "benchmark": "serve",
         "model": info.model,
         "mode": f"poisson {args.request_rate}/s" if args.request_rate else f"concurrency {args.concurrency}",
         "duration_s": args.duration,
-        "elapsed_s": round(elapsed, 2),
-        "request_throughput": round(outcomes["completed"] / elapsed, 3),
-        "output_tok_s": round(tokens / elapsed, 2),
-        "ttft_ms": summary(ttfts),
-        "itl_ms": itl,
-        "completed": outcomes["completed"],
-        "cancelled": outcomes["cancelled"],
-        "errors": outcomes["error"],
-        "error_codes": dict(Counter(r.error for r in results if r.outcome == "error")),
-        "output_tokens": tokens,
+        "elapsed_s": round(loads[args.api[0]][1], 2),
+        **first,
         "blocks_leaked": stats.total_kv_blocks - stats.free_kv_blocks,
         "engine_idle": idle,
         "num_preemptions": stats.num_preemptions,
-        "baseline": {"requests": len(baseline), "ttft_ms": summary(base_ttft), "itl_ms": base_itl},
+        "baseline": {"requests": len(baseline), "itl_ms": base_itl,
+                     "ttft_ms": summary([r.ttft_s for r in baseline if r.ttft_s is not None])},
         "itl_median_vs_baseline": round(itl["median"] / base_itl["median"], 3)
         if itl["median"] and base_itl["median"] else None,
-        "config": {"concurrency": args.concurrency, "request_rate": args.request_rate,
+        "apis": figures,
+        **per_api,
+        "config": {"api": args.api, "concurrency": args.concurrency, "request_rate": args.request_rate,
                    "cancel_fraction": args.cancel_fraction, "input_len": args.input_len,
                    "output_len": args.output_len, "len_dist": args.len_dist, "seed": args.seed},
     }  # fmt: skip
@@ -393,6 +504,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one stream (s)")
     load.add_argument("--idle-timeout", type=float, default=60.0,
                       help="seconds to wait after the load for the engine to go idle before counting blocks")
+    load.add_argument("--api", nargs="+", choices=API_CHOICES, default=["ringserve"],
+                      help="the front doors to load, one after another with the same workload: ringserve.v1 "
+                           "Generate, KServe v2 ModelStreamInfer; the first one's figures are the top-level keys")
     load.add_argument("--quick", action="store_true", help="a short run: under a minute with the server start")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
     server = parser.add_argument_group("server (ignored with --target)")
@@ -425,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = asyncio.run(run(args))
     print(json.dumps(result))
-    return 1 if result["errors"] or result["blocks_leaked"] else 0
+    errors = sum(each["errors"] for each in result["apis"].values())  # type: ignore[attr-defined]
+    return 1 if errors or result["blocks_leaked"] else 0
 
 
 if __name__ == "__main__":
