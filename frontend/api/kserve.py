@@ -8,8 +8,8 @@ A model takes the tensors Triton's vLLM and TensorRT-LLM backends take: `text_in
 tracing, metrics and cancellation included). `ModelStreamInfer` serves the requests of one stream concurrently and
 answers, per request, one response per generated piece when `stream` is true (else one), the last one flagged by
 the `triton_final_response` parameter; a refused request gets its error in `error_message` and the stream goes on,
-as Triton's does. Triton's other RPCs (model configuration, statistics, repository, shared memory, trace and log
-settings) answer UNIMPLEMENTED.
+as Triton's does. `ModelConfig` describes a model as Triton configures a decoupled LLM model; Triton's other RPCs
+(statistics, repository, shared memory, trace and log settings) answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ringserve.frontend.api.validation import RequestError, json_body, json_gene
 from ringserve.frontend.catalog import ModelCatalog, ModelError
 from ringserve.kserve import grpc_service_pb2 as kpb
 from ringserve.kserve import grpc_service_pb2_grpc as kpb_grpc
+from ringserve.kserve import model_config_pb2
 from ringserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("ringserve.frontend")
@@ -37,8 +38,8 @@ SERVICE_NAME = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_VERSION = "1"  # RingServe keeps one version per model
 SERVER_NAME = "ringserve"
 FINAL_RESPONSE = "triton_final_response"  # the response parameter that flags a request's last response
-# Request parameters RingServe reads; tritonclient sets the second for a stream (the final flag always comes with a
-# response here, so it needs no empty one).
+# Request parameters RingServe accepts: tritonclient may set this one on a stream; the final flag always comes with a
+# response here, so no empty final response is ever needed.
 _PARAMETERS = ("triton_enable_empty_final_response",)
 
 TEXT_INPUT = "text_input"
@@ -195,6 +196,17 @@ def model_metadata(name: str) -> kpb.ModelMetadataResponse:
         outputs=[tensor(name=TEXT_OUTPUT, datatype="BYTES", shape=[-1])])  # fmt: skip
 
 
+def model_config(name: str) -> model_config_pb2.ModelConfig:
+    """The model as Triton's configuration describes a decoupled LLM model (what perf_analyzer and genai-perf read)."""
+    types = {"BYTES": model_config_pb2.TYPE_STRING, "BOOL": model_config_pb2.TYPE_BOOL}
+    return model_config_pb2.ModelConfig(
+        name=name, backend=SERVER_NAME, max_batch_size=0,
+        input=[model_config_pb2.ModelInput(name=key, data_type=types[datatype], dims=[1], optional=not required)
+               for key, (datatype, required) in INPUTS.items()],
+        output=[model_config_pb2.ModelOutput(name=TEXT_OUTPUT, data_type=model_config_pb2.TYPE_STRING, dims=[-1])],
+        model_transaction_policy=model_config_pb2.ModelTransactionPolicy(decoupled=True))  # fmt: skip
+
+
 class _ContextWithoutAbort:
     """Wraps a servicer context so an abort in the wrapped Generate raises InferError, which the caller answers."""
 
@@ -214,6 +226,9 @@ GenerateFn = Callable[[pb.GenerateRequest, Any], AsyncIterator[pb.GenerateRespon
 
 
 class KServeInferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
+    """The protocol's health, metadata and inference RPCs over the model catalog; `generate` is the catalog's
+    Generate, `is_serving` what grpc.health.v1 reports for the whole server."""
+
     def __init__(self, catalog: ModelCatalog, generate: GenerateFn, is_serving: Callable[[], bool]) -> None:
         self._catalog = catalog
         self._generate = generate
@@ -242,14 +257,23 @@ class KServeInferenceServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: kpb.ModelMetadataRequest,
                             context: grpc.aio.ServicerContext) -> kpb.ModelMetadataResponse:
+        return model_metadata(await self._model_name(request.name, request.version, context))
+
+    async def ModelConfig(self, request: kpb.ModelConfigRequest,
+                          context: grpc.aio.ServicerContext) -> kpb.ModelConfigResponse:
+        return kpb.ModelConfigResponse(config=model_config(
+            await self._model_name(request.name, request.version, context)))
+
+    async def _model_name(self, name: str, version: str, context: grpc.aio.ServicerContext) -> str:
+        """The served name of the model asked for ('' = the default); NOT_FOUND for another model or version."""
         try:
-            model = self._catalog.get(request.name)
+            model = self._catalog.get(name)
         except ModelError as error:
             await context.abort(error.code, error.message)
-        if request.version not in ("", MODEL_VERSION):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"version {request.version!r} of model {model.name!r} "
-                                f"does not exist; RingServe keeps one version per model ({MODEL_VERSION!r})")
-        return model_metadata(model.name)
+        if version not in ("", MODEL_VERSION):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"version {version!r} of model {model.name!r} does not "
+                                f"exist; RingServe keeps one version per model ({MODEL_VERSION!r})")
+        return model.name
 
     async def ModelInfer(self, request: kpb.ModelInferRequest,
                          context: grpc.aio.ServicerContext) -> kpb.ModelInferResponse:

@@ -69,6 +69,10 @@ async def test_health_and_metadata_answer_as_triton_does(client: Any) -> None:
         await client.get_model_metadata("missing")
     assert caught.value.status() == "StatusCode.NOT_FOUND"
     assert (await client.get_server_metadata(as_json=True))["name"] == "ringserve"
+    config = (await client.get_model_config(MODEL, as_json=True))["config"]
+    assert config["model_transaction_policy"]["decoupled"] and config.get("max_batch_size", 0) == 0
+    assert {(t["name"], t["data_type"]) for t in config["input"]} >= {("text_input", "TYPE_STRING"),
+                                                                      ("stream", "TYPE_BOOL")}  # fmt: skip
 
 
 async def test_infer_answers_the_prompt_and_its_completion_unless_the_input_is_excluded(client: Any) -> None:
@@ -115,7 +119,7 @@ async def test_errors_map_to_the_protocols_statuses(client: Any) -> None:
         await client.infer("missing", inputs("Hi"))
     assert caught.value.status() == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException) as caught:
-        await client.get_model_config(MODEL)
+        await client.get_inference_statistics(MODEL)
     assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
