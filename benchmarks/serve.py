@@ -13,7 +13,7 @@ for the engine to go idle and reports any KV block still held as `blocks_leaked`
     python benchmarks/serve.py --request-rate 4 --duration 30
     python benchmarks/serve.py --quick                      # under a minute, server start included
     python benchmarks/serve.py --target 10.0.0.5:50051 --tls-ca-file ca.pem --api-key KEY
-    python benchmarks/serve.py --api ringserve kserve       # the same load through each API, one after the other
+    python benchmarks/serve.py --api ringserve,kserve       # the same load through each API, one after the other
 
 `--api` picks the front doors: `ringserve` (ringserve.v1 Generate, prompts as token ids) and `kserve` (KServe v2
 ModelStreamInfer, one stream per request, the same prompt windows as text and the same sampling as
@@ -438,7 +438,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             progress(f"baseline: {len(baseline)} requests one at a time; now {args.duration:.0f} s of load per API "
                      f"({', '.join(args.api)})")  # fmt: skip
 
-            for api in args.api:  # one after another, each with the same seeded workload
+            # One after another, each with the same seeded workload; --rounds alternates them so a machine whose
+            # speed drifts (other load on it) favours none.
+            for api in [api for _ in range(args.rounds) for api in args.api]:
                 load = LoadRun(Front(api, channel, pieces), args, Workload(args, corpus))
                 start = time.perf_counter()
                 deadline = start + args.duration
@@ -446,7 +448,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     await load.open_loop(deadline)
                 else:
                     await load.closed_loop(deadline)
-                loads[api] = (load.results, time.perf_counter() - start)
+                results, elapsed = loads.get(api, ([], 0.0))
+                loads[api] = (results + load.results, elapsed + time.perf_counter() - start)
                 load.bar.close()
                 stats, idle = await engine_idle_stats(stub, args.idle_timeout)
                 if stats.total_kv_blocks != stats.free_kv_blocks:
@@ -464,7 +467,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "benchmark": "serve",
         "model": info.model,
         "mode": f"poisson {args.request_rate}/s" if args.request_rate else f"concurrency {args.concurrency}",
-        "duration_s": args.duration,
+        "duration_s": args.duration * args.rounds,
         "elapsed_s": round(loads[args.api[0]][1], 2),
         **first,
         "blocks_leaked": stats.total_kv_blocks - stats.free_kv_blocks,
@@ -476,9 +479,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         if itl["median"] and base_itl["median"] else None,
         "apis": figures,
         **per_api,
-        "config": {"api": args.api, "concurrency": args.concurrency, "request_rate": args.request_rate,
-                   "cancel_fraction": args.cancel_fraction, "input_len": args.input_len,
-                   "output_len": args.output_len, "len_dist": args.len_dist, "seed": args.seed},
+        "config": {"api": args.api, "rounds": args.rounds, "concurrency": args.concurrency,
+                   "request_rate": args.request_rate, "cancel_fraction": args.cancel_fraction,
+                   "input_len": args.input_len, "output_len": args.output_len, "len_dist": args.len_dist,
+                   "seed": args.seed},
     }  # fmt: skip
 
 
@@ -504,9 +508,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one stream (s)")
     load.add_argument("--idle-timeout", type=float, default=60.0,
                       help="seconds to wait after the load for the engine to go idle before counting blocks")
-    load.add_argument("--api", nargs="+", choices=API_CHOICES, default=["ringserve"],
-                      help="the front doors to load, one after another with the same workload: ringserve.v1 "
-                           "Generate, KServe v2 ModelStreamInfer; the first one's figures are the top-level keys")
+    load.add_argument("--api", nargs="+", default=["ringserve"], metavar="API",
+                      help=f"the front doors to load ({', '.join(API_CHOICES)}; several as a comma or space separated "
+                           "list), one after another with the same workload: ringserve.v1 Generate, KServe v2 "
+                           "ModelStreamInfer; the first one's figures are the top-level keys")
+    load.add_argument("--rounds", type=int, default=1,
+                      help="run the --api list this many times, alternating; each API's figures cover its rounds")
     load.add_argument("--quick", action="store_true", help="a short run: under a minute with the server start")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
     server = parser.add_argument_group("server (ignored with --target)")
@@ -530,6 +537,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--request-rate must be >= 0 and --concurrency >= 1 (or 0 with a --request-rate: unbounded)")
     if not 0.0 <= args.cancel_fraction <= 1.0:
         parser.error("--cancel-fraction must be in [0, 1]")
+    args.api = [api for value in args.api for api in value.split(",") if api]
+    if not args.api or not set(args.api) <= set(API_CHOICES) or len(set(args.api)) != len(args.api):
+        parser.error(f"--api takes distinct names among {', '.join(API_CHOICES)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if min(args.input_len, args.output_len) < 1 or args.duration <= 0:
         parser.error("--input-len and --output-len must be >= 1 and --duration > 0")
     return args
