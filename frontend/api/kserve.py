@@ -120,6 +120,9 @@ def read_infer_request(request: kpb.ModelInferRequest) -> InferCall:
         if out.sampling.HasField("n") and out.sampling.n != 1:
             raise InferError.invalid(f"{SAMPLING_PARAMETERS}.n: a KServe request answers one text_output, so n "
                                      "must be 1; use ringserve.v1 Generate for n > 1")  # fmt: skip
+        if out.sampling.logprobs:
+            raise InferError.invalid(f"{SAMPLING_PARAMETERS}.logprobs: text_output carries no log-probabilities; "
+                                     "use ringserve.v1 Generate for them")  # fmt: skip
     return InferCall(generate=out, stream=bool(values.get(STREAM, False)), prompt=prompt,
                      exclude_input=bool(values.get(EXCLUDE_INPUT_IN_OUTPUT, False)))
 

@@ -89,6 +89,7 @@ def test_numbers_and_booleans_may_come_as_strings_as_tritons_vllm_backend_takes_
     ({"stop": [1]}, "sampling_parameters.stop"),
     ({"stop_token_ids": [-1]}, "sampling_parameters.stop_token_ids"),
     ({"n": 2}, "sampling_parameters.n"),
+    ({"logprobs": 3}, "sampling_parameters.logprobs"),
     ([1, 2], "sampling_parameters"),
 ])  # fmt: skip
 def test_bad_sampling_parameters_are_invalid_argument_naming_the_key(sampling: Any, field: str) -> None:
