@@ -13,11 +13,13 @@ for the engine to go idle and reports any KV block still held as `blocks_leaked`
     python benchmarks/serve.py --request-rate 4 --duration 30
     python benchmarks/serve.py --quick                      # under a minute, server start included
     python benchmarks/serve.py --target 10.0.0.5:50051 --tls-ca-file ca.pem --api-key KEY
-    python benchmarks/serve.py --api ringserve,openai       # the front doors on the same load, one after the other
+    python benchmarks/serve.py --api ringserve,openai,kserve  # the front doors on the same load, one after the other
 
 `--api` picks the front doors to load, each in its own phase on the same server with the same seeded requests (a
 cache salt per phase keeps one phase's prompts out of the next one's prefix cache): `ringserve` streams
-ringserve.v1 Generate over gRPC, `openai` streams POST /v1/completions (token-id prompts, SSE) over HTTP/1.1.
+ringserve.v1 Generate over gRPC, `openai` streams POST /v1/completions (token-id prompts, SSE) over HTTP/1.1, `kserve`
+streams KServe v2 ModelStreamInfer (one stream per request, the same prompt windows as text in text_input, the same
+sampling in sampling_parameters).
 
 The last line of output is one JSON object: request_throughput (completed requests/s), output_tok_s (tokens streamed
 to clients, cancelled streams included, per second), ttft_ms and itl_ms ({mean, median, p99}; inter-token latency is
@@ -54,6 +56,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.frontend.api.security import ChannelSecurity, add_channel_security_arguments, channel_security_from_args
 from ringserve.frontend.api.security import open_aio_channel as open_channel
+from ringserve.kserve import grpc_service_pb2 as kpb
+from ringserve.kserve import grpc_service_pb2_grpc as kpb_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
 from tqdm import tqdm
@@ -236,8 +240,76 @@ def summary(values_s: list[float]) -> dict[str, float | None]:
             "p99": round(float(np.percentile(ms, 99)), 3)}
 
 
+def kserve_request(plan: RequestPlan, prompt: str) -> kpb.ModelInferRequest:
+    """The plan as Triton's vLLM-style tensors: text_input, stream, sampling_parameters (the same sampling)."""
+    sampling = json.dumps({"max_tokens": plan.max_tokens, "temperature": 1.0, "seed": plan.index, "ignore_eos": True})
+    request = kpb.ModelInferRequest(id=f"bench-{plan.index}")
+    for name, datatype, raw in (("text_input", "BYTES", prompt.encode()), ("stream", "BOOL", None),
+                                ("sampling_parameters", "BYTES", sampling.encode())):
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(b"\x01" if raw is None else len(raw).to_bytes(4, "little") + raw)
+    return request
+
+
+async def kserve_stream(stub: kpb_grpc.GRPCInferenceServiceStub, plan: RequestPlan, prompt: str,
+                        timeout_s: float) -> StreamResult:
+    """One KServe ModelStreamInfer stream per request (so it can be cancelled alone). Its responses carry text, not
+    token counts: a completed stream counts its max_tokens (ignore_eos runs it that far), a cancelled one a token
+    per response."""
+    result = StreamResult()
+    start = time.perf_counter()
+    request = kserve_request(plan, prompt)
+    call = stub.ModelStreamInfer(iter([request]), timeout=timeout_s)
+    cancelled = False
+    try:
+        if plan.cancel_after == 0:
+            await asyncio.sleep(plan.cancel_delay_s)
+            cancelled = call.cancel()
+            if cancelled:
+                result.outcome = "cancelled"
+                return result
+        last = start
+        async for response in call:
+            now = time.perf_counter()
+            if response.error_message:
+                result.outcome, result.error = "error", response.error_message.split(":")[0]
+                return result
+            reply = response.infer_response
+            if reply.raw_output_contents and len(reply.raw_output_contents[0]) > 4:
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+                result.tokens += 1
+            if reply.parameters["triton_final_response"].bool_param:
+                result.tokens = plan.max_tokens
+                return result
+            if plan.cancel_after is not None and result.tokens >= plan.cancel_after:
+                cancelled = call.cancel()
+                result.outcome = "cancelled"
+                return result
+        result.outcome, result.error = "error", "the stream ended without a final response"
+    except grpc.aio.AioRpcError as error:
+        if cancelled and error.code() == grpc.StatusCode.CANCELLED:
+            result.outcome = "cancelled"
+        else:
+            result.outcome, result.error = "error", error.code().name
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    return result
+
+
+async def piece_texts(stub: pb_grpc.GenerationStub, ids: list[int]) -> dict[int, str]:
+    """Each token's text, so a window of token ids can be sent as text (the corpus is ASCII: pieces concatenate)."""
+    unique = sorted(set(ids))
+    texts = await asyncio.gather(*(stub.Detokenize(pb.DetokenizeRequest(token_ids=[i]), timeout=30) for i in unique))
+    return {i: reply.text for i, reply in zip(unique, texts, strict=True)}
+
+
 Streamer = Callable[[RequestPlan], Awaitable[StreamResult]]
-APIS = ("ringserve", "openai")
+APIS = ("ringserve", "openai", "kserve")
 
 
 class LoadRun:
@@ -393,12 +465,19 @@ def frontend_cpu_s(pid: int | None) -> float | None:
 
 
 @contextlib.asynccontextmanager
-async def streamer_for(api: str, target: Target, stub: pb_grpc.GenerationStub, args: argparse.Namespace,
-                       security: ChannelSecurity) -> AsyncIterator[Streamer]:  # fmt: skip
+async def streamer_for(api: str, target: Target, channel: grpc.aio.Channel, corpus: list[int],
+                       args: argparse.Namespace, security: ChannelSecurity) -> AsyncIterator[Streamer]:  # fmt: skip
     """How one request of the plan is streamed through `api`; each phase salts its prompts' prefix-cache blocks."""
     salt = f"bench-{api}"
+    stub = pb_grpc.GenerationStub(channel)
     if api == "ringserve":
         yield lambda plan: stream(stub, plan, args.request_timeout, salt)
+        return
+    if api == "kserve":
+        kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
+        pieces = await piece_texts(stub, corpus)  # KServe prompts are text: the same windows, token by token
+        yield lambda plan: kserve_stream(kserve, plan, "".join(pieces[i] for i in plan.prompt_ids),
+                                         args.request_timeout)  # fmt: skip
         return
     if not target.http_url:
         raise SystemExit("--api openai needs the server's HTTP port: --http-target host:port with --target")
@@ -436,8 +515,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         corpus = list((await stub.Tokenize(pb.TokenizeRequest(text=PROSE, add_special_tokens=False),
                                            timeout=30)).token_ids)  # fmt: skip
         info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
-        phases = [Phase(api, await streamers.enter_async_context(streamer_for(api, target, stub, args, security)))
-                  for api in args.api]  # fmt: skip
+        phases = [Phase(api, await streamers.enter_async_context(
+                      streamer_for(api, target, channel, corpus, args, security))) for api in args.api]
         # Baseline: the same kind of requests, one at a time, on the same server (also warms it up).
         baseline_args = argparse.Namespace(**{**vars(args), "cancel_fraction": 0.0, "len_dist": "fixed"})
         for phase in phases:

@@ -3,9 +3,9 @@ matching client side (channels for the CLI, the health probe and benchmarks).
 
 Server: `ServerSecurity.from_args` turns the serve flags into credentials, interceptors and channel options for the one
 grpc.aio server. API keys are checked by `ApiKeyInterceptor` on every RPC except the ones a load balancer or an
-operator's tooling needs without a key: `grpc.health.v1.Health`, server reflection and TorchServe's `Ping` (health
-only). Behind it, `api/boundary.py`'s `RequestBoundaryInterceptor` parses every request and turns what escapes a
-handler into a clear status.
+operator's tooling needs without a key: `grpc.health.v1.Health`, server reflection, TorchServe's `Ping` and KServe's
+`ServerLive` / `ServerReady` (health only). Behind it, `api/boundary.py`'s `RequestBoundaryInterceptor` parses
+every request and turns what escapes a handler into a clear status.
 
 Client: `ChannelSecurity` describes how to dial a server (TLS roots, client certificate, server name, API key) and
 `open_channel` builds the channel. An API key is sent as call credentials, which gRPC only sends over TLS or to a
@@ -35,7 +35,8 @@ OPEN_SERVICES = (
     "grpc.reflection.v1alpha.ServerReflection",
     "grpc.reflection.v1.ServerReflection",
 )
-OPEN_METHODS = ("/org.pytorch.serve.grpc.inference.InferenceAPIsService/Ping",)
+OPEN_METHODS = ("/org.pytorch.serve.grpc.inference.InferenceAPIsService/Ping",
+                "/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady")
 
 _BEARER = "bearer"
 
@@ -157,8 +158,9 @@ def add_server_security_arguments(p: argparse.ArgumentParser) -> None:
     flag("--tls-client-ca-file", "", str,
          "PEM CA certificates for mutual TLS: clients must present a certificate signed by one of them")
     flag("--api-key", "", str,
-         "require `authorization: Bearer <key>` metadata on every RPC except health, reflection and TorchServe "
-         "Ping; several keys comma-separated (prefer the variable or --api-key-file: flags show in `ps`)")
+         "require `authorization: Bearer <key>` metadata on every RPC except health, reflection, TorchServe "
+         "Ping and KServe ServerLive/ServerReady; several keys comma-separated (prefer the variable or "
+         "--api-key-file: flags show in `ps`)")
     flag("--api-key-file", "", str, "a file of API keys, one per line (# comments allowed); adds to --api-key")
     flag("--max-message-size-mib", DEFAULT_MAX_MESSAGE_MIB, int,
          "largest gRPC message received or sent, in MiB; a larger request gets RESOURCE_EXHAUSTED "

@@ -1,5 +1,5 @@
-"""The frontend's gRPC server: the Generation service over a model catalog, TorchServe's services, health and
-reflection, on one grpc.aio server."""
+"""The frontend's gRPC server: the Generation service over a model catalog, TorchServe's services, KServe v2's
+GRPCInferenceService, health and reflection, on one grpc.aio server."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from ringserve.frontend.api.generation import (
     GenerationServicer,
     OpenStreams,
 )
+from ringserve.frontend.api.kserve import SERVICE_NAME as KSERVE_SERVICE_NAME
+from ringserve.frontend.api.kserve import KServeInferenceServicer
 from ringserve.frontend.api.security import ServerSecurity
 from ringserve.frontend.api.torchserve import (
     INFERENCE_SERVICE_NAME,
@@ -28,6 +30,7 @@ from ringserve.frontend.api.validation import DEFAULT_MAX_TOKENS
 from ringserve.frontend.catalog import ModelCatalog, ModelManager, ModelServicer, ServedModel
 from ringserve.frontend.engine_client import EngineError, GenerationEngine
 from ringserve.frontend.text.tokenizer import ModelTokenizer
+from ringserve.kserve import grpc_service_pb2_grpc as kserve_pb2_grpc
 from ringserve.torchserve import inference_pb2_grpc, management_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc as pb_grpc
@@ -195,7 +198,7 @@ def build_catalog_server(manager: ModelManager, host: str = "127.0.0.1", port: i
                          max_concurrent_rpcs: int | None = None,
                          security: ServerSecurity | None = None) -> FrontendServer:  # fmt: skip
     """A grpc.aio server with ringserve.v1 Generation over every model of `manager.catalog`, TorchServe's inference
-    and management services, grpc.health.v1 (per model and overall) and reflection.
+    and management services, KServe v2's GRPCInferenceService, grpc.health.v1 (per model and overall) and reflection.
 
     Call from inside the running event loop; then `await result.start()`. Raises OSError when the address cannot
     be bound. `security` sets TLS, API keys and message size limits (default: plaintext, no keys, 64 MiB).
@@ -209,11 +212,14 @@ def build_catalog_server(manager: ModelManager, host: str = "127.0.0.1", port: i
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     frontend = FrontendServer(server=server, port=0, health=health, manager=manager,
                               open_streams=generation.open_streams, generation=generation,
-                              services=(SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME))
+                              services=(SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME,
+                                        KSERVE_SERVICE_NAME))
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(
         TorchServeInferenceServicer(generation.Generate, lambda: frontend.serving), server)
     management_pb2_grpc.add_ManagementAPIsServiceServicer_to_server(TorchServeManagementServicer(manager), server)
-    service_names = (SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME,
+    kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        KServeInferenceServicer(manager.catalog, generation.Generate, lambda: frontend.serving), server)
+    service_names = (SERVICE_NAME, INFERENCE_SERVICE_NAME, MANAGEMENT_SERVICE_NAME, KSERVE_SERVICE_NAME,
                      health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(service_names, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

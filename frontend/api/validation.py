@@ -332,3 +332,84 @@ def json_body(text: str, field: str) -> Any:
                 raise _invalid(field, f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
             pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return value
+
+
+# GenerateRequest fields besides `sampling` that a JSON object of sampling fields may also set (KServe's
+# sampling_parameters, as vLLM's SamplingParams does).
+JSON_REQUEST_FIELDS = ("skip_special_tokens", "priority", "cache_salt")
+_JSON_TRUE, _JSON_FALSE = ("true", "1"), ("false", "0")
+
+
+def json_generate_fields(body: Any, field: str, out: pb.GenerateRequest) -> None:
+    """Set `out.sampling`'s fields (and JSON_REQUEST_FIELDS) from a JSON object of them, named as in
+    ringserve.v1's SamplingParams; the proto declares each one's type. Numbers and booleans may come as strings
+    ("0.7", "true"), as Triton's vLLM backend takes them. An unknown key, a value of the wrong type or outside the
+    proto field's range is INVALID_ARGUMENT naming `field.key`; the sampling ranges are checked later, as for
+    every API (`sampling_params`)."""
+    if not isinstance(body, dict):
+        raise _invalid(field, f"{field}: expected a JSON object of sampling fields, got {_quoted(body)}")
+    sampling_fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    for key, value in body.items():
+        where = f"{field}.{key}"
+        if key in sampling_fields:
+            target, descriptor = out.sampling, sampling_fields[key]
+        elif key in JSON_REQUEST_FIELDS:
+            target, descriptor = out, pb.GenerateRequest.DESCRIPTOR.fields_by_name[key]
+        else:
+            known = ", ".join([*sampling_fields, *JSON_REQUEST_FIELDS])
+            raise _invalid(where, f"{where}: not a sampling field RingServe knows; known: {known}")
+        if descriptor.is_repeated:
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list):
+                raise _invalid(where, f"{where}: expected a list, got {_quoted(value)}")
+            converted = [_json_scalar(item, descriptor, where) for item in items]
+            try:
+                getattr(target, key).extend(converted)
+            except (ValueError, TypeError) as exc:
+                raise _invalid(where, f"{where}: out of range ({exc})") from None
+            continue
+        try:
+            setattr(target, key, _json_scalar(value, descriptor, where))
+        except (ValueError, TypeError) as exc:  # e.g. a negative or huge seed for a uint64
+            raise _invalid(where, f"{where}: {_quoted(value)} is out of range ({exc})") from None
+
+
+def _json_scalar(value: Any, descriptor: Any, where: str) -> bool | int | float | str:
+    """A JSON value as the proto field's scalar type, without lossy conversions (2.5 is no integer)."""
+    kind = descriptor.cpp_type
+    if kind == descriptor.CPPTYPE_STRING:
+        if isinstance(value, str):
+            return value
+    elif kind == descriptor.CPPTYPE_BOOL:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _JSON_TRUE + _JSON_FALSE:
+            return value.lower() in _JSON_TRUE
+    elif not isinstance(value, bool):
+        number: Any = value
+        if isinstance(value, str):
+            try:
+                number = float(value) if kind in (descriptor.CPPTYPE_FLOAT, descriptor.CPPTYPE_DOUBLE) else int(value)
+            except ValueError:
+                number = None
+        if kind in (descriptor.CPPTYPE_FLOAT, descriptor.CPPTYPE_DOUBLE):
+            if isinstance(number, int | float):
+                try:
+                    real = float(number)
+                except OverflowError:  # an integer beyond any float
+                    real = math.inf
+                if math.isfinite(real):
+                    return real
+        elif isinstance(number, int) or (isinstance(number, float) and number.is_integer()):
+            return int(number)
+    wanted = {descriptor.CPPTYPE_STRING: "a string", descriptor.CPPTYPE_BOOL: "a boolean",
+              descriptor.CPPTYPE_FLOAT: "a finite number", descriptor.CPPTYPE_DOUBLE: "a finite number"}
+    raise _invalid(where, f"{where}: expected {wanted.get(kind, 'an integer')}, got {_quoted(value)}")
+
+
+def _quoted(value: Any) -> str:
+    """A value as an error message quotes it: at most 60 characters."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
