@@ -150,17 +150,19 @@ class ModelRunner:
     def _graph_mode(self, requested: GraphMode, backend: Any, kv_cache: KVCache | None) -> GraphMode:
         """With "auto", graphs only where they apply: CUDA, the triton_paged backend (its decode kernel reads
         lengths and tables on the device; gather + SDPA plans on the host), no forward hooks (tensor parallelism's
-        all-reduce), a cache of our own (the scratch block)."""
+        all-reduce), a cache of our own (the scratch block), no mixture of experts (its routing picks the experts
+        to run on the host)."""
         if requested not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs={requested!r}: must be one of {', '.join(GRAPH_MODES)}")
         if requested == "off":
             return "off"
         hooks = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
-        eligible = backend.name == "triton_paged" and not hooks and kv_cache is None
+        experts = self.config.num_experts > 0
+        eligible = backend.name == "triton_paged" and not hooks and kv_cache is None and not experts
         if requested == "static":
             if not eligible:
-                raise ValueError("static decode buffers need the triton_paged backend, no tensor parallelism and "
-                                 "a KV cache of the runner's own")  # fmt: skip
+                raise ValueError("static decode buffers need the triton_paged backend, no tensor parallelism, no "
+                                 "mixture of experts and a KV cache of the runner's own")  # fmt: skip
             return "static"
         return "auto" if eligible and self.device.type == "cuda" else "off"
 
