@@ -8,8 +8,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-from frontend_testkit import COMPLETION, MODEL, Harness, ScriptedEngine, completion_chunks, start_harness, until
+from frontend_testkit import (
+    COMPLETION,
+    CONTEXT_LENGTH,
+    MODEL,
+    Harness,
+    ScriptedEngine,
+    completion_chunks,
+    start_harness,
+    until,
+)
+from ringserve.frontend.api.security import ServerSecurity
+from ringserve.frontend.api.server import build_server
 from ringserve.frontend.text.tokenizer import ModelTokenizer
+from ringserve.v1 import generation_pb2 as pb
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 aioclient = pytest.importorskip("tritonclient.grpc.aio")
@@ -142,3 +154,25 @@ async def test_a_stream_cancelled_mid_generation_aborts_its_request(tiny_tokeniz
         await client.close()
         await harness.channel.close()
         await harness.server.stop(grace=None)
+
+
+async def test_with_api_keys_only_server_live_and_ready_answer_without_one(tiny_tokenizer: ModelTokenizer) -> None:
+    info = pb.ModelInfo(model=MODEL, architecture="llama", context_length=CONTEXT_LENGTH, dtype="float32",
+                        tensor_parallel_size=1, block_size=16, kv_capacity_tokens=1600,
+                        eos_token_ids=tiny_tokenizer.eos_token_ids, vocab_size=tiny_tokenizer.vocab_size)
+    server = build_server(ScriptedEngine(completion_chunks(tiny_tokenizer)), tiny_tokenizer, info, port=0,
+                          security=ServerSecurity(api_keys=["key-1"]))  # fmt: skip
+    await server.start()
+    client = aioclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    try:
+        await until(lambda: server.serving)
+        assert await client.is_server_live() and await client.is_server_ready()
+        for call in (client.is_model_ready(MODEL), client.get_model_metadata(MODEL), client.infer(MODEL, inputs("Hi"))):
+            with pytest.raises(InferenceServerException) as caught:
+                await call
+            assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+        keyed = {"authorization": "Bearer key-1"}
+        assert text_of(await client.infer(MODEL, inputs("Hi", exclude_input=True), headers=keyed)) == COMPLETION
+    finally:
+        await client.close()
+        await server.stop(grace=None)
