@@ -17,15 +17,15 @@ EngineConfig checked(EngineConfig config) {
 
 Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
     : config_(checked(std::move(config))),
-      max_plan_bytes_(max_plan_bytes),
-      pool_(config_.num_blocks),
       queues_(config_.priority_aging_ms, config_.max_num_seqs),
-      slots_(config_.max_num_seqs),
-      prefix_(config_.block_size, config_.enable_prefix_caching, config_.num_blocks),
-      prefill_(config_),
-      spec_(config_),
       in_flight_(config_.max_num_seqs),
-      outputs_(static_cast<size_t>(config_.max_num_seqs)) {
+      outputs_(static_cast<size_t>(config_.max_num_seqs)),
+      spec_(config_),
+      pool_(config_.num_blocks),
+      prefix_(config_.block_size, config_.enable_prefix_caching, config_.num_blocks),
+      slots_(config_.max_num_seqs),
+      max_plan_bytes_(max_plan_bytes),
+      prefill_(config_) {
   const auto seqs = static_cast<size_t>(config_.max_num_seqs);
   spare_appends_.reserve(seqs);
   finished_.reserve(seqs);
@@ -167,11 +167,14 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     const int32_t computed = r.num_computed_tokens;
     const int32_t total = r.num_tokens();
     const int32_t left = total - computed;
-    // A prefill chunk or one token.
-    const int32_t n = left > 1 ? prefill_.guarded_chunk(computed, std::min(left, prefill_.chunk_cap(budget))) : left;
-    if (n <= 0) continue;
+    // One token (a decode, the common case: kept to a single test), or a prefill chunk.
+    int32_t n = 1;
+    if (left != 1) [[unlikely]] {
+      n = left > 1 ? prefill_.guarded_chunk(computed, std::min(left, prefill_.chunk_cap(budget))) : 0;
+      if (n <= 0) continue;
+    }
     // Lookahead only for a one-token decode that samples: its drafts are verified right after that token.
-    int32_t k = spec_step && n == 1 && computed + 1 == total ? spec_.lookahead_for(r, details[index], budget - n) : 0;
+    int32_t k = spec_step && left == 1 ? spec_.lookahead_for(r, details[index], budget - n) : 0;
     if (computed + n + k > static_cast<int32_t>(r.block_ids.size()) * bs) {
       // Needs blocks: a decode step does once every block_size tokens. Out of line, so the loop keeps its registers.
       const Growth grown = grow_blocks(index, n, k, plan, plan_bytes);

@@ -119,22 +119,21 @@ class Scheduler {
   // Returns the blocks of a request's unfilled lookahead slots and lists the trim for the workers' next plan.
   void trim_lookahead_blocks(RequestState& r);
 
+  // The members the step loops touch first and together; the KV pins and the guard's cost model (2 KiB of step
+  // history) last, so they do not spread the hot ones over more cache lines.
   EngineConfig config_;
-  size_t max_plan_bytes_;
-  BlockPool pool_;
   RequestTable table_;
   RequestQueues queues_;
-  BatchSlots slots_;
-  PrefixIndex prefix_;
-  PrefillBudget prefill_;
-  SpeculationPolicy spec_;
-  KvPins kv_;
   InFlightStep in_flight_;
   StepOutputs outputs_;
-
   std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
   std::vector<int32_t> registering_;         // scratch for update(): requests that completed a block
   std::vector<int32_t> trimming_;            // scratch for update(): speculating requests, trimmed after registration
+  SpeculationPolicy spec_;
+  BlockPool pool_;
+  PrefixIndex prefix_;
+  BatchSlots slots_;
+  size_t max_plan_bytes_;
   std::vector<int32_t> pending_trim_slots_;  // go into the next plan's trim_slots / trim_num_blocks
   std::vector<int32_t> pending_trim_blocks_;
 
@@ -148,6 +147,8 @@ class Scheduler {
   int32_t last_step_tokens_ = 0;
   uint64_t total_prompt_tokens_ = 0;
   uint64_t total_generation_tokens_ = 0;
+  KvPins kv_;
+  PrefillBudget prefill_;
 };
 
 }  // namespace ringserve
