@@ -187,15 +187,12 @@ async def stream_openai(client: httpx.AsyncClient, plan: RequestPlan, timeout_s:
     body = {"prompt": plan.prompt_ids, "max_tokens": plan.max_tokens, "temperature": 1.0, "seed": plan.index,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
     start = time.perf_counter()
-    try:
-        async with contextlib.AsyncExitStack() as scope:
-            if plan.cancel_after == 0:  # gone before the first token: queued, prefilling, or just admitted
-                await scope.enter_async_context(asyncio.timeout(plan.cancel_delay_s))
-            response = await scope.enter_async_context(
-                client.stream("POST", "/v1/completions", json=body, timeout=timeout_s))
+
+    async def consume() -> None:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as response:
             if response.status_code != 200:
                 result.outcome, result.error = "error", f"HTTP {response.status_code}"
-                return result
+                return
             last, finished = start, False
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -206,7 +203,7 @@ async def stream_openai(client: httpx.AsyncClient, plan: RequestPlan, timeout_s:
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         result.outcome, result.error = "error", str(chunk["error"].get("code"))
-                        return result
+                        return
                     if chunk.get("usage"):
                         result.tokens = chunk["usage"]["completion_tokens"]
                         continue
@@ -222,10 +219,16 @@ async def stream_openai(client: httpx.AsyncClient, plan: RequestPlan, timeout_s:
                 result.tokens += 1  # one token per chunk until the usage chunk says how many there were
                 if plan.cancel_after is not None and result.tokens >= plan.cancel_after and not finished:
                     result.outcome = "cancelled"  # leaving the block closes the connection: the server aborts
-                    return result
+                    return
             if not finished:
                 result.outcome, result.error = "error", "the stream ended without a finish_reason"
-    except TimeoutError:
+
+    try:
+        if plan.cancel_after == 0:  # gone before the first token: queued, prefilling, or just admitted
+            await asyncio.wait_for(consume(), plan.cancel_delay_s)
+        else:
+            await consume()
+    except asyncio.TimeoutError:
         result.outcome = "cancelled"
     except httpx.HTTPError as error:
         result.outcome, result.error = "error", type(error).__name__
