@@ -96,6 +96,7 @@ torch_index() {  # sets index_url, the torch index for the build: PyTorch's, els
   # builds (another port, when that one is taken, costs the runtime layers a rebuild).
   port=$(python3 -c 'import socket, sys
 s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds: a just-stopped index may linger
 try:
     s.bind(("127.0.0.1", int(sys.argv[1])))
 except OSError:
