@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke test of the CPU image, for a machine with a Docker engine (CI here has only the docker client):
+# Quick check of the CPU image by hand on a machine with a Docker engine (tests/docker/ check more, in CI):
 # builds ringserve:cpu, runs it, waits until Docker reports it healthy (the image's gRPC HEALTHCHECK), streams one
 # request with `ringserve generate` inside the container (and from the host when .venv has ringserve), reads the
 # metrics endpoint, then stops it with SIGTERM and checks that the server drained and exited 0.

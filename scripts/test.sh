@@ -12,7 +12,7 @@ echo "==> ruff (${SECONDS}s in)"
 ruff check .
 
 echo "==> Docker files (hadolint; docker compose config when a compose client is present)"
-hadolint docker/Dockerfile.cpu docker/Dockerfile.cuda
+hadolint docker/Dockerfile.cpu docker/Dockerfile.cuda tests/docker/images/Dockerfile.*
 compose=()
 if docker compose version >/dev/null 2>&1; then
   compose=(docker compose)
@@ -24,7 +24,7 @@ if [ ${#compose[@]} -gt 0 ]; then
     "${compose[@]}" -f docker/compose.yaml --profile "$profile" config -q
   done
 else
-  echo "    skipped \`docker compose config\`: no docker compose client here (image builds need an engine: docker/smoke.sh)"
+  echo "    skipped \`docker compose config\`: no compose client yet (tests/docker/ install one with the engine)"
 fi
 
 echo "==> C++ unit tests (ctest; ${SECONDS}s in)"

@@ -15,7 +15,8 @@ caller's trace context is passed on unchanged.
 
 Failures: a prefill server that is unreachable or fails makes the request fall back to an ordinary Generate on
 the decode server (it computes the prompt itself); a decode server that fails ends the request with UNAVAILABLE
-and a message naming it.
+and a message naming it, and while it cannot be reached (its last request failed to connect, or its channel is
+failing to) new requests go to the other decode servers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import hashlib
 import logging
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,7 @@ _FALLBACK_CODES = frozenset((grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLI
                              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
                              grpc.StatusCode.RESOURCE_EXHAUSTED))  # fmt: skip
 _RELEASE_TIMEOUT_S = 5.0
+_UNREACHABLE_S = 10.0  # a decode server whose request failed with UNAVAILABLE is passed over this long
 
 _W3C = TraceContextTextMapPropagator()
 
@@ -67,6 +70,13 @@ class Upstream:
     generation: pb_grpc.GenerationStub
     disagg: dpb_grpc.DisaggregationStub
     outstanding_tokens: int = 0
+    unreachable_at: float | None = None  # time.monotonic() of its last UNAVAILABLE, None once it answers again
+
+    def reachable(self, now: float) -> bool:
+        if self.unreachable_at is not None and now - self.unreachable_at < _UNREACHABLE_S:
+            return False
+        state = self.channel.get_state() if self.channel is not None else None
+        return state != grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     @classmethod
     def connect(cls, address: str) -> Upstream:
@@ -77,6 +87,13 @@ class Upstream:
 def least_loaded(upstreams: Sequence[Upstream]) -> Upstream:
     """Fewest outstanding tokens; ties go to the first listed."""
     return min(upstreams, key=lambda u: u.outstanding_tokens)
+
+
+def choose_decode(upstreams: Sequence[Upstream]) -> Upstream:
+    """The least loaded of the reachable decode servers (of all of them when none is, so the request still gets a
+    clear error)."""
+    now = time.monotonic()
+    return least_loaded([u for u in upstreams if u.reachable(now)] or upstreams)
 
 
 def prompt_prefix(request: pb.GenerateRequest, chars: int) -> bytes:
@@ -228,7 +245,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         trace = RouterTrace.start(self.tracer, request, metadata)
         prompt_cost = estimate_prompt_tokens(request)
         decode_cost = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 256
-        decode = least_loaded(self.decode)
+        decode = choose_decode(self.decode)
         decode.outstanding_tokens += decode_cost
         trace.attribute("ringserve.router.decode_server", decode.address)
         prefill: Upstream | None = None
@@ -278,6 +295,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         tokens = 0
         try:
             async for response in stream:
+                decode.unreachable_at = None
                 count += 1
                 tokens += len(response.token_ids)
                 # The first message is the prefill's token; the second comes after the step that pulled the KV.
@@ -291,6 +309,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             trace.end(span, error=error)
             if error.code() == grpc.StatusCode.CANCELLED and context.cancelled():
                 raise asyncio.CancelledError from None
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                decode.unreachable_at = time.monotonic()
             code = error.code() if error.code() not in _FALLBACK_CODES else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"decode server {decode.address}: {error.details() or error.code().name}")
         finally:
@@ -315,7 +335,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         task.add_done_callback(self._background.discard)
 
     async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        upstream = least_loaded(self.decode)
+        upstream = choose_decode(self.decode)
         try:
             return await getattr(upstream.generation, method)(request)
         except grpc.aio.AioRpcError as error:

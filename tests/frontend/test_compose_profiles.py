@@ -1,7 +1,7 @@
 """docker/compose.yaml's deployments run commands the CLI accepts: every profile's `command` parses with the real
 `ringserve` parser and passes the same checks `ringserve serve` makes, and the disaggregated profile's router points
-at the prefill and decode services with the roles and KV transfer they need (images cannot be built on this machine,
-so this is what keeps the compose file from drifting away from the CLI)."""
+at the prefill and decode services with the roles and KV transfer they need (no Docker engine needed: it runs
+wherever the unit tests do; tests/docker/ bring the profiles up)."""
 
 from __future__ import annotations
 

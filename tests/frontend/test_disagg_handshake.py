@@ -9,6 +9,7 @@ from ringserve.formats.kv_peer import KvPeerInfo
 from ringserve.frontend.routing.disagg import LocalKv, check_handle
 from ringserve.frontend.routing.router import (
     Upstream,
+    choose_decode,
     choose_prefill,
     estimate_prompt_tokens,
     least_loaded,
@@ -62,6 +63,15 @@ def test_inconsistent_or_expired_handles_are_refused() -> None:
 def test_router_picks_the_least_outstanding_tokens() -> None:
     ups = [Upstream(f"h{i}:1", None, None, None, tokens) for i, tokens in enumerate((300, 20, 20))]  # type: ignore[arg-type]
     assert least_loaded(ups).address == "h1:1"  # ties: the first listed
+    # A decode server whose last request found it unreachable is passed over while another one is reachable.
+    ups[1].unreachable_at = time.monotonic()
+    assert choose_decode(ups).address == "h2:1"
+    ups[2].unreachable_at = time.monotonic()
+    assert choose_decode(ups).address == "h0:1"
+    ups[0].unreachable_at = time.monotonic()
+    assert choose_decode(ups).address == "h1:1"  # none is reachable: the least loaded still gets the request
+    ups[0].unreachable_at = time.monotonic() - 60  # long enough ago to be tried again
+    assert choose_decode(ups).address == "h0:1"
     assert estimate_prompt_tokens(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))) == 3
     assert estimate_prompt_tokens(pb.GenerateRequest(text="x" * 400)) == 101
 

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# A Docker engine and the RingServe images for the Docker tests (tests/docker/), on a machine that may have neither.
+#   scripts/docker-env.sh up        an engine: the one running, else (root on Debian) Debian's docker.io installed and
+#                                   dockerd started in the background; exit 3 with the reason when there is no way
+#   scripts/docker-env.sh build     ringserve:cpu from docker/Dockerfile.cpu (and the image the compose tests use in
+#                                   place of Prometheus when prom/prometheus cannot be pulled)
+#   scripts/docker-env.sh down      stops what `up` started (containers it left are stopped by dockerd)
+# Where Docker Hub is unreachable, `build` makes a stand-in for the python base image (scripts/docker-base-image.sh)
+# and, where download.pytorch.org is unreachable, serves the torch CPU wheel that pip finds here to the build from a
+# PEP 503 index on 127.0.0.1 (`docker build --network host`). The engine keeps the build cache: a second build
+# reuses every layer whose inputs did not change.
+# RINGSERVE_DOCKER_STATE (default /tmp/ringserve-docker) holds the logs and what `up` started.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+state=${RINGSERVE_DOCKER_STATE:-/tmp/ringserve-docker}
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/ringserve-docker
+python_image=$(sed -n 's/^ARG PYTHON_IMAGE=//p' docker/Dockerfile.cpu)
+standin_base=local/python:3.11-slim-bookworm
+mkdir -p "$state"
+
+no_engine() { echo "no Docker engine: $*" >&2; exit 3; }
+t() { local s=$SECONDS; "$@"; echo "    [$((SECONDS - s))s] $*"; }
+
+up() {
+  if docker info >/dev/null 2>&1; then
+    echo "using the running Docker engine"
+    return
+  fi
+  [ "$(id -u)" = 0 ] || no_engine "none is running and installing one needs root"
+  command -v apt-get >/dev/null || no_engine "none is running and there is no apt-get to install docker.io with"
+  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null
+  then
+    echo "==> installing Debian's docker.io, docker-compose, debootstrap"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >"$state/apt.log" 2>&1 && apt-get install -y -qq --no-install-recommends \
+      docker.io docker-compose debootstrap iptables >>"$state/apt.log" 2>&1 \
+      || no_engine "installing docker.io failed (see $state/apt.log)"
+  fi
+  echo "==> starting dockerd (log: $state/dockerd.log)"
+  setsid /usr/sbin/dockerd >"$state/dockerd.log" 2>&1 < /dev/null &
+  echo $! > "$state/dockerd.pid"
+  for _ in $(seq 1 60); do
+    docker info >/dev/null 2>&1 && break
+    kill -0 "$(cat "$state/dockerd.pid")" 2>/dev/null || no_engine "dockerd exited: $(tail -n 3 "$state/dockerd.log")"
+    sleep 1
+  done
+  docker info >/dev/null 2>&1 || { down; no_engine "dockerd did not answer within 60s"; }
+  docker info --format '    engine {{.ServerVersion}}, storage {{.Driver}}, cgroup v{{.CgroupVersion}}'
+}
+
+down() {
+  [ -f "$state/dockerd.pid" ] || return 0
+  pid=$(cat "$state/dockerd.pid")
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "==> stopping dockerd ($pid); it stops its containers and containerd"
+    kill -TERM "$pid"
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
+  fi
+  rm -f "$state/dockerd.pid"
+}
+
+pullable() {  # image: present, or pulled within 2 minutes
+  docker image inspect "$1" >/dev/null 2>&1 || timeout 120 docker pull -q "$1" >/dev/null 2>&1
+}
+
+base_image() {  # prints the image to build on: the official one when it can be had, else the stand-in
+  if pullable "$python_image"; then
+    echo "$python_image"
+    return
+  fi
+  echo "==> $python_image cannot be pulled: the stand-in $standin_base (log: $state/base.log)" >&2
+  t scripts/docker-base-image.sh "$standin_base" >"$state/base.log" 2>&1 \
+    || { tail -n 30 "$state/base.log" >&2; exit 1; }
+  echo "$standin_base"
+}
+
+index_pid=
+stop_index() { [ -z "$index_pid" ] || kill "$index_pid" 2>/dev/null || true; }
+
+torch_index() {  # sets index_url, the torch index for the build: PyTorch's, else a local one (started here)
+  local port wheel version
+  index_url=$(sed -n 's/^ARG TORCH_INDEX_URL=//p' docker/Dockerfile.cpu)
+  if curl -fsS -m 20 -o /dev/null "$index_url/torch/"; then
+    return
+  fi
+  version=$(sed -n 's/^ARG TORCH_VERSION=//p' docker/Dockerfile.cpu)
+  mkdir -p "$cache/torch-index/torch"
+  if ! compgen -G "$cache/torch-index/torch/torch-${version}-cp311-*.whl" >/dev/null; then
+    echo "==> $index_url is unreachable: downloading torch==$version for the local index" >&2
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 "torch==${version}" \
+      -d "$cache/torch-index/torch" >&2
+  fi
+  # The URL is a build argument, part of the cache key of every later layer: a fixed port keeps it the same across
+  # builds (another port, when that one is taken, costs the runtime layers a rebuild).
+  port=$(python3 -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds: a just-stopped index may linger
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])' "${RINGSERVE_TORCH_INDEX_PORT:-47651}")
+  python3 -m http.server "$port" --bind 127.0.0.1 --directory "$cache/torch-index" >"$state/index.log" 2>&1 &
+  index_pid=$!
+  for _ in $(seq 1 40); do curl -fsS -o /dev/null "http://127.0.0.1:$port/torch/" 2>/dev/null && break; sleep 0.25; done
+  wheel=$(cd "$cache/torch-index/torch" && ls torch-"${version}"-cp311-*.whl)
+  index_url="http://127.0.0.1:$port/"
+  echo "==> serving $wheel on $index_url"
+}
+
+standin() {  # image wanted, stand-in tag, stand-in Dockerfile, base: the stand-in when the image cannot be pulled
+  if pullable "$1"; then return; fi
+  echo "==> $1 cannot be pulled: the stand-in $2 from $3"
+  t docker build -q --network host --build-arg "BASE_IMAGE=$4" -f "$3" -t "$2" "$(dirname "$3")" >/dev/null
+}
+
+build() {
+  docker info >/dev/null 2>&1 || no_engine "none is reachable (run \`$0 up\` first)"
+  local base
+  base=$(base_image)
+  trap stop_index EXIT
+  torch_index
+  echo "==> ringserve:cpu on $base (log: $state/build-cpu.log)"
+  t scripts/docker-build.sh cpu --progress=plain --network host --build-arg "PYTHON_IMAGE=$base" \
+    --build-arg "TORCH_INDEX_URL=$index_url" >"$state/build-cpu.log" 2>&1 || { tail -n 40 "$state/build-cpu.log"; exit 1; }
+  stop_index
+  docker image inspect ringserve:cpu --format '    ringserve:cpu {{.Size}} bytes'
+  # The observability profile's Prometheus (tests/docker/ run the stand-in in its place where it cannot be pulled)
+  standin "$(sed -n 's/^ *image: *${PROMETHEUS_IMAGE:-\([^}]*\)}.*/\1/p' docker/compose.yaml)" ringserve-test/prometheus \
+    tests/docker/images/Dockerfile.prometheus "$base"
+}
+
+case "${1:-}" in
+  up) up ;;
+  build) build ;;
+  down) down ;;
+  *) echo "usage: $0 up|build|down" >&2; exit 2 ;;
+esac
