@@ -104,7 +104,7 @@ class ServedModel:
         if self.servicer is None or self.engine is None or not self.ready:
             return pb.MODEL_STATE_LOADING
         if self.deployment is not None and self.deployment.restarting:  # its engine is starting again
-            return pb.MODEL_STATE_LOADING
+            return pb.MODEL_STATE_RESTARTING
         if self.engine.failure is not None:
             return pb.MODEL_STATE_FAILED
         return pb.MODEL_STATE_READY
@@ -122,9 +122,7 @@ class ServedModel:
         return info
 
     def status_text(self) -> str:
-        """READY, LOADING, DRAINING or FAILED; RESTARTING while a dead engine is being started again."""
-        if self.state == pb.MODEL_STATE_LOADING and self.deployment is not None and self.deployment.restarting:
-            return "RESTARTING"
+        """LOADING, READY, DRAINING, FAILED or RESTARTING (a dead engine is being started again)."""
         return pb.ModelState.Name(self.state).removeprefix("MODEL_STATE_")  # type: ignore[arg-type]
 
     @property

@@ -512,8 +512,13 @@ class GenerationServicer(_GenerateRpc, pb_grpc.GenerationServicer):
         except BaseException:
             self._long_tokenizations.release()
             raise
-        future.add_done_callback(lambda _: self._long_tokenizations.release())
+        future.add_done_callback(self._tokenization_done)
         return await asyncio.shield(future)
+
+    def _tokenization_done(self, future: asyncio.Future[Any]) -> None:
+        self._long_tokenizations.release()
+        if not future.cancelled():
+            future.exception()  # retrieved: a request cancelled meanwhile never awaits it
 
 
 class CatalogServicer(_GenerateRpc, pb_grpc.GenerationServicer):

@@ -211,6 +211,25 @@ async def test_unregister_drains_the_model_and_moves_the_default(managed) -> Non
     assert missing.value.code == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_model_whose_replicas_all_restart_is_restarting_not_loading(managed) -> None:
+    manager, _, address = managed
+    await manager.register(ModelSpec(name="a", path="/a.gguf"))
+    model = manager.catalog.get("a")
+    model.deployment = _Restarting()  # type: ignore[assignment]
+    assert model.state == pb.MODEL_STATE_RESTARTING and model.status_text() == "RESTARTING" and not model.serving
+    async with grpc.aio.insecure_channel(address) as channel:
+        listed = await pb_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest())
+    assert [(m.model, m.state) for m in listed.models] == [("a", pb.MODEL_STATE_RESTARTING)]
+    model.deployment.restarting = False  # type: ignore[union-attr]
+    assert model.state == pb.MODEL_STATE_READY and model.status_text() == "READY"
+
+
+class _Restarting:
+    """Stands in for a deployment none of whose replicas serves while one is being restarted."""
+
+    restarting = True
+
+
 class _DrainRecorder:
     """Stands in for a deployment: records the model's state when asked to stop."""
 

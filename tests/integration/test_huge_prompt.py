@@ -60,7 +60,9 @@ def test_a_10_mib_prompt_is_refused_before_tokenizing_naming_the_field(huge_serv
     frontend = psutil.Process(huge_server.proc.pid)
     rss_before = frontend.memory_info().rss
     text = "a" * TEN_MIB  # one token covers at most a few "a"s: millions of tokens, were it tokenized
+    sent = time.monotonic()
     error = refusal(lambda: list(huge_server.stub().Generate(pb.GenerateRequest(text=text), timeout=120)))
+    print(f"\n[huge prompt] a 10 MiB prompt refused {time.monotonic() - sent:.2f} s after it was sent")
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert error.details().startswith("text:") and f"more than {size_bound} bytes" in error.details()
     conversation = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=text[: TEN_MIB // 2]),
@@ -78,7 +80,7 @@ def test_a_10_mib_prompt_is_refused_before_tokenizing_naming_the_field(huge_serv
         error = refusal(lambda: list(huge_server.stub().Generate(pb.GenerateRequest(text=text), timeout=120)))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     more = frontend.memory_info().rss - warm
-    print(f"\n[huge prompt] frontend RSS: +{first / 2**20:.1f} MiB after the first three 10 MiB refusals, "
+    print(f"[huge prompt] frontend RSS: +{first / 2**20:.1f} MiB after the first three 10 MiB refusals, "
           f"{more / 2**20:+.1f} MiB after ten more")
     assert first < 3 * 5 * TEN_MIB, f"the frontend grew by {first / 2**20:.0f} MiB"
     assert more < 10 * TEN_MIB, f"the frontend grew by {more / 2**20:.0f} MiB over ten more refusals"
