@@ -21,6 +21,9 @@ BLOCK = 4
 # tensors, sliding windows (every layer, and mixed with global layers), experts with and without a shared one.
 ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "mistral_sliding_window",
                          "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe")  # fmt: skip
+# transformers 5.x's generate() with yarn RoPE departs from its own whole-sequence forward (prompt [250, 1, 2], token
+# 17: 137 where the forward's argmax is 2, by a logit margin of 0.07); the dense variant is compared with the forward.
+WHOLE_FORWARD_REFERENCE = {"llama_yarn"}
 PROMPTS = [[5, 9, 200, 3, 17, 8, 44, 61, 90, 12, 7, 33, 150, 2, 99, 64, 31], [250, 1, 2], list(range(30, 52))]
 NEW_TOKENS = 32
 
@@ -37,7 +40,8 @@ def test_chunked_prefill_and_greedy_decode_equal_transformers(tmp_path: Path, va
     ]
     got, _ = serve_in_process(runner, requests, num_blocks=64, block_size=BLOCK, max_num_batched_tokens=8)
     for i, prompt in enumerate(PROMPTS):
-        assert got[i + 1] == hf_greedy(hf, prompt, NEW_TOKENS), f"{variant}: prompt {i}"
+        expected = hf_greedy(hf, prompt, NEW_TOKENS, use_cache=variant not in WHOLE_FORWARD_REFERENCE)
+        assert got[i + 1] == expected, f"{variant}: prompt {i}"
 
 
 @pytest.mark.parametrize(

@@ -139,8 +139,15 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0].float()
 
 
-def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """transformers' own greedy continuation (its KV cache, its sliding-window cache layers)."""
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int, use_cache: bool = True) -> list[int]:
+    """transformers' own greedy continuation (its KV cache, its sliding-window cache layers); use_cache=False runs its
+    whole forward over the sequence for every token instead (the model's definition, with no cache state)."""
+    if not use_cache:
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+        return tokens[len(prompt) :]
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
