@@ -20,7 +20,7 @@ BLOCK = 4
 # One variant per kind of difference from llama: dense with RoPE scaling, bias, q/k norm, fused checkpoint
 # tensors, sliding windows (every layer, and mixed with global layers), experts with and without a shared one.
 ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "mistral_sliding_window",
-                         "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe")  # fmt: skip
+                         "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")  # fmt: skip
 PROMPTS = [[5, 9, 200, 3, 17, 8, 44, 61, 90, 12, 7, 33, 150, 2, 99, 64, 31], [250, 1, 2], list(range(30, 52))]
 NEW_TOKENS = 32
 
