@@ -116,3 +116,10 @@ def test_an_unsupported_activation_or_mlp_bias_is_refused(tmp_path: Path) -> Non
     write_config(tmp_path, hidden_act="silu", mlp_bias=True)
     with pytest.raises(ValueError, match=r"mlp_bias is not supported"):
         load_hf_model(tmp_path, torch.float32)
+
+
+def test_gemma_refuses_an_activation_other_than_gelu_tanh(tmp_path: Path) -> None:
+    save_tiny_hf_model("gemma3", tmp_path)
+    write_config(tmp_path, hidden_activation="relu", hidden_act=None)
+    with pytest.raises(ValueError, match=r"hidden_activation 'relu' is not supported by the Gemma decoder"):
+        load_hf_model(tmp_path, torch.float32)

@@ -100,16 +100,16 @@ def read_gguf_config(reader: GGUFReader, path: str) -> tuple[Architecture, Llama
 
 def _gemma_config(reader: GGUFReader, config: LlamaConfig, arch: str, window: Any) -> GemmaConfig:
     """llama.cpp's Gemma metadata: Gemma 2 alternates local (even) and global layers, Gemma 3 makes every sixth layer
-    global with RoPE base 10000 on the local ones; the attention scale is head_dim^-0.5 (llama.cpp's rule for every
-    size but Gemma 3 27B, whose files this refuses to guess)."""
+    global with RoPE base 10000 on the local ones. The attention scale is not in the file either: llama.cpp uses
+    (hidden / heads)^-0.5 for the 27B models (Gemma 2: 46 layers, Gemma 3: 62) and head_dim^-0.5 for the others."""
     pattern = 2 if arch == "gemma2" else 6
-    if arch == "gemma3" and config.num_layers == 62:
-        raise ValueError("Gemma 3 27B GGUF files are not supported (their attention scale is not in the metadata)")
+    large = config.num_layers == (46 if arch == "gemma2" else 62)
+    scalar = config.hidden_size / config.num_heads if large else config.head_dim
     windows = tuple(int(window) if (i + 1) % pattern else None for i in range(config.num_layers)) if window else ()
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(LlamaConfig)}
     return GemmaConfig(
-        **{**fields, "layer_windows": windows, "tie_word_embeddings": config.tie_word_embeddings},
-        query_pre_attn_scalar=float(config.head_dim),
+        **{**fields, "layer_windows": windows},
+        query_pre_attn_scalar=float(scalar),
         attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping"),
         final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
         rope_local_theta=10000.0 if arch == "gemma3" else None,
