@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 # llama.cpp token types (tokenizer.ggml.token_type).
@@ -199,32 +199,21 @@ def tokenizer_from_gguf(source: str | os.PathLike[str] | Any) -> ModelTokenizer:
         return default if entry is None else entry.contents()
 
     kind = meta("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported yet (only 'gpt2', byte-level BPE)")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level BPE; "
+                         "'llama', SentencePiece BPE)")  # fmt: skip
     tokens: list[str] = list(meta("tokenizer.ggml.tokens"))
     token_types: list[int] = list(meta("tokenizer.ggml.token_type", []))
-    merges: list[str] = list(meta("tokenizer.ggml.merges", []))
-
-    spelling = byte_alphabet()
-    alphabet = set(spelling.values())
-    # A token written outside the byte alphabet is stored as its text; spell it as bytes so the BPE model finds it.
-    vocab = {
-        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-        for index, token in enumerate(tokens)
-    }
-    model = BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], dropout=None,
-                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-    backend = Tokenizer(model)
-    split = _PRE_TOKENIZER_SPLITS.get(meta("tokenizer.ggml.pre", ""))
-    add_prefix_space = bool(meta("tokenizer.ggml.add_space_prefix", False))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    add_prefix_space = bool(meta("tokenizer.ggml.add_space_prefix", kind == "llama"))
+    if kind == "llama":
+        scores = list(meta("tokenizer.ggml.scores", [0.0] * len(tokens)))
+        unk = meta("tokenizer.ggml.unknown_token_id")
+        backend = _sentencepiece_bpe(tokens, scores, None if unk is None else tokens[unk], add_prefix_space)
+        alphabet = None
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-    backend.decoder = decoders.ByteLevel()
+        backend, alphabet = _byte_level_bpe(tokens, list(meta("tokenizer.ggml.merges", [])),
+                                            meta("tokenizer.ggml.pre", ""), add_prefix_space)  # fmt: skip
+    vocab = backend.get_vocab()
 
     def token_at(key: str) -> str | None:
         index = meta(key)
@@ -235,7 +224,7 @@ def tokenizer_from_gguf(source: str | os.PathLike[str] | Any) -> ModelTokenizer:
                 ("pad", "padding_token_id"))}
     # Control tokens stay whole and are skippable; one spelled outside the byte alphabet is a llama.cpp mislabel.
     typed = list(zip(tokens, token_types, strict=False))
-    control = [t for t, kind in typed if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    control = [t for t, kind in typed if kind == _TOKEN_TYPE_CONTROL and (alphabet is None or set(t) <= alphabet)]
     control += [t for t in special.values() if t is not None and t not in control]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     user_defined = [t for t, kind in typed if kind == _TOKEN_TYPE_USER_DEFINED and t in vocab]
@@ -252,6 +241,57 @@ def tokenizer_from_gguf(source: str | os.PathLike[str] | Any) -> ModelTokenizer:
     return ModelTokenizer(backend=backend, bos_token=special["bos"], eos_token=special["eos"], unk_token=special["unk"],
                           pad_token=special["pad"], chat_template_source=meta("tokenizer.chat_template"),
                           eos_token_ids=eos_ids)
+
+
+def _byte_level_bpe(
+    tokens: list[str], merges: list[str], pre: str, add_prefix_space: bool
+) -> tuple[Tokenizer, set[str]]:
+    """GGUF `gpt2` (byte-level BPE): the backend and its byte alphabet."""
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    # A token written outside the byte alphabet is stored as its text; spell it as bytes so the BPE model finds it.
+    vocab = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+        for index, token in enumerate(tokens)
+    }
+    model = BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], dropout=None,
+                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)  # fmt: skip
+    backend = Tokenizer(model)
+    split = _PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    backend.decoder = decoders.ByteLevel()
+    return backend, alphabet
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], unk: str | None, add_prefix_space: bool) -> Tokenizer:
+    """GGUF `llama` (SentencePiece BPE with byte fallback, as Gemma and Llama 2 use), built as transformers'
+    SpmConverter does: spaces become U+2581, merges are every split of a piece into two pieces, ranked by the merged
+    piece's score (SentencePiece merges the highest-scoring pair first), and unknown bytes fall back to <0xNN>."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    ranked = []
+    for piece, index in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[index], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    model = BPE(vocab=vocab, merges=[(left, right) for *_, left, right in ranked], unk_token=unk, fuse_unk=True,
+                byte_fallback=True, dropout=None)  # fmt: skip
+    backend = Tokenizer(model)
+    steps = [normalizers.Prepend("\u2581")] if add_prefix_space else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(content=" ", left=1)] if add_prefix_space else []
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip])  # fmt: skip
+    return backend
 
 
 def _set_post_processor(backend: Tokenizer, bos: str | None, eos: str | None) -> None:

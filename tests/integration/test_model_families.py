@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from workers_testkit import hf_greedy, save_tiny_hf_model, save_word_tokenizer
 
 # dense with fused checkpoint tensors, q/k/v biases, q/k norms, sliding windows, experts with a shared expert
-KINDS = ("phi3", "qwen2_attention_bias", "qwen3", "mistral_sliding_window", "qwen2_moe")
+KINDS = ("phi3", "qwen2_attention_bias", "qwen3", "mistral_sliding_window", "qwen2_moe", "gemma2", "gemma3")
 PROMPTS = [[5, 9, 200, 3, 17, 8, 44, 61, 90, 12, 7, 33, 150, 2, 99, 64, 31, 18, 77], [250, 1, 2], list(range(30, 50))]
 NEW_TOKENS = 32
 

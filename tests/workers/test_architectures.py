@@ -20,7 +20,7 @@ BLOCK = 4
 # One variant per kind of difference from llama: dense with RoPE scaling, bias, q/k norm, fused checkpoint
 # tensors, sliding windows (every layer, and mixed with global layers), experts with and without a shared one.
 ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "mistral_sliding_window",
-                         "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe")  # fmt: skip
+                         "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")  # fmt: skip
 # transformers 5.x's generate() with yarn RoPE departs from its own whole-sequence forward (prompt [250, 1, 2], token
 # 17: 137 where the forward's argmax is 2, by a logit margin of 0.07); the dense variant is compared with the forward.
 WHOLE_FORWARD_REFERENCE = {"llama_yarn"}
@@ -119,4 +119,11 @@ def test_an_unsupported_activation_or_mlp_bias_is_refused(tmp_path: Path) -> Non
         load_hf_model(tmp_path, torch.float32)
     write_config(tmp_path, hidden_act="silu", mlp_bias=True)
     with pytest.raises(ValueError, match=r"mlp_bias is not supported"):
+        load_hf_model(tmp_path, torch.float32)
+
+
+def test_gemma_refuses_an_activation_other_than_gelu_tanh(tmp_path: Path) -> None:
+    save_tiny_hf_model("gemma3", tmp_path)
+    write_config(tmp_path, hidden_activation="relu", hidden_act=None)
+    with pytest.raises(ValueError, match=r"hidden_activation 'relu' is not supported by the Gemma decoder"):
         load_hf_model(tmp_path, torch.float32)

@@ -20,7 +20,7 @@ RANK_SCRIPT = Path(__file__).with_name("tensor_parallel_rank.py")
 # llama_one_kv_head: 2 ranks > 1 KV head (each rank holds a replica) and vocab 255 (the last shard is padded).
 # The other families: q/k norms, fused checkpoint tensors, sliding windows, experts (one with a shared expert).
 VARIANTS = ("llama", "llama_tied", "qwen2_attention_bias", "mistral", "llama_one_kv_head", "qwen3", "phi3",
-            "mistral_sliding_window", "mixtral", "qwen2_moe")  # fmt: skip
+            "mistral_sliding_window", "mixtral", "qwen2_moe", "gemma2", "gemma3")  # fmt: skip
 
 
 def free_port() -> int:

@@ -12,9 +12,11 @@ from ringserve.workers.model import KVCache, LlamaForCausalLM
 from ringserve.workers.model_runner import BlockAppend as BlockAppend
 from ringserve.workers.model_runner import NewRequest as NewRequest
 from ringserve.workers.model_runner import StepPlan
-from transformers import LlamaConfig as HfLlamaConfig
-from transformers import LlamaForCausalLM as HfLlamaForCausalLM
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -30,6 +32,8 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers import LlamaConfig as HfLlamaConfig
+from transformers import LlamaForCausalLM as HfLlamaForCausalLM
 
 
 def plan(step_id: int, sched: list[tuple[int, int, int, bool]], **deltas: object) -> StepPlan:
@@ -101,6 +105,16 @@ VARIANTS = {
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
         **TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[0])),  # layer 0 dense, layer 1 sparse
+    # Gemma: windows of 8; small soft-caps (Gemma 2) so the tanh bends the scores; Gemma 3's global layer with linear
+    # RoPE scaling and base 1e6, its local ones with base 10000; query_pre_attn_scalar unlike head_dim.
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(
+        **{**TINY, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=4.0, final_logit_softcapping=6.0)),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }  # fmt: skip
 
 

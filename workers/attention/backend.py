@@ -25,6 +25,7 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,  # sliding window: a query at position p sees keys (p - window, p]; None = all
+        softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap) before the softmax
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Writes this step's k/v into the cache through the slot mapping, then attends over each context (the
         blocks wholly before a window stay in the cache and are masked, not freed)."""

@@ -8,7 +8,8 @@ already in the cache (chunked prefill) and cut at each context's length; when no
 causal path is used.
 So a mixed step is at most two SDPA calls per layer, whatever the number of sequences.
 A sliding-window layer masks keys older than its window in both paths; the native kernels have no window, so a
-sequence longer than the window skips them.
+sequence longer than the window skips them. Soft-capped scores (Gemma 2) skip the native kernels and SDPA: the
+scores are computed, capped and softmaxed in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -33,20 +34,21 @@ class TorchSdpaBackend:
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         native, long, ids = metadata.paged_split(q.device.type == "cpu" and native_chunk_attention(q.shape[-1]))
-        if window is not None and any(metadata.seq_lens_cpu[i] > window for i in native):
+        if softcap is not None or (window is not None and any(metadata.seq_lens_cpu[i] > window for i in native)):
             long, native = sorted(long + native), []  # the native kernels attend the whole context
         if native and not paged_attention(q, k_cache, v_cache, metadata, ids, scale, out):
             long = sorted(long + native)
         trees = metadata.tree_masks or {}
         decode = [i for i in long if metadata.query_lens_cpu[i] == 1 and i not in trees]
         if decode:
-            self._decode(q, k_cache, v_cache, metadata, decode, scale, out, window)
+            self._decode(q, k_cache, v_cache, metadata, decode, scale, out, window, softcap)
         if chunks := [i for i in long if i not in decode]:
-            self._prefill(q, k_cache, v_cache, metadata, chunks, scale, out, window)
+            self._prefill(q, k_cache, v_cache, metadata, chunks, scale, out, window, softcap)
         return out
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -68,6 +70,7 @@ class TorchSdpaBackend:
         scale: float,
         out: torch.Tensor,
         window: int | None,
+        softcap: float | None = None,
     ) -> None:
         rows = md.cu_seqlens_q[seqs].long()
         seq_lens = md.seq_lens[seqs]
@@ -86,6 +89,8 @@ class TorchSdpaBackend:
         num_seqs, kv_heads, _, head_dim = keys.shape
         query = q[rows].to(keys.dtype).view(num_seqs, kv_heads, -1, head_dim)
         scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [D, kv, group, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         attn = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)  # [D, kv, group, hd]
         out[rows] = attn.view(num_seqs, -1, head_dim).to(out.dtype)
@@ -100,6 +105,7 @@ class TorchSdpaBackend:
         scale: float,
         out: torch.Tensor,
         window: int | None,
+        softcap: float | None = None,
     ) -> None:
         device = q.device
         q_lens = torch.tensor([md.query_lens_cpu[i] for i in seqs], device=device)
@@ -118,7 +124,7 @@ class TorchSdpaBackend:
         trees = md.tree_masks or {}
         fresh = all(md.seq_lens_cpu[i] == md.query_lens_cpu[i] for i in seqs)
         in_window = window is None or max_q <= window
-        if not any(i in trees for i in seqs) and fresh and in_window:
+        if not any(i in trees for i in seqs) and fresh and in_window and softcap is None:
             # Fresh prompts only: the plain causal mask is exact for every real row (keys past a prompt's end sit
             # after all its real queries), and SDPA's causal path is the fast one.
             keys, values = keys[:, :, :max_q], values[:, :, :max_q]
@@ -138,7 +144,21 @@ class TorchSdpaBackend:
                 mask[p, q_len:] = mask[p, q_len - 1]  # padded rows repeat the last real row
             if window is not None:
                 mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
-            attn = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
-            )  # [P, heads, max_q, head_dim]
+            if softcap is None:
+                attn = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+                )  # [P, heads, max_q, head_dim]
+            else:
+                attn = _capped_attention(query, keys, values, mask, scale, softcap)
         out[rows[valid]] = attn.transpose(1, 2)[valid].to(out.dtype)
+
+
+def _capped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """SDPA with soft-capped scores: query [P, heads, Q, hd], keys/values [P, kv_heads, L, hd], mask [P, Q, L]."""
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask[:, None], float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)

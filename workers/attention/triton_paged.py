@@ -396,12 +396,14 @@ class TritonPagedBackend:
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        if metadata.tree_masks:
-            # Speculative trees need an arbitrary mask per query row; the gather path has it (correct, not fused).
+        if metadata.tree_masks or softcap is not None:
+            # Speculative trees need an arbitrary mask per query row, and soft-capped scores (Gemma 2) a cap the
+            # kernels do not apply; the gather path has both (correct, not fused).
             from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 
-            return TorchSdpaBackend().forward(q, k, v, k_cache, v_cache, metadata, scale, window)
+            return TorchSdpaBackend().forward(q, k, v, k_cache, v_cache, metadata, scale, window, softcap)
         self._check(q, k_cache, v_cache, metadata)
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         if q.stride(-1) != 1:

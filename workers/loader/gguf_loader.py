@@ -7,6 +7,7 @@ on load, exactly as transformers does.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from ringserve.formats.gguf_file import GGUFFile
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.model.gemma import GemmaConfig, GemmaForCausalLM
 from ringserve.workers.model.registry import Architecture, gguf_architecture
 from ringserve.workers.parallel import TensorParallelShard
 from tqdm import tqdm
@@ -73,7 +75,7 @@ def read_gguf_config(reader: GGUFReader, path: str) -> tuple[Architecture, Llama
     window = _field(reader, f"{arch}.attention.sliding_window")
     layers = int(_need(reader, f"{arch}.block_count", path))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return entry, LlamaConfig(
+    config = LlamaConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # ggml order: [hidden, vocab]
         hidden_size=hidden,
         intermediate_size=int(_need(reader, f"{arch}.feed_forward_length", path)),
@@ -90,6 +92,27 @@ def read_gguf_config(reader: GGUFReader, path: str) -> tuple[Architecture, Llama
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         layer_windows=(int(window),) * layers if window else (),
         eos_token_ids=[] if eos is None else [int(eos)],
+    )
+    if entry.model_class is GemmaForCausalLM:
+        return entry, _gemma_config(reader, config, arch, window)
+    return entry, config
+
+
+def _gemma_config(reader: GGUFReader, config: LlamaConfig, arch: str, window: Any) -> GemmaConfig:
+    """llama.cpp's Gemma metadata: Gemma 2 alternates local (even) and global layers, Gemma 3 makes every sixth layer
+    global with RoPE base 10000 on the local ones. The attention scale is not in the file either: llama.cpp uses
+    (hidden / heads)^-0.5 for the 27B models (Gemma 2: 46 layers, Gemma 3: 62) and head_dim^-0.5 for the others."""
+    pattern = 2 if arch == "gemma2" else 6
+    large = config.num_layers == (46 if arch == "gemma2" else 62)
+    scalar = config.hidden_size / config.num_heads if large else config.head_dim
+    windows = tuple(int(window) if (i + 1) % pattern else None for i in range(config.num_layers)) if window else ()
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(LlamaConfig)}
+    return GemmaConfig(
+        **{**fields, "layer_windows": windows},
+        query_pre_attn_scalar=float(scalar),
+        attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
+        rope_local_theta=10000.0 if arch == "gemma3" else None,
     )
 
 
@@ -113,6 +136,7 @@ def load_gguf_model(
     shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
     model = build_empty_model(config, dtype, device, shard, arch.model_class)
     names = expand_names(config, "gguf")
+    gemma = isinstance(config, GemmaConfig)
     sink = WeightSink(model, shard)
     for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor", file=sys.stderr):
         if tensor.name in _IGNORED_TENSORS:
@@ -140,6 +164,8 @@ def load_gguf_model(
         if arch.gguf_permuted_qk and ours.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             array = unpermute_qk(array, shape[0] // config.head_dim)
         array = np.ascontiguousarray(array, dtype=np.float32)
+        if gemma and ours.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp's converter stores Gemma's (1 + w) norm weights as 1 + w
         if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
             array = array.copy()
         sink.assign(ours, torch.from_numpy(array), tensor.name, sliced=rows_only)

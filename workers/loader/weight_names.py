@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringserve.workers.model import LlamaConfig
+from ringserve.workers.model.gemma import GemmaConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ MLP_NAMES = tuple(
     for ours, gguf in (("gate_proj.weight", "ffn_gate.weight"), ("up_proj.weight", "ffn_up.weight"),
                        ("down_proj.weight", "ffn_down.weight"))
 )  # fmt: skip
+# Gemma's four norms per layer; GGUF calls the one before its MLP `ffn_norm` (llama's post-attention norm).
+GEMMA_NORM_NAMES = tuple(
+    _same(f"model.layers.{{i}}.{ours}", f"blk.{{i}}.{gguf}")
+    for ours, gguf in (("input_layernorm.weight", "attn_norm.weight"),
+                       ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+                       ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+                       ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"))
+)  # fmt: skip
 MOE_NAMES = (
     _same("model.layers.{i}.mlp.gate.weight", None),
     *(_same(f"model.layers.{{i}}.mlp.experts.{{j}}.{p}_proj.weight", None) for p in ("gate", "up", "down")),
@@ -69,7 +78,11 @@ def expand_names(config: LlamaConfig, source: str) -> dict[str, str]:
     for entry in GLOBAL_NAMES:
         add(entry)
     for i in range(config.num_layers):
+        gemma = isinstance(config, GemmaConfig)
         for entry in ATTENTION_NAMES:
+            if not (gemma and entry.ours.endswith("layernorm.weight")):
+                add(entry, i=i)
+        for entry in GEMMA_NORM_NAMES if gemma else ():
             add(entry, i=i)
         if not config.is_moe_layer(i):
             for entry in MLP_NAMES:

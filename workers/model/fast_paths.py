@@ -10,7 +10,8 @@ parallelism), so workers/model/llama.py stays the reference they are tested agai
 - decode steps in bf16 by the one-call native decoder (workers/model/native_decoder.py) where it applies.
 Fusion and the one-call decoder are llama's: layers with q/k norms (Qwen3) or experts (Mixtral, Qwen-MoE) keep their
 plain forward, and a model with sliding-window layers never takes the one-call decoder (`fusable`,
-`NativeDecoder.supports`); the native projections and norms apply to every architecture.
+`NativeDecoder.supports`); the native projections and norms apply to every architecture (Gemma, workers/model/gemma.py,
+takes only the native projections: its norms, MLP and model classes are its own).
 
 Each fast module is a subclass of the plain one that overrides `forward`; `_become` swaps a module's class in place
 (as torch.nn.utils.parametrize does), so its parameters, state_dict names, forward hooks (tensor parallelism's
@@ -54,7 +55,8 @@ def apply_fast_paths(model: LlamaForCausalLM) -> LlamaForCausalLM:
         layer.self_attn = FusedAttention.fuse(layer.self_attn, model.model.rotary.cos_sin)
         layer.mlp = FusedMLP.fuse(layer.mlp)
     _place_weights_on_huge_pages(model)
-    _become(model, NativeDecodingLlama)
+    if type(model) is LlamaForCausalLM:  # Gemma's own model class keeps its layer-by-layer forward
+        _become(model, NativeDecodingLlama)
     return model
 
 

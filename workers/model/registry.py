@@ -8,10 +8,12 @@ A family with its own model file (Gemma) adds an entry with its own `model_class
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ringserve.workers.model.gemma import GemmaConfig, GemmaForCausalLM
 from ringserve.workers.model.llama import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.rope import ROPE_SCALING_TYPES
 
@@ -135,6 +137,49 @@ def _family(**flags: Any) -> Callable[[dict[str, Any], str], LlamaConfig]:
     return lambda cfg, source: read_decoder_config(cfg, source, **dict(flags))
 
 
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def read_gemma_config(cfg: dict[str, Any], source: str, version: int) -> GemmaConfig:
+    """Gemma 2 / Gemma 3 config.json -> GemmaConfig. transformers 5 writes `layer_types` and per-layer-type
+    `rope_parameters`; 4.x writes Gemma 2's alternation implicitly (even layers local), Gemma 3's as
+    `sliding_window_pattern`, and the local RoPE base as `rope_local_base_freq`."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise ValueError(f"{source}: hidden_activation {act!r} is not supported by the Gemma decoder "
+                         f"(supported: {', '.join(_GELU_TANH)})")  # fmt: skip
+    layers = int(_need(cfg, "num_hidden_layers", source))
+    plain = {k: v for k, v in cfg.items() if k not in ("hidden_act", "hidden_activation", "rope_parameters")}
+    rope = cfg.get("rope_parameters") or {}
+    local_theta: float | None = None
+    if "full_attention" in rope:  # transformers 5: one RoPE per layer type
+        plain["rope_parameters"] = rope["full_attention"]
+        if "sliding_attention" in rope:
+            local = rope["sliding_attention"]
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"{source}: sliding-window layers' rope_type must be default")
+            local_theta = float(local.get("rope_theta", 10000.0))
+    elif rope:
+        plain["rope_parameters"] = rope
+    if version == 3 and local_theta is None:
+        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    if not cfg.get("layer_types") and cfg.get("sliding_window"):
+        pattern = int(cfg.get("sliding_window_pattern", 2 if version == 2 else 6))
+        # Gemma 2: even layers local; Gemma 3: every pattern-th layer global.
+        plain["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    plain.setdefault("tie_word_embeddings", True)
+    base = read_decoder_config(plain, source, qk_norm=version == 3)
+    return GemmaConfig(
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)},
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or base.head_dim),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        rope_local_theta=local_theta,
+    )
+
+
 _MIXTRAL_RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                     (".w2.", ".down_proj."))  # fmt: skip
 
@@ -147,6 +192,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("mixtral", ("MixtralForCausalLM",), ("mixtral",), _family(), hf_renames=_MIXTRAL_RENAMES),
     Architecture("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",),
                  _family(attention_bias=True, norm_topk_prob=False)),
+    Architecture("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), lambda c, s: read_gemma_config(c, s, 2),
+                 GemmaForCausalLM, gguf_name="gemma2"),
+    Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), lambda c, s: read_gemma_config(c, s, 3),
+                 GemmaForCausalLM, gguf_name="gemma3"),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), _family(qk_norm=True, norm_topk_prob=False)),
 )  # fmt: skip
 
