@@ -213,6 +213,8 @@ def model_config(name: str) -> model_config_pb2.ModelConfig:
 class _ContextWithoutAbort:
     """Wraps a servicer context so an abort in the wrapped Generate raises InferError, which the caller answers."""
 
+    api = "kserve"  # the `api` label of these requests in metrics and traces
+
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
 

@@ -176,3 +176,11 @@ async def test_with_api_keys_only_server_live_and_ready_answer_without_one(tiny_
     finally:
         await client.close()
         await server.stop(grace=None)
+
+
+async def test_generate_sees_kserve_as_the_requests_api() -> None:
+    """Metrics and traces label a request with its context's `api`: KServe's are not counted as ringserve.v1's."""
+    from ringserve.frontend.api.kserve import _ContextWithoutAbort
+
+    wrapped = _ContextWithoutAbort(object())  # type: ignore[arg-type]
+    assert getattr(wrapped, "api", "ringserve") == "kserve"
