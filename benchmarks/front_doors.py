@@ -34,6 +34,16 @@ class StreamResult:
     tokens: int = 0
     outcome: str = "completed"  # completed | cancelled | error
     error: str = ""
+    last_s: float = 0.0  # when the latest piece arrived
+
+    def piece(self, start: float, now: float, tokens: int) -> None:
+        """A streamed piece of `tokens` tokens arrived at `now`: the first sets the TTFT, each later one adds a gap."""
+        if self.ttft_s is None:
+            self.ttft_s = now - start
+        else:
+            self.gaps_s.append(now - self.last_s)
+        self.last_s = now
+        self.tokens += tokens
 
 
 def generate_request(plan: RequestPlan, salt: str = "") -> pb.GenerateRequest:
@@ -54,16 +64,10 @@ async def stream(stub: pb_grpc.GenerationStub, plan: RequestPlan, timeout_s: flo
             if cancelled:
                 result.outcome = "cancelled"
                 return result
-        last = start
         async for response in call:
             now = time.perf_counter()
             if response.token_ids:
-                if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.gaps_s.append(now - last)
-                last = now
-                result.tokens += len(response.token_ids)
+                result.piece(start, now, len(response.token_ids))
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 if response.finish_reason == pb.FINISH_REASON_ABORT:
                     result.outcome, result.error = "error", "finish_reason ABORT"
@@ -96,7 +100,7 @@ async def stream_openai(client: httpx.AsyncClient, plan: RequestPlan, timeout_s:
             if response.status_code != 200:
                 result.outcome, result.error = "error", f"HTTP {response.status_code}"
                 return
-            last, finished = start, False
+            finished = False
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -114,12 +118,7 @@ async def stream_openai(client: httpx.AsyncClient, plan: RequestPlan, timeout_s:
                     if chunk["choices"][0]["finish_reason"] == "abort":
                         result.outcome, result.error = "error", "finish_reason abort"
                 now = time.perf_counter()
-                if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.gaps_s.append(now - last)
-                last = now
-                result.tokens += 1  # one token per chunk until the usage chunk says how many there were
+                result.piece(start, now, 1)  # one token per chunk until the usage chunk says how many there were
                 if plan.cancel_after is not None and result.tokens >= plan.cancel_after and not finished:
                     result.outcome = "cancelled"  # leaving the block closes the connection: the server aborts
                     return
@@ -166,7 +165,6 @@ async def kserve_stream(stub: kpb_grpc.GRPCInferenceServiceStub, plan: RequestPl
             if cancelled:
                 result.outcome = "cancelled"
                 return result
-        last = start
         async for response in call:
             now = time.perf_counter()
             if response.error_message:
@@ -174,12 +172,7 @@ async def kserve_stream(stub: kpb_grpc.GRPCInferenceServiceStub, plan: RequestPl
                 return result
             reply = response.infer_response
             if reply.raw_output_contents and len(reply.raw_output_contents[0]) > 4:
-                if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.gaps_s.append(now - last)
-                last = now
-                result.tokens += 1
+                result.piece(start, now, 1)
             if reply.parameters["triton_final_response"].bool_param:
                 result.tokens = plan.max_tokens
                 return result

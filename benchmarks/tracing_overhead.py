@@ -11,7 +11,7 @@ against the CPU time the untraced server spends per token (its cores / its throu
 of serving one for one, throughput would fall to 1 / (1 + that share): `throughput_ratio_bound_*`. The last line of
 output is one JSON object.
 
-    python benchmarks/tracing_overhead.py --model /work/cache/SmolLM2-135M-Instruct.Q4_1.gguf [--quick]
+    python benchmarks/tracing_overhead.py --model PATH [--quick]   # PATH: a .gguf file (default $RINGSERVE_TEST_GGUF)
 """
 
 from __future__ import annotations
