@@ -37,6 +37,12 @@ def test_rank_outside_the_world_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(worker_flags(replace(RESOLVED, tensor_parallel_size=2), "--rank", "2"))
     assert "--rank 2" in capsys.readouterr().err
+    stages = replace(RESOLVED, tensor_parallel_size=2, pipeline_parallel_size=2)  # ranks 0..3
+    assert parse_args(worker_flags(stages, "--rank", "3")).rank == 3
+    with pytest.raises(SystemExit):
+        parse_args(worker_flags(stages, "--rank", "4"))
+    message = "--rank 4 is outside [0, 4) (--tensor-parallel-size 2 x --pipeline-parallel-size 2)"
+    assert message in capsys.readouterr().err
 
 
 def test_settings_the_frontend_leaves_to_resolve_are_refused(capsys):
