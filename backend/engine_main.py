@@ -45,7 +45,7 @@ def worker_command(engine: EngineArgs, rank: int, step_ring: str, result_ring: s
 
 
 def worker_env(master_port: int) -> dict[str, str]:
-    """torch.distributed rendezvous of the tensor-parallel ranks, on loopback (all ranks share this host)."""
+    """torch.distributed rendezvous of the worker ranks (TP x PP), on loopback (all ranks share this host)."""
     return {**worker_environment(dict(os.environ)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
 
 
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parent_pid = os.getppid()
 
-    step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, engine_args.tensor_parallel_size)
+    # Every rank of every pipeline stage reads each step (workers/pipeline.py RankLayout numbers them).
+    step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, engine_args.world_size)
     result_ring = _core.ShmRing.create(new_segment_name("res"), RESULT_RING_BYTES, 1)
     workers: list[subprocess.Popen[bytes]] = []
     engine: _core.Engine | None = None
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         env = worker_env(free_port())
-        for rank in range(engine_args.tensor_parallel_size):
+        for rank in range(engine_args.world_size):
             command = worker_command(engine_args, rank, step_ring.name, result_ring.name)
             workers.append(subprocess.Popen(command, env=env))
         engine = _core.Engine(

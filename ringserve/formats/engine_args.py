@@ -26,6 +26,9 @@ DEFAULT_MAX_STEP_SLOWDOWN = 2.0
 MAX_SPECULATIVE_TOKENS = 8
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
+# Local worker processes (TP x PP) of one engine: each reads the step ring, which takes at most this many readers
+# (kMaxRingReaders in csrc/ringserve/shm_ring.h, exported as _core.MAX_RING_READERS; a test keeps them equal).
+MAX_LOCAL_WORKERS = 8
 
 
 def _setting(default: Any, help_: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
@@ -42,6 +45,9 @@ class EngineArgs:
         "auto", "weights and activations dtype (default %(default)s = bfloat16 where the CPU has AVX512-BF16 or an "
         "NVIDIA GPU is present, else float32)", choices=("auto", *DTYPES))  # fmt: skip
     tensor_parallel_size: int = _setting(1, "worker processes the model is split across (default %(default)s)")
+    pipeline_parallel_size: int = _setting(
+        1, "pipeline stages the model's layers are split into, each stage holding its layers' weights and KV cache "
+        "on --tensor-parallel-size workers of its own (default %(default)s)")  # fmt: skip
     max_num_seqs: int = _setting(256, "most sequences running in one step (default %(default)s)")
     max_num_batched_tokens: int = _setting(2048, "token budget of one engine step (default %(default)s)")
     max_model_len: int = _setting(0, "context length limit (default: the model's)")
@@ -110,6 +116,16 @@ class EngineArgs:
                 return f"{_flag(f.name)} {getattr(self, f.name)!r}: expected one of {', '.join(choices)}"
         if self.tensor_parallel_size < 1:
             return f"--tensor-parallel-size must be at least 1 (got {self.tensor_parallel_size})"
+        if self.pipeline_parallel_size < 1:
+            return f"--pipeline-parallel-size must be at least 1 (got {self.pipeline_parallel_size})"
+        if self.world_size > MAX_LOCAL_WORKERS:
+            return (f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                    f"{self.pipeline_parallel_size} = {self.world_size} worker processes; one engine starts at most "
+                    f"{MAX_LOCAL_WORKERS}")  # fmt: skip
+        if self.pipeline_parallel_size > 1 and self.num_speculative_tokens > 0:
+            return "--pipeline-parallel-size > 1 does not support speculative decoding (--num-speculative-tokens 0)"
+        if self.pipeline_parallel_size > 1 and self.kv_transfer in ("shm", "nixl"):
+            return "--pipeline-parallel-size > 1 does not support --kv-transfer (disaggregated prefill and decode)"
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 return f"{_flag(name)} must be at least 1 (got {getattr(self, name)})"
@@ -144,6 +160,11 @@ class EngineArgs:
         if self.max_model_len < 0 or self.num_kv_blocks < 0 or self.kv_cache_memory_gib <= 0:
             return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
         return None
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes of the engine: --tensor-parallel-size ranks in each of --pipeline-parallel-size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def draft_tree(self) -> DraftTree | None:
         """The --spec-tree shape at depth --num-speculative-tokens, or None for one chain."""

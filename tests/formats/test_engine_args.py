@@ -76,6 +76,11 @@ def test_json_that_does_not_fit_is_refused_naming_the_key(text: str, message: st
     ({"max_step_slowdown": "fast"}, "--max-step-slowdown must be 0 (off) or >= 1"),
     ({"attention_backend": "flash"}, "--attention-backend 'flash': expected one of auto, torch_sdpa, triton_paged"),
     ({"kv_cache_memory_gib": 0.0}, "--kv-cache-memory-gib > 0"),
+    ({"pipeline_parallel_size": 0}, "--pipeline-parallel-size must be at least 1"),
+    ({"tensor_parallel_size": 3, "pipeline_parallel_size": 3},
+     "--tensor-parallel-size 3 x --pipeline-parallel-size 3 = 9 worker processes; one engine starts at most 8"),
+    ({"pipeline_parallel_size": 2, "num_speculative_tokens": 2}, "--pipeline-parallel-size > 1 does not support spec"),
+    ({"pipeline_parallel_size": 2, "kv_transfer": "shm"}, "--pipeline-parallel-size > 1 does not support --kv-trans"),
 ])  # fmt: skip
 def test_a_setting_that_cannot_work_is_refused_naming_its_flag(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError) as error:
