@@ -25,6 +25,8 @@ from ringserve.formats.spec_tree import DraftTree
 DEFAULT_MAX_STEP_SLOWDOWN = 2.0
 MAX_SPECULATIVE_TOKENS = 8
 DTYPES = ("float32", "bfloat16", "float16")
+DISTRIBUTED_EXECUTORS = ("mp", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
 
 
@@ -96,6 +98,16 @@ class EngineArgs:
         "auto", "KV transfer backend between prefill and decode servers: shm (same host), nixl (NIXL over UCX: RDMA, "
         "TCP), none; auto = shm for --role prefill/decode, none for both",
         choices=("auto", "none", "shm", "nixl"))  # fmt: skip
+    distributed_executor: str = _setting(
+        "mp", "how worker ranks are started: mp = processes on this host; ray = Ray actors placed on the nodes of a "
+        "running Ray cluster (docs/distributed.md; pip install 'ringserve[ray]')",
+        choices=DISTRIBUTED_EXECUTORS)  # fmt: skip
+    ray_address: str = _setting(
+        "", "--distributed-executor ray: the Ray cluster to join (default: $RAY_ADDRESS, else the cluster running "
+        "on this host)")  # fmt: skip
+    placement_strategy: str = _setting(
+        "PACK", "--distributed-executor ray: Ray placement group strategy of the ranks' bundles (default "
+        "%(default)s; SPREAD / STRICT_SPREAD put ranks on different nodes)", choices=PLACEMENT_STRATEGIES)  # fmt: skip
     eos_token_ids: tuple[int, ...] = _setting((), "the tokenizer's end-of-sequence ids", flag=False)
     model_id: str = _setting("", "the model identity the KV handshake of disaggregation compares", flag=False)
     kv_info_dir: str = _setting("", "where the workers write their KV peer infos (rank<r>.bin)", flag=False)
