@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,8 @@ class EngineArgs:
                 return f"--max-step-slowdown must be 0 (off) or >= 1, or auto (got {self.max_step_slowdown})"
         if self.priority_aging_ms < 0:
             return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {self.priority_aging_ms})"
+        if self.distributed_executor == "ray" and importlib.util.find_spec("ray") is None:
+            return "--distributed-executor ray needs Ray, which is not installed here: pip install 'ringserve[ray]'"
         if self.worker_threads < 0:
             return f"--worker-threads must be >= 0 (0 = automatic; got {self.worker_threads})"
         if self.max_model_len < 0 or self.num_kv_blocks < 0 or self.kv_cache_memory_gib <= 0:

@@ -2,7 +2,8 @@
 STRICT_SPREAD puts rank 0 and rank 1 of a tiny random llama on different nodes, so one rank reads the engine's step
 ring and the other gets the records over the TCP relay. TP=2 decodes the TP=1 greedy tokens; killing the remote
 rank's actor ends the stream UNAVAILABLE within seconds, the model comes back, and nothing is left behind (actors,
-placement groups, processes, /dev/shm). Skipped without Ray (pip install 'ringserve[ray]')."""
+placement groups, processes, /dev/shm). Two data-parallel replicas each place their rank on the cluster; killing one
+engine leaves nothing either. Skipped without Ray (pip install 'ringserve[ray]')."""
 
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ def greedy(server, n: int = 32) -> list[list[int]]:  # type: ignore[no-untyped-d
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """A head node and a second node, one CPU each (the ranks' bundles), no dashboard."""
-    small = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
+    """A head node and a second node, two CPUs each (the ranks' bundles: one CPU each), no dashboard."""
+    small = {"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
     c = Cluster(initialize_head=True, head_node_args=small)
-    c.add_node(num_cpus=1, object_store_memory=80 * 1024 * 1024)
+    c.add_node(num_cpus=2, object_store_memory=80 * 1024 * 1024)
     c.wait_for_nodes()
     try:
         yield c
@@ -50,12 +51,22 @@ def cluster() -> Iterator[Cluster]:
         c.shutdown()
 
 
-@pytest.fixture
-def tiny_llama(tmp_path: Path) -> Path:
-    folder = tmp_path / "tiny-llama"
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ray") / "tiny-llama"
     hf = save_tiny_hf_model("llama", folder)
     save_word_tokenizer(folder, hf.config.vocab_size)
     return folder
+
+
+@pytest.fixture(scope="module")
+def single(tiny_llama: Path) -> list[list[int]]:
+    """The greedy tokens of one local rank (--distributed-executor mp)."""
+    with start_server(tiny_llama, tiny_llama.parent, *FLAGS) as server:
+        tokens = greedy(server)
+        assert server.stop() == 0
+    assert all(len(t) == 32 for t in tokens)
+    return tokens
 
 
 def segments() -> set[str]:
@@ -72,14 +83,9 @@ def remote_rank(server) -> psutil.Process:  # type: ignore[no-untyped-def]
 
 
 def test_tp2_across_two_nodes_decodes_like_one_rank_and_heals_after_a_remote_rank_dies(
-    cluster: Cluster, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, tiny_llama: Path, single: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = segments()
-    with start_server(tiny_llama, tmp_path, *FLAGS) as server:
-        single = greedy(server)
-        assert server.stop() == 0
-    assert all(len(t) == 32 for t in single)
-
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     ray_flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_SPREAD",
                  "--tensor-parallel-size", "2")  # fmt: skip
@@ -101,6 +107,46 @@ def test_tp2_across_two_nodes_decodes_like_one_rank_and_heals_after_a_remote_ran
         assert greedy(server, 8) == [t[:8] for t in single]
         assert server.stop() == 0
 
+    assert_nothing_left(cluster, server.proc.pid, before)
+
+
+def test_data_parallel_replicas_on_the_cluster_and_a_killed_engine_leaves_nothing(
+    cluster: Cluster, tiny_llama: Path, single: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas, each an engine with its own placement group on the cluster; an engine killed with SIGKILL
+    takes its actors and placement group with it (Ray ends the job of a dead driver) and its replica comes back."""
+    before = segments()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    flags = ("--distributed-executor", "ray", "--placement-strategy", "SPREAD", "--data-parallel-size", "2")
+    with start_server(tiny_llama, tmp_path, *FLAGS, *flags, ready_timeout_s=240) as server:
+        assert greedy(server) == single
+        engines = [psutil.Process(pid) for pid in engine_pids(server.proc.pid)]
+        assert len(engines) == 2
+        engines[0].kill()
+        deadline = time.monotonic() + 240
+        while engines[0].pid in (pids := engine_pids(server.proc.pid)) or len(pids) < 2:  # restarted
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.5)
+        wait_health(server, SERVING, 240)
+        assert greedy(server, 8) == [t[:8] for t in single]
+        assert server.stop() == 0
+    assert_nothing_left(cluster, server.proc.pid, before)
+
+
+def engine_pids(server_pid: int) -> set[int]:
+    pids = set()
+    for p in psutil.Process(server_pid).children():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "engine_main" in " ".join(p.cmdline()):
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def assert_nothing_left(cluster: Cluster, server_pid: int, before: set[str]) -> None:
+    """No placement group, actor, relay or node ring of the stopped server remains (within 30 s: Ray reclaims a
+    dead driver's actors and groups asynchronously)."""
     ours = ("-rstep", "-rres", "ringserve.backend.step_relay", "ray::RankHost", "ray::NodeRelayActor")
     ray.init(address=cluster.address, log_to_driver=False)
     try:
@@ -117,4 +163,4 @@ def test_tp2_across_two_nodes_decodes_like_one_rank_and_heals_after_a_remote_ran
     finally:
         ray.shutdown()
     # Other servers may run on this host: only the segments this server's processes would name are checked.
-    assert not [n for n in segments() - before if any(k in n for k in ours) or f"-{server.proc.pid}-" in n]
+    assert not [n for n in segments() - before if any(k in n for k in ours) or f"-{server_pid}-" in n]
