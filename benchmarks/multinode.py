@@ -6,9 +6,12 @@
   through one shared-memory ring (`step_shm_us`, the local ranks' path) measured in the same run.
 - `tp1_tok_s`: greedy decode tokens per second of one stream on the embedded model, one rank (`ringserve serve`,
   --worker-threads 1): the baseline a pipeline-parallel figure is compared with.
+- `tp3_tok_s`, `tp3_ray_tok_s` (with `--ray-address`, a cluster of at least two nodes, else null): the same with
+  three ranks as local processes, then as Ray actors spread over the nodes (`--placement-strategy SPREAD`), so
+  the ranks off the engine's node get every step through the relay.
 - `pp2_tok_s`: null with the reason while pipeline parallelism (--pipeline-parallel-size) is not in this build.
 
-    python benchmarks/multinode.py [--quick]
+    python benchmarks/multinode.py [--quick] [--ray-address HOST:PORT]
 
 Last line: one JSON object with those keys.
 """
@@ -92,11 +95,12 @@ def step_transport(count: int, batch: int) -> dict[str, object]:
     }
 
 
-def tp1_tokens_per_s(tokens: int) -> float:
+def decode_tokens_per_s(tokens: int, *flags: str) -> float:
+    """Greedy decode tokens/s of one stream on the embedded model served with `flags`."""
     from ringserve.frontend.model_source import embedded_model_path
 
     with tempfile.TemporaryDirectory() as logs, live_server(embedded_model_path(), Path(logs), "--worker-threads",
-                                                            "1") as server:  # fmt: skip
+                                                            "1", *flags) as server:  # fmt: skip
         server.wait_serving(600)
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
@@ -116,11 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer records and tokens (a smoke run)")
     p.add_argument("--batch", type=int, default=64, help="requests in the decode step sent (default %(default)s)")
+    p.add_argument("--ray-address", default="", help="also measure TP=3 local and over this Ray cluster's nodes")
     args = p.parse_args(argv)
     records, tokens = (300, 32) if args.quick else (3000, 128)
     result: dict[str, object] = {"quick": args.quick, "load": os.getloadavg()[0], "records": records}
     result |= step_transport(records, args.batch)
-    result["tp1_tok_s"] = tp1_tokens_per_s(tokens)
+    result["tp1_tok_s"] = decode_tokens_per_s(tokens)
+    if args.ray_address:  # the embedded model's 9 heads split 3 ways; SPREAD puts the ranks on 2+ nodes
+        os.environ["RAY_ADDRESS"] = args.ray_address
+        tp3 = ("--tensor-parallel-size", "3")
+        result["tp3_tok_s"] = decode_tokens_per_s(tokens, *tp3)
+        result["tp3_ray_tok_s"] = decode_tokens_per_s(tokens, *tp3, "--distributed-executor", "ray",
+                                                      "--placement-strategy", "SPREAD")  # fmt: skip
+    else:
+        result["tp3_tok_s"] = result["tp3_ray_tok_s"] = None
     result["pp2_tok_s"] = None
     result["pp2_reason"] = "pipeline parallelism (--pipeline-parallel-size) is not in this build"
     print(json.dumps(result))
