@@ -117,7 +117,10 @@ class RayExecutor:
             raise RuntimeError("--distributed-executor ray needs Ray: pip install 'ringserve[ray]'") from None
         self.ray, self.args = ray, args
         address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-        ray.init(address=address, configure_logging=False)  # rank output reaches the engine's log
+        try:
+            ray.init(address=address, configure_logging=False)  # rank output reaches the engine's log
+        except ConnectionError as exc:
+            raise RuntimeError(f"--distributed-executor ray: no Ray cluster at {address}: {exc}") from None
         self.world = world_size(args)
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
