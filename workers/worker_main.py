@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help="rank of this worker (workers/pipeline.py RankLayout)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
     p.add_argument("--step-ring", required=True, help="shared-memory name of the step ring (engine -> workers)")
+    p.add_argument("--step-reader", type=int, default=None,
+                   help="this worker's reader slot of the step ring (default: its rank)")  # fmt: skip
     p.add_argument("--result-ring", required=True, help="shared-memory name of the result ring (result rank -> engine)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the engine) is gone")
     p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     # The result ring has one writer: the result rank. Other ranks report failure by exiting (the engine watches
     # every pid, and the result rank's next collective or receive fails too).
     writer = core.RingWriter(core.ShmRing.attach(args.result_ring)) if args.rank == layout.result_rank else None
-    reader = core.RingReader(core.ShmRing.attach(args.step_ring), args.rank)
+    slot = args.rank if args.step_reader is None else args.step_reader
+    reader = core.RingReader(core.ShmRing.attach(args.step_ring), slot)
 
     def keep_running() -> bool:
         return parent_alive(args.parent_pid)

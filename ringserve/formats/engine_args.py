@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from ringserve.formats.spec_tree import DraftTree
 DEFAULT_MAX_STEP_SLOWDOWN = 2.0
 MAX_SPECULATIVE_TOKENS = 8
 DTYPES = ("float32", "bfloat16", "float16")
+DISTRIBUTED_EXECUTORS = ("mp", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
 # Local worker processes (TP x PP) of one engine: each reads the step ring, which takes at most this many readers
 # (kMaxRingReaders in csrc/ringserve/shm_ring.h, exported as _core.MAX_RING_READERS; a test keeps them equal).
@@ -102,6 +105,16 @@ class EngineArgs:
         "auto", "KV transfer backend between prefill and decode servers: shm (same host), nixl (NIXL over UCX: RDMA, "
         "TCP), none; auto = shm for --role prefill/decode, none for both",
         choices=("auto", "none", "shm", "nixl"))  # fmt: skip
+    distributed_executor: str = _setting(
+        "mp", "how worker ranks are started: mp = processes on this host; ray = Ray actors placed on the nodes of a "
+        "running Ray cluster (docs/distributed.md; pip install 'ringserve[ray]')",
+        choices=DISTRIBUTED_EXECUTORS)  # fmt: skip
+    ray_address: str = _setting(
+        "", "--distributed-executor ray: the Ray cluster to join (default: $RAY_ADDRESS, else the cluster running "
+        "on this host)")  # fmt: skip
+    placement_strategy: str = _setting(
+        "PACK", "--distributed-executor ray: Ray placement group strategy of the ranks' bundles (default "
+        "%(default)s; SPREAD / STRICT_SPREAD put ranks on different nodes)", choices=PLACEMENT_STRATEGIES)  # fmt: skip
     eos_token_ids: tuple[int, ...] = _setting((), "the tokenizer's end-of-sequence ids", flag=False)
     model_id: str = _setting("", "the model identity the KV handshake of disaggregation compares", flag=False)
     kv_info_dir: str = _setting("", "where the workers write their KV peer infos (rank<r>.bin)", flag=False)
@@ -155,6 +168,8 @@ class EngineArgs:
                 return f"--max-step-slowdown must be 0 (off) or >= 1, or auto (got {self.max_step_slowdown})"
         if self.priority_aging_ms < 0:
             return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {self.priority_aging_ms})"
+        if self.distributed_executor == "ray" and importlib.util.find_spec("ray") is None:
+            return "--distributed-executor ray needs Ray, which is not installed here: pip install 'ringserve[ray]'"
         if self.worker_threads < 0:
             return f"--worker-threads must be >= 0 (0 = automatic; got {self.worker_threads})"
         if self.max_model_len < 0 or self.num_kv_blocks < 0 or self.kv_cache_memory_gib <= 0:
@@ -165,6 +180,13 @@ class EngineArgs:
     def world_size(self) -> int:
         """Worker processes of the engine: --tensor-parallel-size ranks in each of --pipeline-parallel-size stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def result_rank(self) -> int:
+        """The one rank that writes step results: tensor-parallel rank 0 of the last stage (rank r is tensor part
+        r % TP of stage r // TP; workers/pipeline.py RankLayout lays the ranks out, test_pipeline_stages keeps the two
+        equal)."""
+        return self.tensor_parallel_size * (self.pipeline_parallel_size - 1)
 
     def draft_tree(self) -> DraftTree | None:
         """The --spec-tree shape at depth --num-speculative-tokens, or None for one chain."""

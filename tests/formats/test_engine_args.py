@@ -100,3 +100,15 @@ def test_a_draft_tree_has_the_depth_of_the_speculative_tokens() -> None:
     assert EngineArgs(num_speculative_tokens=4, draft="layers:2").draft_tree() is None
     tree = EngineArgs(num_speculative_tokens=4, draft="layers:2", spec_tree="2x2").draft_tree()
     assert tree is not None and tree.num_nodes == 14
+
+
+def test_the_ray_executor_is_refused_where_ray_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ValueError, match=r"--distributed-executor ray needs Ray.*pip install 'ringserve\[ray\]'"):
+        EngineArgs(distributed_executor="ray")
+    assert EngineArgs(distributed_executor="mp").distributed_executor == "mp"
+    with pytest.raises(ValueError, match="--placement-strategy 'BOTH'"):
+        EngineArgs(placement_strategy="BOTH")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ringserve.formats.engine_args import MAX_LOCAL_WORKERS
+from ringserve.formats.engine_args import MAX_LOCAL_WORKERS, EngineArgs
 from ringserve.workers.loader import load_model
 from ringserve.workers.model import LlamaConfig
 from ringserve.workers.pipeline import (
@@ -38,6 +38,14 @@ def test_ranks_are_numbered_stage_by_stage_and_the_last_stage_writes_results() -
     assert (last.is_last, last.prev_rank, last.next_rank) == (True, 3, None)
     with pytest.raises(ValueError, match="rank 6 is outside"):
         layout.coords(6)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 3), (3, 2), (1, 8)])
+def test_the_engines_world_size_and_result_rank_are_the_layouts(tp: int, pp: int) -> None:
+    # The engine (and the Ray executor) read them from EngineArgs; the workers lay out ranks with RankLayout.
+    args = EngineArgs(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    layout = RankLayout(tp, pp)
+    assert (args.world_size, args.result_rank) == (layout.world_size, layout.result_rank)
 
 
 def test_layers_split_into_contiguous_stages_with_the_extra_layers_first() -> None:
