@@ -274,26 +274,21 @@ async def run_threads(threads: int, args: argparse.Namespace, model: Path, workl
                 open_aio_channel(target.address, ChannelSecurity()) as channel:  # fmt: skip
             stub = pb_grpc.GenerationStub(channel)
             engines: dict[str, Any] = {"ringserve": RingServe(stub), **peers}
-            # Warm-up (not measured): a short run of each kind on every engine.
-            for name, engine in engines.items():
-                log(f"warming up {name}")
-                await engine.offline(workload.chat[:4], 4, "warmup")
-                await engine.ttft(workload.long[:64], "warmup")
             samples: dict[str, dict[str, list[float]]] = {n: {"offline": [], "single": [], "ttft": []} for n in engines}
-            for round_index in range(args.rounds):
+            for round_index in range(-1, args.rounds):  # round -1: the warm-up, not measured
                 order = list(engines)
-                order = order[round_index % len(order):] + order[: round_index % len(order)]
-                salt = f"round-{threads}-{round_index}"
+                order = order[round_index % len(order) :] + order[: round_index % len(order)]
                 for name in order:
-                    engine = engines[name]
-                    log(f"{threads} thread(s), round {round_index + 1}/{args.rounds}: {name}")
-                    if name != "llamacpp":  # llama-cpp-python serves one sequence at a time: no offline batch
-                        offline = await engine.offline(workload.chat, workload.output_len, salt)
-                        samples[name]["offline"].append(offline["tokens"] / offline["elapsed_s"])
-                    single = await engine.single(workload.single, workload.single_len, salt + "-single")
-                    samples[name]["single"].append(single["tokens"] / single["elapsed_s"])
-                    ttft = await engine.ttft(workload.long_prompt(round_index), salt + "-1k")
-                    samples[name]["ttft"].append(ttft["ttft_s"] * 1e3)
+                    log(f"{threads} thread(s), " + (f"round {round_index + 1}/{args.rounds}" if round_index >= 0
+                                                    else "warm-up") + f": {name}")  # fmt: skip
+                    try:
+                        await measure(engines[name], name, workload, round_index, samples[name], threads)
+                    except RuntimeError as error:
+                        if name == "ringserve":
+                            raise
+                        unavailable[name] = f"failed in round {round_index + 1}: {str(error)[-600:]}"
+                        del engines[name], samples[name]
+                        await asyncio.to_thread(peers.pop(name).close)
             stats, _ = await engine_idle_stats(stub, 30.0)
             kv = model_kv_bytes_per_token(model, dtype)
             settings["ringserve"]["kv_cache"] = {
@@ -311,6 +306,23 @@ async def run_threads(threads: int, args: argparse.Namespace, model: Path, workl
         cache = settings["llamacpp"]["kv_cache"]
         cache["bytes"] = cache["tokens"] * kv if kv and cache.get("tokens") else None
     return figures(threads, samples, settings, memory, unavailable, blocks_leaked)
+
+
+async def measure(engine: Any, name: str, workload: Workload, round_index: int, samples: dict[str, list[float]],
+                  threads: int) -> None:  # fmt: skip
+    """One round of the three measurements on one engine; round -1 is a short, unrecorded warm-up."""
+    if round_index < 0:
+        await engine.offline(workload.chat[:4], 4, "warmup")
+        await engine.ttft(workload.long[:64], "warmup")
+        return
+    salt = f"round-{threads}-{round_index}"
+    if name != "llamacpp":  # llama-cpp-python runs one sequence at a time: no offline batch
+        offline = await engine.offline(workload.chat, workload.output_len, salt)
+        samples["offline"].append(offline["tokens"] / offline["elapsed_s"])
+    single = await engine.single(workload.single, workload.single_len, salt + "-single")
+    samples["single"].append(single["tokens"] / single["elapsed_s"])
+    ttft = await engine.ttft(workload.long_prompt(round_index), salt + "-1k")
+    samples["ttft"].append(ttft["ttft_s"] * 1e3)
 
 
 def model_kv_bytes_per_token(model: Path, dtype: torch.dtype | str) -> int | None:
