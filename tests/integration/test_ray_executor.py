@@ -3,7 +3,9 @@ STRICT_SPREAD puts rank 0 and rank 1 of a tiny random llama on different nodes, 
 ring and the other gets the records over the TCP relay. TP=2 decodes the TP=1 greedy tokens; killing the remote
 rank's actor ends the stream UNAVAILABLE within seconds, the model comes back, and nothing is left behind (actors,
 placement groups, processes, /dev/shm). Two data-parallel replicas each place their rank on the cluster; killing one
-engine leaves nothing either. Skipped without Ray (pip install 'ringserve[ray]')."""
+engine leaves nothing either. Pipeline stages across the nodes (a tiny llama TP=2 x PP=2, each stage's two ranks
+packed on one node; the embedded model PP=2, one stage per node) decode the one-rank tokens. Skipped without Ray
+(pip install 'ringserve[ray]')."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import grpc
 import psutil
 import pytest
 from ringserve.v1 import generation_pb2 as pb
-from server_harness import start_server
+from server_harness import real_model_path, start_server
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ringserve[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -131,6 +133,32 @@ def test_data_parallel_replicas_on_the_cluster_and_a_killed_engine_leaves_nothin
         assert greedy(server, 8) == [t[:8] for t in single]
         assert server.stop() == 0
     assert_nothing_left(cluster, server.proc.pid, before)
+
+
+def test_pipeline_stages_across_nodes_decode_like_one_rank(
+    cluster: Cluster, tiny_llama: Path, single: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    # Four one-CPU bundles on two two-CPU nodes: PACK fills one node with stage 0's ranks, the other with stage 1's.
+    flags = ("--distributed-executor", "ray", "--placement-strategy", "PACK", "--tensor-parallel-size", "2",
+             "--pipeline-parallel-size", "2")  # fmt: skip
+    with start_server(tiny_llama, tmp_path, *FLAGS, *flags, ready_timeout_s=240) as server:
+        assert greedy(server) == single
+        assert server.stop() == 0
+
+    model = real_model_path()
+    if model is None:
+        pytest.skip("set RINGSERVE_TEST_GGUF to the embedded model for its two-stage run")
+    text = pb.GenerateRequest(text="The capital of France is",
+                              sampling=pb.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))  # fmt: skip
+    tokens = {}
+    for name, extra in (("one rank", ()), ("two stages on two nodes", ("--distributed-executor", "ray",
+                        "--placement-strategy", "STRICT_SPREAD", "--pipeline-parallel-size", "2"))):  # fmt: skip
+        with start_server(model, tmp_path, *FLAGS, *extra, ready_timeout_s=300) as server:
+            tokens[name] = [t for r in server.stub().Generate(text, timeout=300) for t in r.token_ids]
+            assert server.stop() == 0
+    assert len(tokens["one rank"]) == 32
+    assert tokens["two stages on two nodes"] == tokens["one rank"]
 
 
 def engine_pids(server_pid: int) -> set[int]:
