@@ -9,7 +9,9 @@
 - `tp3_tok_s`, `tp3_ray_tok_s` (with `--ray-address`, a cluster of at least two nodes, else null): the same with
   three ranks as local processes, then as Ray actors spread over the nodes (`--placement-strategy SPREAD`), so
   the ranks off the engine's node get every step through the relay.
-- `pp2_tok_s`: null with the reason while pipeline parallelism (--pipeline-parallel-size) is not in this build.
+- `pp2_tok_s`: the same with two pipeline stages (--pipeline-parallel-size 2): local processes, or with
+  `--ray-address` one stage per node (`--placement-strategy STRICT_SPREAD`), so the second stage gets every step
+  through the relay (`pp2_ray_tok_s`; `pp2_tok_s` is then the local one).
 
     python benchmarks/multinode.py [--quick] [--ray-address HOST:PORT]
 
@@ -134,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                                                       "--placement-strategy", "SPREAD")  # fmt: skip
     else:
         result["tp3_tok_s"] = result["tp3_ray_tok_s"] = None
-    result["pp2_tok_s"] = None
-    result["pp2_reason"] = "pipeline parallelism (--pipeline-parallel-size) is not in this build"
+    pp2 = ("--pipeline-parallel-size", "2")
+    result["pp2_tok_s"] = decode_tokens_per_s(tokens, *pp2)
+    result["pp2_ray_tok_s"] = decode_tokens_per_s(tokens, *pp2, "--distributed-executor", "ray",
+                                                  "--placement-strategy", "STRICT_SPREAD") if args.ray_address else None
     print(json.dumps(result))
     return 0
 
