@@ -4,6 +4,7 @@
 // one comparison) and their token counts checked against what the plan allowed, before anything changes.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -51,6 +52,7 @@ class InFlightStep {
 
   // schedule(): a new plan.
   void clear() {
+    if (num_dropped_ > 0) std::fill_n(dropped_.begin(), size_, 0);  // entries are pushed undropped
     size_ = 0;
     num_dropped_ = 0;
     advanced_ = false;
@@ -67,7 +69,6 @@ class InFlightStep {
     len_[e] = num_tokens;
     lookahead_[e] = lookahead;
     sample_[e] = start + num_tokens == total ? 1 : 0;  // the chunk reaches the last known token: sample
-    dropped_[e] = 0;
     size_ = e + 1;
   }
   size_t size() const { return size_; }

@@ -355,8 +355,9 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   PackedOutput* out = outputs_.reserve(count + result.token_ids.size());
   // One walk over the entries, compiled twice: for the common step (entry k is row k; nothing to test per entry but
   // the stop rules) and for any other.
-  const auto walk = [&](auto common_step) {
+  const auto walk = [&](auto common_step, auto advanced_step) {
     constexpr bool kFast = decltype(common_step)::value;
+    constexpr bool kAdvanced = decltype(advanced_step)::value;  // the step was planned on (async scheduling)
     for (size_t k = 0; k < count; ++k) {
       // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to. The
       // index array repeats its last entry past the end (write_entries pads it), so neither needs a bound check.
@@ -373,7 +374,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       }
       RequestState& r = table[index];
       if (!kFast && entry_sample[k] == 0) {
-        if (!advanced) r.num_computed_tokens += num_tokens;
+        if (!kAdvanced) r.num_computed_tokens += num_tokens;
         if (r.num_computed_tokens >= r.register_from) registering_.push_back(index);
         *out++ = make_output(r, FinishReason::kNone, num_tokens, false, 0, 0.0f);  // a prefill chunk: progress only
         continue;
@@ -383,7 +384,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
         const size_t row = kFast ? k : static_cast<size_t>(entry_result[k]);
         const int32_t token = tokens[row];
         if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-        if (!advanced) {
+        if constexpr (!kAdvanced) {
           r.num_computed_tokens += num_tokens;
           r.token_ids.push_back(token);  // within the capacity reserved at add_request
         } else {
@@ -394,7 +395,7 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       } else {
         outputs_.commit(out);  // append_row adds its own
         reason = append_row(index, num_tokens, static_cast<size_t>(entry_result[k]), result, now_ns, generated,
-                            advanced);
+                            kAdvanced);
         out = outputs_.reserve(0);
       }
       // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
@@ -407,9 +408,15 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
     }
   };
   if (every_entry_decodes && in_order) {
-    walk(std::true_type{});
+    if (advanced) {
+      walk(std::true_type{}, std::true_type{});
+    } else {
+      walk(std::true_type{}, std::false_type{});
+    }
+  } else if (advanced) {
+    walk(std::false_type{}, std::true_type{});  // entry_result holds every sampled entry's row (match_result_rows)
   } else {
-    walk(std::false_type{});  // entry_result holds every sampled entry's row (match_result_rows)
+    walk(std::false_type{}, std::false_type{});
   }
   outputs_.commit(out);
   total_generation_tokens_ += generated;
