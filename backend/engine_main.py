@@ -70,6 +70,7 @@ def engine_config(args: EngineArgs) -> _core.EngineConfig:
     config.long_prefill_token_threshold = args.long_prefill_token_threshold
     config.max_step_slowdown = float(args.max_step_slowdown)
     config.priority_aging_ms = args.priority_aging_ms
+    config.async_scheduling = args.async_scheduling == "on"
     # The engine reserves lookahead slots: a chain's length, or every node of a draft tree.
     tree = args.draft_tree() if args.num_speculative_tokens > 0 else None
     config.num_speculative_tokens = tree.num_nodes if tree is not None else args.num_speculative_tokens

@@ -49,7 +49,8 @@ void bind_engine(py::module_& m) {
       .def_readwrite("spec_max_batch", &EngineConfig::spec_max_batch)
       .def_readwrite("spec_min_acceptance", &EngineConfig::spec_min_acceptance)
       .def_readwrite("spec_backoff_steps", &EngineConfig::spec_backoff_steps)
-      .def_readwrite("max_step_slowdown", &EngineConfig::max_step_slowdown);
+      .def_readwrite("max_step_slowdown", &EngineConfig::max_step_slowdown)
+      .def_readwrite("async_scheduling", &EngineConfig::async_scheduling);
 
   // The scheduler on its own, for property tests with a fake worker in Python (not part of the serving path).
   py::class_<Scheduler>(m, "Scheduler")
@@ -80,6 +81,14 @@ void bind_engine(py::module_& m) {
             return s.schedule(plan, now_ns) ? step_plan_to_python(std::move(plan)) : py::none();
           },
           py::arg("now_ns") = 0)
+      .def(
+          "schedule_ahead",
+          [](Scheduler& s, int64_t now_ns) -> py::object {
+            StepPlan plan;
+            return s.schedule_ahead(plan, now_ns) ? step_plan_to_python(std::move(plan)) : py::none();
+          },
+          py::arg("now_ns") = 0)
+      .def_property_readonly("num_steps_in_flight", &Scheduler::num_steps_in_flight)
       .def("update", &Scheduler::update, py::arg("result"), py::arg("now_ns") = 0)
       .def("take_outputs",
            [](Scheduler& s) {

@@ -240,6 +240,15 @@ bool Engine::write_step_record(const ByteBuffer& record) {
   return true;
 }
 
+bool Engine::send_plan() {
+  for (const KvPull& pull : scheduler_->kv_pulls()) {  // the workers pull these before running the plan
+    encode(pull, plan_buffer_);
+    if (!write_step_record(plan_buffer_)) return false;
+  }
+  encode(plan_, plan_buffer_);
+  return write_step_record(plan_buffer_);
+}
+
 void Engine::flush_outputs() {
   emit_kv_pins();  // before the final outputs of the same requests, so a frontend has the handle when they end
   const std::span<const PackedOutput> outputs = scheduler_->outputs();
@@ -298,22 +307,22 @@ void Engine::run() {
       bool busy = false;  // ran a step since the last idle stats report
       while (drain_requests()) {
         const auto step_start = std::chrono::steady_clock::now();
-        if (!scheduler_->schedule(plan_, realtime_ns())) {
-          flush_outputs();  // the last step's tokens, aborts while nothing runs
-          if (busy && config_.stats_interval_ms > 0) maybe_emit_stats(true);  // once when turning idle
-          busy = false;
-          if (!wait_for_requests()) break;
-          continue;
+        // With async scheduling a step may still be in flight here (planned ahead last time round): then the next
+        // one is planned on top of it, below, and this iteration waits for the older one's result.
+        if (scheduler_->num_steps_in_flight() == 0) {
+          if (!scheduler_->schedule(plan_, realtime_ns())) {
+            flush_outputs();  // the last step's tokens, aborts while nothing runs
+            if (busy && config_.stats_interval_ms > 0) maybe_emit_stats(true);  // once when turning idle
+            busy = false;
+            if (!wait_for_requests()) break;
+            continue;
+          }
+          busy = true;
+          if (!send_plan()) break;
         }
-        busy = true;
-        bool sent = true;
-        for (const KvPull& pull : scheduler_->kv_pulls()) {  // the workers pull these before running the plan
-          encode(pull, plan_buffer_);
-          if (!(sent = write_step_record(plan_buffer_))) break;
-        }
-        if (!sent) break;
-        encode(plan_, plan_buffer_);
-        if (!write_step_record(plan_buffer_)) break;
+        // Async scheduling: plan the next step while the workers compute this one; they read it as soon as they
+        // finish, so the engine's update and scheduling leave the workers' critical path.
+        if (config_.async_scheduling && scheduler_->schedule_ahead(plan_, realtime_ns()) && !send_plan()) break;
         // The previous step's tokens go out while the workers compute this one: encoding events overlaps the
         // forward pass instead of delaying the next plan. (schedule() leaves the pending outputs alone.)
         flush_outputs();

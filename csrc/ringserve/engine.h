@@ -65,7 +65,8 @@ class Engine {
   void send_worker_shutdown() noexcept;
   bool stopping() const { return stop_.load(std::memory_order_acquire); }
   bool write_step_record(const ByteBuffer& record);  // waits for space; false on stop
-  void emit_kv_pins();                               // KvPinned events of finished prefill-only requests
+  void emit_kv_pins();
+  bool send_plan();  // the last schedule()'s KvPulls and StepPlan; false on stop                               // KvPinned events of finished prefill-only requests
 
   EngineConfig config_;
   std::vector<pid_t> worker_pids_;

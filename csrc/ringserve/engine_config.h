@@ -35,6 +35,10 @@ struct EngineConfig {
   // what the engine reports through observe_step_time(); until it has seen both kinds of steps, only the token budget
   // applies. The first prefill row of a step always gets at least block_size tokens, so prompts make progress.
   float max_step_slowdown = 0.0f;
+  // Async scheduling: while a step runs, the engine plans the next one (Scheduler::schedule_ahead) and the workers
+  // read it as soon as they finish, counting the running step's tokens as computed and its sampled tokens as pending
+  // (the workers fill those in from what they sampled). Never with speculation, and never a step that could preempt.
+  bool async_scheduling = false;
 };
 
 // Throws std::invalid_argument naming the first setting out of range (num_blocks must be known by now), and fills in

@@ -6,7 +6,7 @@
 namespace ringserve {
 
 InFlightStep::InFlightStep(int32_t max_num_seqs) : max_entries_(static_cast<size_t>(max_num_seqs)) {
-  for (auto* a : {&slot_, &start_, &len_, &lookahead_, &sample_, &result_}) a->assign(max_entries_, 0);
+  for (auto* a : {&slot_, &start_, &len_, &lookahead_, &sample_, &result_, &dropped_}) a->assign(max_entries_, 0);
   index_.assign(max_entries_ + 2 * kPrefetchAhead, 0);  // + the padding update()'s prefetches read
   sample_mark_.assign(max_entries_, SampleMark{});
   sampled_slots_.reserve(max_entries_);
@@ -48,6 +48,17 @@ size_t InFlightStep::write_entries(StepPlan& plan, bool with_lookahead) {
   // update() prefetches up to 2 x kPrefetchAhead entries ahead: past the last one, they repeat it.
   if (n > 0) std::fill_n(index_.begin() + static_cast<std::ptrdiff_t>(n), 2 * kPrefetchAhead, index_[n - 1]);
   return sampled;
+}
+
+bool InFlightStep::drop_request(int32_t index) {
+  for (size_t k = 0; k < size_; ++k) {
+    if (index_[k] == index && dropped_[k] == 0) {
+      dropped_[k] = 1;
+      ++num_dropped_;
+      return true;
+    }
+  }
+  return false;
 }
 
 void InFlightStep::check_result_header(const StepResult& result) const {

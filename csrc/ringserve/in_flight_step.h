@@ -4,6 +4,7 @@
 // one comparison) and their token counts checked against what the plan allowed, before anything changes.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -11,8 +12,12 @@
 #include <vector>
 
 #include "ringserve/records.h"
+#include "ringserve/step_cost.h"
 
 namespace ringserve {
+
+// The token a request holds, with async scheduling, for the one its in-flight step samples (never a real id).
+inline constexpr int32_t kPendingToken = -1;
 
 // How many requests ahead the per-request loops prefetch a request's state.
 inline constexpr size_t kPrefetchAhead = 8;
@@ -46,7 +51,12 @@ class InFlightStep {
   explicit InFlightStep(int32_t max_num_seqs);
 
   // schedule(): a new plan.
-  void clear() { size_ = 0; }
+  void clear() {
+    if (num_dropped_ > 0) std::fill_n(dropped_.begin(), size_, 0);  // entries are pushed undropped
+    size_ = 0;
+    num_dropped_ = 0;
+    advanced_ = false;
+  }
   // Appends an entry: request `index` in `slot` computes `num_tokens` tokens from `start` of its `total` known ones,
   // with `lookahead` draft slots after them.
   [[gnu::always_inline]] void push(int32_t index, int32_t slot, int32_t start, int32_t num_tokens, int32_t total,
@@ -84,6 +94,19 @@ class InFlightStep {
   // The result checked out and is being applied: no step is in flight any more (the entries stay until clear()).
   void mark_received() { in_flight_ = false; }
 
+  // Async scheduling. A request that finished or was aborted while this step was in flight: its entry is dropped
+  // (update() skips it and ignores its row; the request's table entry may already serve another request). Returns
+  // false when the request has no entry here. Linear in the entries: only finishing requests call it.
+  bool drop_request(int32_t index);
+  size_t num_dropped() const { return num_dropped_; }
+  const int32_t* dropped() const { return dropped_.data(); }
+  // The next step was planned on top of this one: its entries' tokens count as computed and each sampled entry's
+  // token sits in its request as a placeholder (kPendingToken) that update() replaces.
+  void mark_advanced() { advanced_ = true; }
+  bool advanced() const { return advanced_; }
+  // The step's shape as the decode-latency guard's cost model sees it (set when it is sent).
+  StepShape shape;
+
   // The entries, for update()'s walk. index() is padded with 2 x kPrefetchAhead copies of the last entry.
   const int32_t* index() const { return index_.data(); }
   const int32_t* len() const { return len_.data(); }
@@ -106,7 +129,10 @@ class InFlightStep {
   std::vector<int32_t> lookahead_;  // draft tokens the workers may verify after its token (reserved KV slots)
   std::vector<int32_t> sample_;     // 1 when the entry reaches its last known token (int32: no char aliasing)
   std::vector<int32_t> result_;     // update(): its row in the StepResult, -1 until matched
+  std::vector<int32_t> dropped_;    // 1 when its request finished or was aborted while the step was in flight
   size_t size_ = 0;
+  size_t num_dropped_ = 0;
+  bool advanced_ = false;
   uint64_t step_ = 0;
   bool in_flight_ = false;
   size_t num_samples_ = 0;

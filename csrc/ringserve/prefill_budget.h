@@ -64,9 +64,12 @@ class PrefillBudget {
     last_shape_ = shape_;
   }
   // The measured wall time of the step last sent (plan to result). Nothing to learn while the guard is off.
-  void observe_step_time(int64_t ns) {
-    if (max_step_slowdown_ > 0.0f) cost_.observe(last_shape_, ns);
+  void observe_step_time(int64_t ns) { observe_step_time(ns, last_shape_); }
+  // The same for a given step's shape (with async scheduling the step measured is not the last one sent).
+  void observe_step_time(int64_t ns, const StepShape& shape) {
+    if (max_step_slowdown_ > 0.0f) cost_.observe(shape, ns);
   }
+  const StepShape& last_shape() const { return last_shape_; }
   const StepCostModel& cost() const { return cost_; }
 
  private:

@@ -19,6 +19,7 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
     : config_(checked(std::move(config))),
       queues_(config_.priority_aging_ms, config_.max_num_seqs),
       in_flight_(config_.max_num_seqs),
+      ahead_(config_.async_scheduling ? config_.max_num_seqs : 0),
       outputs_(static_cast<size_t>(config_.max_num_seqs)),
       spec_(config_),
       pool_(config_.num_blocks),
@@ -46,10 +47,15 @@ std::optional<RequestRejected> Scheduler::add_request(const AddRequest& req, int
 }
 
 bool Scheduler::abort_request(uint64_t request_id) {
-  if (in_flight_.in_flight()) throw std::logic_error("abort_request while a step is in flight");
+  if (ahead_.in_flight() || in_flight_.advanced()) {
+    throw std::logic_error("abort_request while a step is planned on top of the one in flight");
+  }
   const int32_t index = table_.find(request_id);
   if (index < 0) return release_pinned(request_id);  // a finished prefill-only request's blocks
   RequestState& r = table_.state(index);
+  // Its row in the step in flight, if any, is ignored. The blocks it writes go back to the pool now: any later
+  // step that gets them runs after this one on the workers and overwrites what it wrote.
+  if (in_flight_.in_flight()) in_flight_.drop_request(index);
   queues_.erase(index, r.status);
   outputs_.append() = make_output(r, FinishReason::kAbort, 0, false, 0, 0.0f);
   release(index);
@@ -213,16 +219,61 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
   }
   last_step_tokens_ = config_.max_num_batched_tokens - budget;
   prefill_.end_step(decode_rows);
+  in_flight_.shape = prefill_.last_shape();
   plan.step_id = next_step_id_++;
   in_flight_.send(plan.step_id, samples);
   ++num_steps_;
   return true;
 }
 
+bool Scheduler::can_plan_ahead() const {
+  if (!config_.async_scheduling || !in_flight_.in_flight() || ahead_.in_flight() || spec_.enabled()) return false;
+  // A step planned ahead must not preempt (a preempted request's token may still be on its way). Growing a request
+  // by n tokens takes at most ceil(n / block_size) blocks (its blocks cover what it computed), so the step's rows
+  // take at most budget / block_size + 1 per running request; admissions only take free blocks.
+  const int64_t worst = int64_t{config_.max_num_batched_tokens} / config_.block_size +
+                        static_cast<int64_t>(queues_.running().size()) + 1;
+  return pool_.num_free() >= worst;
+}
+
+void Scheduler::advance_in_flight() {
+  // What the step in flight computes counts as computed; what it samples is pending: a placeholder token that its
+  // update() replaces. The next plan then schedules that token as (slot, its position, 1), and the workers, which
+  // append every token they sample to their batch, compute it from their own copy.
+  RequestState* const table = table_.states();
+  const int32_t* const index = in_flight_.index();
+  const int32_t* const len = in_flight_.len();
+  const int32_t* const sample = in_flight_.sample();
+  const int32_t* const dropped = in_flight_.dropped();
+  for (size_t k = 0; k < in_flight_.size(); ++k) {
+    if (dropped[k] != 0) continue;  // aborted: its table entry may hold another request by now
+    RequestState& r = table[index[k]];
+    r.num_computed_tokens += len[k];
+    if (sample[k] != 0) r.token_ids.push_back(kPendingToken);  // within capacity: the request has not ended yet
+  }
+  in_flight_.mark_advanced();
+}
+
+bool Scheduler::schedule_ahead(StepPlan& plan, int64_t now_ns) {
+  if (!can_plan_ahead()) return false;
+  advance_in_flight();
+  // schedule() builds into in_flight_: lend it the spare entries and put the step in flight back in front.
+  std::swap(in_flight_, ahead_);
+  bool planned = false;
+  try {
+    planned = schedule(plan, now_ns);
+  } catch (...) {
+    std::swap(in_flight_, ahead_);
+    throw;
+  }
+  std::swap(in_flight_, ahead_);
+  return planned;
+}
+
 // A row with drafts, several tokens or top logprobs: appends its tokens (stop rules apply token by token and drop the
 // rest), one output each, and updates the request's acceptance rate. Out of line, so the plain loop keeps its registers.
 FinishReason Scheduler::append_row(int32_t index, int32_t num_tokens, size_t row_index, const StepResult& result,
-                                   int64_t now_ns, uint64_t& generated) {
+                                   int64_t now_ns, uint64_t& generated, bool advanced) {
   RequestState& r = table_.state(index);
   RequestDetails& d = table_.details(index);
   const bool multi = !result.token_counts.empty();
@@ -237,13 +288,17 @@ FinishReason Scheduler::append_row(int32_t index, int32_t num_tokens, size_t row
                                            : std::min({result.num_top, static_cast<uint32_t>(d.sampling.num_logprobs),
                                                        uint32_t{std::numeric_limits<uint16_t>::max()}});
   if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-  r.num_computed_tokens += num_tokens;
+  if (!advanced) r.num_computed_tokens += num_tokens;
   // Accepted draft tokens come first, then the target's own; stop rules apply token by token and drop the rest.
   int32_t appended = 0;
   while (appended < num_new && reason == FinishReason::kNone) {
     const size_t at = first + static_cast<size_t>(appended);
     const int32_t token = tokens[at];
-    r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
+    if (advanced && appended == 0) {  // (no drafts: a step with lookahead is never planned on)
+      r.token_ids.back() = token;      // the placeholder
+    } else {
+      r.token_ids.push_back(token);  // within the capacity reserved at add_request (lookahead stops at the limit)
+    }
     reason = stop_reason(r, &d, token);
     const int32_t scheduled = appended == 0 ? num_tokens + proposed : 0;
     PackedOutput& o = outputs_.append();
@@ -274,7 +329,9 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   // its own position. Throws, changing nothing, unless every sampled entry got exactly one row; unless the step
   // turns out to be the common one, each entry's row is then in its result_row.
   const size_t count = in_flight_.size();
-  const bool every_entry_decodes = plain && result.slots.size() == count && !spec_.enabled();
+  const bool advanced = in_flight_.advanced();  // async scheduling planned the next step on this one
+  const bool every_entry_decodes =
+      plain && result.slots.size() == count && !spec_.enabled() && in_flight_.num_dropped() == 0;
   const bool in_order = in_flight_.match_result_rows(result, /*fill_rows=*/!every_entry_decodes);
   in_flight_.check_result_counts(result);  // throws, changing nothing, unless every row's tokens fit its lookahead
   in_flight_.mark_received();
@@ -293,12 +350,14 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
   const int32_t* const entry_sample = in_flight_.sample();
   const int32_t* const entry_lookahead = in_flight_.lookahead();
   const int32_t* const entry_result = in_flight_.result_row();
+  const int32_t* const entry_dropped = in_flight_.dropped();
   // Each entry gives one output, or one per token it appends (at least one): room for them all, written in place.
   PackedOutput* out = outputs_.reserve(count + result.token_ids.size());
   // One walk over the entries, compiled twice: for the common step (entry k is row k; nothing to test per entry but
   // the stop rules) and for any other.
-  const auto walk = [&](auto common_step) {
+  const auto walk = [&](auto common_step, auto advanced_step) {
     constexpr bool kFast = decltype(common_step)::value;
+    constexpr bool kAdvanced = decltype(advanced_step)::value;  // the step was planned on (async scheduling)
     for (size_t k = 0; k < count; ++k) {
       // Two stages ahead: the entry's hot lines, then (once that has arrived) the line its next token goes to. The
       // index array repeats its last entry past the end (write_entries pads it), so neither needs a bound check.
@@ -309,9 +368,13 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
       __builtin_prefetch(near.token_ids.data() + near.token_ids.size(), 1);
       const int32_t index = entry_index[k];
       const int32_t num_tokens = entry_len[k];
+      if (!kFast && entry_dropped[k] != 0) {  // finished or aborted meanwhile: the row is ignored
+        if (plain && entry_sample[k] != 0) --generated;
+        continue;
+      }
       RequestState& r = table[index];
       if (!kFast && entry_sample[k] == 0) {
-        r.num_computed_tokens += num_tokens;
+        if (!kAdvanced) r.num_computed_tokens += num_tokens;
         if (r.num_computed_tokens >= r.register_from) registering_.push_back(index);
         *out++ = make_output(r, FinishReason::kNone, num_tokens, false, 0, 0.0f);  // a prefill chunk: progress only
         continue;
@@ -321,13 +384,18 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
         const size_t row = kFast ? k : static_cast<size_t>(entry_result[k]);
         const int32_t token = tokens[row];
         if (r.first_token_time_ns == 0) r.first_token_time_ns = now_ns;
-        r.num_computed_tokens += num_tokens;
-        r.token_ids.push_back(token);  // within the capacity reserved at add_request
+        if constexpr (!kAdvanced) {
+          r.num_computed_tokens += num_tokens;
+          r.token_ids.push_back(token);  // within the capacity reserved at add_request
+        } else {
+          r.token_ids.back() = token;  // the placeholder advance_in_flight() appended
+        }
         reason = stop_reason(r, details + index, token);
         *out++ = make_output(r, reason, num_tokens, true, token, logprobs[row]);
       } else {
         outputs_.commit(out);  // append_row adds its own
-        reason = append_row(index, num_tokens, static_cast<size_t>(entry_result[k]), result, now_ns, generated);
+        reason = append_row(index, num_tokens, static_cast<size_t>(entry_result[k]), result, now_ns, generated,
+                            kAdvanced);
         out = outputs_.reserve(0);
       }
       // Most decode steps complete no block: skip the registration unless the next unregistered one is full.
@@ -340,9 +408,15 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
     }
   };
   if (every_entry_decodes && in_order) {
-    walk(std::true_type{});
+    if (advanced) {
+      walk(std::true_type{}, std::true_type{});
+    } else {
+      walk(std::true_type{}, std::false_type{});
+    }
+  } else if (advanced) {
+    walk(std::false_type{}, std::true_type{});  // entry_result holds every sampled entry's row (match_result_rows)
   } else {
-    walk(std::false_type{});  // entry_result holds every sampled entry's row (match_result_rows)
+    walk(std::false_type{}, std::false_type{});
   }
   outputs_.commit(out);
   total_generation_tokens_ += generated;
@@ -353,12 +427,17 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
     RequestState& r = table_.state(index);
     const RequestDetails& d = table_.details(index);
     if (d.kv_mode == KvMode::kPrefillOnly) kv_.pin(r, d, blocks_for(r.num_prompt_tokens), now_ns);
+    // A step planned on this one has a row for it: that row is ignored, and its blocks are free for any later step
+    // (which the workers run after that one).
+    if (ahead_.in_flight()) ahead_.drop_request(index);
     release(index);
   }
   if (!finished_.empty()) {
     std::erase_if(queues_.running(), [this](int32_t i) { return table_.state(i).status != RequestStatus::kRunning; });
   }
+  applied_shape_ = in_flight_.shape;
   in_flight_.clear();
+  if (ahead_.in_flight()) std::swap(in_flight_, ahead_);  // the step planned ahead is now the oldest in flight
 }
 
 EngineStats Scheduler::stats(uint64_t query_id) const {

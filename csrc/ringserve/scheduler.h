@@ -53,11 +53,21 @@ class Scheduler {
   std::optional<RequestRejected> add_request(const AddRequest& request, int64_t now_ns,
                                              const KvRequestOptions* kv = nullptr);
   // Removes a waiting or running request, frees its blocks and queues its final ABORT output. False if unknown.
-  // Only between steps (not while a plan is in flight).
+  // Between steps, or while one step is in flight that nothing was planned on top of (async scheduling): its entry
+  // of the request is then dropped (the workers still compute it, into blocks that no later step has yet been given).
   bool abort_request(uint64_t request_id);
-  // Builds the next step into `plan`. False when nothing is runnable; then no step is in flight.
+  // Builds the next step into `plan`, with no step in flight. False when nothing is runnable; then no step is in flight.
   bool schedule(StepPlan& plan, int64_t now_ns);
-  // Applies the result of the plan in flight: advances num_computed_tokens, caches newly computed full blocks,
+  // Async scheduling (config.async_scheduling): builds the step after the one in flight, before its result arrives,
+  // counting that step's tokens as computed and its sampled tokens as pending (placeholders that its update()
+  // replaces; the workers feed each slot the token they sampled). False, changing nothing, when it may not: no or two
+  // steps in flight, speculation on (the accepted count is unknown), or a pool that might run dry in the step (a step
+  // planned ahead never preempts: the free blocks must cover every running request's worst-case growth). A request
+  // that finishes in the step in flight has its entry in this one dropped by update(); its row is ignored.
+  bool schedule_ahead(StepPlan& plan, int64_t now_ns);
+  // Steps sent whose result has not been applied: 0, 1, or 2 with async scheduling.
+  int32_t num_steps_in_flight() const { return int32_t{in_flight_.in_flight()} + int32_t{ahead_.in_flight()}; }
+  // Applies the result of the oldest plan in flight: advances num_computed_tokens, caches newly computed full blocks,
   // appends sampled tokens, applies stop rules, frees finished requests. Throws std::runtime_error when the result
   // does not match the plan.
   void update(const StepResult& result, int64_t now_ns);
@@ -93,7 +103,7 @@ class Scheduler {
   int32_t last_step_tokens() const { return last_step_tokens_; }
   // The measured wall time of the step last scheduled (plan to result), for the decode-latency guard's cost model.
   // Nothing to learn while the guard is off.
-  void observe_step_time(int64_t ns) { prefill_.observe_step_time(ns); }
+  void observe_step_time(int64_t ns) { prefill_.observe_step_time(ns, applied_shape_); }
   const StepCostModel& step_cost() const { return prefill_.cost(); }
   // The estimated time the guard lets the next step's prefill rows add (+infinity when it does not apply).
   double prefill_time_budget() const { return prefill_.time_budget(!queues_.running().empty()); }
@@ -104,8 +114,13 @@ class Scheduler {
   int32_t blocks_for(int32_t num_tokens) const { return (num_tokens + config_.block_size - 1) / config_.block_size; }
   bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
   // Applies a result row with drafts, several tokens or top logprobs (update()'s uncommon case).
+  // `advanced`: the step was planned on (its tokens counted as computed, the request's last token a placeholder).
   [[gnu::noinline]] FinishReason append_row(int32_t index, int32_t num_tokens, size_t row_index,
-                                            const StepResult& result, int64_t now_ns, uint64_t& generated);
+                                            const StepResult& result, int64_t now_ns, uint64_t& generated,
+                                            bool advanced);
+  // schedule_ahead(): whether the step in flight may be planned on, and counting it as computed.
+  bool can_plan_ahead() const;
+  void advance_in_flight();
   void recycle_plan(StepPlan& plan);
   // Frees a request's blocks, slot and table entry.
   void release(int32_t index);
@@ -125,6 +140,7 @@ class Scheduler {
   RequestTable table_;
   RequestQueues queues_;
   InFlightStep in_flight_;
+  InFlightStep ahead_;  // async scheduling: the step planned on top of in_flight_ (in flight too), else unused
   StepOutputs outputs_;
   std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
   std::vector<int32_t> registering_;         // scratch for update(): requests that completed a block
@@ -141,6 +157,7 @@ class Scheduler {
   std::vector<BlockAppend> spare_appends_;
   std::vector<NewRequestData> spare_new_requests_;
 
+  StepShape applied_shape_;  // the shape of the step update() last applied (observe_step_time measures it)
   uint64_t next_step_id_ = 1;
   uint64_t num_steps_ = 0;
   uint64_t num_preemptions_ = 0;

@@ -248,8 +248,10 @@ def prompt_ending_at(last: int, length: int) -> list[int]:
 FrontendFactory = Callable[..., Frontend]
 
 
-def test_continuous_batching_with_stop_rules_and_chunked_prefill(frontend_factory: FrontendFactory) -> None:
-    f = frontend_factory()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_continuous_batching_with_stop_rules_and_chunked_prefill(frontend_factory: FrontendFactory,
+                                                                  async_scheduling: bool) -> None:  # fmt: skip
+    f = frontend_factory(async_scheduling=async_scheduling)
     f.add(1, prompt_ending_at(100, 40), max_tokens=5)  # LENGTH: 101..105
     f.add(2, prompt_ending_at(0, 8), max_tokens=10)  # EOS: 1, 2
     f.add(3, prompt_ending_at(10, 8), max_tokens=10, stop_token_ids=[13])  # stop token: 11, 12, 13
@@ -326,8 +328,10 @@ def test_the_engine_times_its_steps_and_the_guard_cuts_prompt_chunks_while_reque
     f.engine.stop()
 
 
-def test_abort_frees_all_blocks_and_emits_a_final_abort(frontend_factory: FrontendFactory) -> None:
-    f = frontend_factory(delay=0.002)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_all_blocks_and_emits_a_final_abort(frontend_factory: FrontendFactory,
+                                                        async_scheduling: bool) -> None:  # fmt: skip
+    f = frontend_factory(delay=0.002, async_scheduling=async_scheduling)
     f.start()
     f.add(1, prompt_ending_at(100, 30), max_tokens=500)
     f.add(2, prompt_ending_at(300, 30), max_tokens=500)
@@ -367,9 +371,10 @@ def test_requests_that_can_never_run_are_rejected(frontend_factory: FrontendFact
     f.shutdown()
 
 
-def test_preemption_by_recompute_keeps_outputs_exact(frontend_factory: FrontendFactory) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_by_recompute_keeps_outputs_exact(frontend_factory: FrontendFactory, async_scheduling: bool) -> None:
     # 6 blocks of 16 tokens; each request needs 5 blocks by the end, so one must be preempted and recomputed.
-    f = frontend_factory(num_kv_blocks=6)
+    f = frontend_factory(num_kv_blocks=6, async_scheduling=async_scheduling)
     f.add(1, prompt_ending_at(100, 20), max_tokens=60)
     f.add(2, prompt_ending_at(1000, 20), max_tokens=60)
     f.start()
@@ -498,6 +503,13 @@ def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> Non
         assert launcher.check_serve_arguments(parser.parse_args(flags)) is None
         assert engine_main.engine_config(engine_process_args(flags, tmp_path).engine).priority_aging_ms == want
     assert "--priority-aging-ms" in launcher.check_serve_arguments(parser.parse_args(["--priority-aging-ms", "-1"]))
+
+
+def test_serve_passes_async_scheduling_to_the_engine_config(tmp_path: Path) -> None:
+    for flags, want in (([], True), (["--async-scheduling", "off"], False), (["--async-scheduling", "on"], True)):
+        assert engine_main.engine_config(engine_process_args(flags, tmp_path).engine).async_scheduling is want
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--async-scheduling", "maybe"])
 
 
 def test_serve_passes_the_model_and_its_limits_to_the_engine(tmp_path: Path) -> None:
