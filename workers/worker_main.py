@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         device = worker_device(args.device, args.rank)
         init_distributed(args.rank, world_size, device)
         dtype = parse_dtype(engine.dtype)
-        model = load_model(engine.model_path, dtype, device, args.rank, world_size)
+        model = load_model(engine.model_path, dtype, device, args.rank, world_size, engine.quantization)
         kv_dtype = None if engine.kv_cache_dtype == "auto" else parse_dtype(engine.kv_cache_dtype)
         kv_cache, connector = make_kv_connector(engine, args.rank, model, kv_dtype, device)
         runner = ModelRunner(

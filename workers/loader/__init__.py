@@ -27,18 +27,20 @@ def load_model(
     device: torch.device | str = "cpu",
     rank: int = 0,
     world_size: int = 1,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """A .gguf file, a folder holding exactly one .gguf, or a Hugging Face folder with config.json.
 
+    `quantization` (--quantization) applies to GGUF files (see gguf_loader.load_gguf_model).
     With world_size > 1 the result is rank `rank`'s tensor-parallel shard (collectives need the process group).
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf_model(path, dtype, device, rank, world_size)
+        return load_gguf_model(path, dtype, device, rank, world_size, quantization)
     if path.is_dir():
         if (path / "config.json").exists():
             return load_hf_model(path, dtype, device, rank, world_size)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return load_gguf_model(ggufs[0], dtype, device, rank, world_size)
+            return load_gguf_model(ggufs[0], dtype, device, rank, world_size, quantization)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json (or a single .gguf)")
