@@ -12,7 +12,6 @@ of one block type into one QuantizedWeight as it fuses float weights.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import numpy as np
@@ -182,9 +181,7 @@ def become_quantized(module: nn.Linear, weight: QuantizedWeight) -> None:
 
 def quantization_enabled(setting: str, device: torch.device | str, world_size: int) -> bool:
     """`--quantization` for one model load: gguf keeps blocks (refused where the kernel cannot run), auto does where
-    the AVX2 kernel runs on the CPU without tensor parallelism, none never does. RINGSERVE_QUANTIZATION overrides
-    auto in benchmarks' plain loads."""
-    setting = os.environ.get("RINGSERVE_QUANTIZATION", setting) if setting == "auto" else setting
+    the AVX2 kernel runs on the CPU without tensor parallelism, none never does."""
     if setting == "none":
         return False
     cpu = torch.device(device).type == "cpu"
