@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ringserve.formats.engine_args import QUANTIZATIONS, EngineArgs
 from ringserve.frontend.model_source import embedded_model_path
 from ringserve.workers.model_runner import NewRequest, StepPlan
 from tqdm import tqdm
@@ -135,7 +136,14 @@ def read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() lists a tied weight once
+    """Bytes a decode step reads: every parameter (parameters() lists a tied weight once) and quantized block
+    (fused views counted once); the embedding table only while it is also the LM head's float weight."""
+    quantized = {m.qweight.data.untyped_storage().data_ptr(): m.qweight.data.untyped_storage().nbytes()
+                 for m in model.modules() if hasattr(m, "qweight")}  # fmt: skip
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    if hasattr(model.lm_head, "qweight"):
+        params -= model.model.embed_tokens.weight.nbytes
+    return params + sum(quantized.values())
 
 
 def main() -> None:
@@ -152,6 +160,8 @@ def main() -> None:
                    help="offline + transformers rounds (default 3, quick 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens; finishes in well under a minute")
+    p.add_argument("--quantization", default=EngineArgs.quantization, choices=QUANTIZATIONS,
+                   help="GGUF weights: kept quantized (gguf), dequantized (none), or auto as the server (default)")
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     args = p.parse_args()
     if args.quick:
@@ -167,7 +177,7 @@ def main() -> None:
     dtype = parse_dtype(args.dtype)
     model_path = Path(args.model or os.environ.get("RINGSERVE_TEST_GGUF") or embedded_model_path())
     t0 = time.perf_counter()
-    model = load_model(model_path, dtype)
+    model = load_model(model_path, dtype, quantization=args.quantization)
     load_s = time.perf_counter() - t0
     block_size = 16
     blocks = args.num_prompts * -(-(args.prompt_len + args.output_len) // block_size) + 8
@@ -196,10 +206,12 @@ def main() -> None:
     single, bandwidth = float(np.median(singles)), float(np.median(bandwidths))
     vs_bound = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, bandwidths, strict=True)]))
     vs_read = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, reads, strict=True)]))
+    quantized_linears = sum(hasattr(m, "qweight") for m in model.modules())
     del runner, model
     result = {
         "model": model_path.name,
         "dtype": args.dtype,
+        "quantized_linears": quantized_linears,
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len,

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         device = worker_device(args.device, args.rank)
         groups = init_distributed(args.rank, world_size, device, pipeline_parallel_size=layout.pipeline_parallel_size)
         dtype = parse_dtype(engine.dtype)
-        model = load_model(engine.model_path, dtype, device, tp_rank, tp_size, stage)
+        model = load_model(engine.model_path, dtype, device, tp_rank, tp_size, stage, engine.quantization)
         kv_dtype = None if engine.kv_cache_dtype == "auto" else parse_dtype(engine.kv_cache_dtype)
         kv_cache, connector = make_kv_connector(engine, args.rank, model, kv_dtype, device)  # refused with stages
         runner = ModelRunner(

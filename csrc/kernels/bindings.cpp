@@ -15,6 +15,7 @@
 #include "kernels/cpu_elementwise.h"
 #include "kernels/cpu_linear.h"
 #include "kernels/cpu_norm.h"
+#include "kernels/cpu_quant.h"
 #include "kernels/cpu_sampling.h"
 
 namespace py = pybind11;
@@ -204,6 +205,31 @@ void decoder_decode(ringserve::kernels::DecoderBf16& decoder, std::uintptr_t hid
   decoder.decode(step, threads);
 }
 
+// The weight blocks' byte count is checked against m, n, k and the type by the kernel.
+void linear_quant(bool bf16, int type, std::uintptr_t x, std::uintptr_t w, std::size_t w_bytes, std::uintptr_t bias,
+                  std::uintptr_t y, std::size_t m, std::size_t n, std::size_t k, bool force_portable, int threads,
+                  std::uintptr_t residual) {
+  namespace k_ = ringserve::kernels;
+  const auto qtype = static_cast<k_::QuantType>(type);
+  if (type < 0 || type > static_cast<int>(k_::QuantType::kQ8_2F)) throw py::value_error("unknown weight block type");
+  const auto ws = view<const uint8_t>(w, w_bytes);
+  const k_::QuantPath path = force_portable ? k_::QuantPath::kPortable : k_::QuantPath::kFastest;
+  const auto run = [&](auto tag, auto fn) {
+    using T = decltype(tag);
+    const auto bs = bias == 0 ? std::span<const T>{} : view<const T>(bias, n);
+    const auto rs = residual == 0 ? std::span<const T>{} : view<const T>(residual, m * n);
+    const auto xs = view<const T>(x, m * k);
+    const auto ys = view<T>(y, m * n);
+    py::gil_scoped_release release;
+    fn({m, n, k}, qtype, xs, ws, bs, ys, path, threads, rs);
+  };
+  if (bf16) {
+    run(bf16_bits{}, k_::linear_quant_bf16);
+  } else {
+    run(float{}, k_::linear_quant_f32);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -218,6 +244,17 @@ PYBIND11_MODULE(_kernels, m) {
         "y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) (+ residual[m, n]) on contiguous bfloat16 memory given by address "
         "(bias / residual 0 = none), rounded once; threads >= 2 lets a large product use a second core. force_portable "
         "/ avx512f_only pick a path for tests.");
+  m.def("has_avx2_quant", &ringserve::kernels::has_avx2_quant,
+        "True when linear_quant has its AVX2 path here (AVX2, FMA, F16C).");
+  m.def("quant_block_bytes", [](int type) {
+    return ringserve::kernels::quant_block_bytes(static_cast<ringserve::kernels::QuantType>(type));
+  }, py::arg("type"), "Bytes per 32-value weight block of a QuantType value.");
+  m.def("linear_quant", &linear_quant, py::arg("bf16"), py::arg("type"), py::arg("x"), py::arg("w"),
+        py::arg("w_bytes"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
+        py::arg("force_portable") = false, py::arg("threads") = 1, py::arg("residual") = 0,
+        "y[m, n] = x[m, k] @ W^T (+ bias) (+ residual), W being n rows of quantized weight blocks (kernels/cpu_quant.h; "
+        "type: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_1F, 4 Q8_2F), on contiguous float32 or bfloat16 memory given by address; "
+        "the input rows are quantized per 32 values to int8. force_portable picks the portable loops for tests.");
   m.def("linear_f32", &linear_f32, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("force_portable") = false, py::arg("threads") = 1,
         py::arg("residual") = 0,

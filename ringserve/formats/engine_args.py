@@ -28,6 +28,7 @@ MAX_SPECULATIVE_TOKENS = 8
 DTYPES = ("float32", "bfloat16", "float16")
 DISTRIBUTED_EXECUTORS = ("mp", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
+QUANTIZATIONS = ("auto", "none", "gguf")  # workers/model/quant_ops.py resolves auto
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
 # Local worker processes (TP x PP) of one engine: each reads the step ring, which takes at most this many readers
 # (kMaxRingReaders in csrc/ringserve/shm_ring.h, exported as _core.MAX_RING_READERS; a test keeps them equal).
@@ -86,6 +87,11 @@ class EngineArgs:
         "(default %(default)s)")  # fmt: skip
     prompt_lookup_min: int = _setting(2, "ngram proposer: shortest n-gram matched (default %(default)s)")
     prompt_lookup_max: int = _setting(4, "ngram proposer: longest n-gram matched (default %(default)s)")
+    quantization: str = _setting(
+        "auto", "GGUF weights on the CPU: gguf keeps Q8_0, Q4_0, Q4_1, Q4_K and Q6_K projection weights in their "
+        "blocks and computes with native int8 kernels (inputs quantized per 32 values; AVX2 or portable); none "
+        "dequantizes every weight to --dtype; auto (default) = gguf where the CPU has AVX2 and one worker holds the "
+        "model, else none (docs/serving.md)", choices=QUANTIZATIONS)  # fmt: skip
     kv_cache_dtype: str = _setting("auto", "KV cache dtype (default %(default)s = the weights')",
                                    choices=("auto", *DTYPES))  # fmt: skip
     attention_backend: str = _setting(

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from server_harness import RunningServer, real_model_path, start_server
+
+# These tests compare the served tokens with transformers on the dequantized weights, so the servers they start take
+# the float path unless a test asks otherwise: the default (--quantization auto) keeps GGUF blocks on AVX2 CPUs, whose
+# agreement with that path is measured in tests/workers/test_quant_ops.py (and served by the Docker image tests).
+os.environ.setdefault("RINGSERVE_QUANTIZATION", "none")
 
 
 @pytest.fixture(scope="session")

@@ -29,19 +29,21 @@ def load_model(
     rank: int = 0,
     world_size: int = 1,
     stage: PipelineStage | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """A .gguf file, a folder holding exactly one .gguf, or a Hugging Face folder with config.json.
 
     With world_size > 1 the result is rank `rank`'s tensor-parallel shard (collectives need the process group); with
-    a pipeline stage, that stage's layers only (workers/pipeline.py).
+    a pipeline stage, that stage's layers only (workers/pipeline.py). `quantization` (--quantization) applies to GGUF
+    files (see gguf_loader.load_gguf_model).
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf_model(path, dtype, device, rank, world_size, stage)
+        return load_gguf_model(path, dtype, device, rank, world_size, stage, quantization)
     if path.is_dir():
         if (path / "config.json").exists():
             return load_hf_model(path, dtype, device, rank, world_size, stage)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return load_gguf_model(ggufs[0], dtype, device, rank, world_size, stage)
+            return load_gguf_model(ggufs[0], dtype, device, rank, world_size, stage, quantization)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json (or a single .gguf)")

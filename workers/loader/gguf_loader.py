@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 from ringserve.formats.gguf_file import GGUFFile
 from ringserve.workers.loader.weight_names import expand_names
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
-from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
+from ringserve.workers.model import LlamaConfig, LlamaForCausalLM, quant_ops
 from ringserve.workers.model.gemma import GemmaConfig, GemmaForCausalLM
 from ringserve.workers.model.registry import Architecture, gguf_architecture
 from ringserve.workers.parallel import TensorParallelShard
@@ -130,9 +130,17 @@ def load_gguf_model(
     rank: int = 0,
     world_size: int = 1,
     stage: PipelineStage | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """Quantized blocks span whole rows, so each tensor is dequantized whole and then sliced to this rank's part."""
+    """Quantized blocks span whole rows, so each tensor is dequantized whole and then sliced to this rank's part.
+
+    With `quantization` (--quantization) enabling it, projection weights (and the LM head, also when it is the tied
+    token embedding, which then stays dequantized for the lookup) of the types workers/model/quant_ops.py takes stay
+    in their blocks and their modules become QuantizedLinear; every other tensor is dequantized as before."""
     path = str(path)
+    workers = world_size * (stage.num_stages if stage is not None else 1)
+    keep_blocks = quant_ops.quantization_enabled(quantization, device, workers)
+    blocks: dict[str, quant_ops.QuantizedWeight] = {}
     reader = GGUFFile(path)
     arch, config = read_gguf_config(reader, path)
     shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
@@ -152,6 +160,17 @@ def load_gguf_model(
             continue  # another pipeline stage's tensor: never dequantized here
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first; torch's is reverse
         data = tensor.data
+        linear = ours.endswith("proj.weight") or ours == "lm_head.weight"
+        if keep_blocks and len(shape) == 2 and quant_ops.can_quantize(tensor.tensor_type, shape[1]):
+            if linear or (ours == "model.embed_tokens.weight" and config.tie_word_embeddings):
+                weight = quant_ops.from_gguf(data, tensor.tensor_type, *shape)
+                if arch.gguf_permuted_qk and ours.endswith(("q_proj.weight", "k_proj.weight")):
+                    rows = unpermute_qk(np.arange(shape[0]), shape[0] // config.head_dim)
+                    weight = quant_ops.QuantizedWeight(weight.kind, weight.data[torch.from_numpy(rows)], weight.cols)
+                blocks["lm_head.weight" if not linear else ours] = weight
+                if linear:
+                    sink.provided_elsewhere(ours)
+                    continue
         # Quantized blocks run along a row, so a rank that needs whole rows (column-parallel, vocab, KV heads)
         # dequantizes only those; row-parallel (column) splits dequantize the whole tensor and slice after.
         index = shard.row_range(ours, shape[0], shape[1] if len(shape) > 1 else None) if shard else None
@@ -174,4 +193,6 @@ def load_gguf_model(
             array = array.copy()
         sink.assign(ours, torch.from_numpy(array), tensor.name, sliced=rows_only)
     sink.finish(path, names)
+    for name, weight in blocks.items():
+        quant_ops.become_quantized(model.get_submodule(name.removesuffix(".weight")), weight)
     return model

@@ -82,6 +82,12 @@ class WeightSink:
         param.copy_(tensor.to(param.dtype))
         self.loaded.add(name)
 
+    def provided_elsewhere(self, name: str) -> None:
+        """Counts `name` as loaded without a tensor (its module takes the checkpoint's data in another form)."""
+        if name not in self.params:
+            raise KeyError(f"{name!r} is not a parameter of this model")
+        self.loaded.add(name)
+
     def finish(self, source: str, source_names: dict[str, str]) -> None:
         """source_names: checkpoint name -> our name, used to name what is missing in the file's own terms."""
         missing = sorted(set(self.params) - self.loaded)

@@ -3,6 +3,8 @@ parallelism), so workers/model/llama.py stays the reference they are tested agai
 
 `apply_fast_paths(model)` rewires the model in place, once its weights are loaded:
 - q/k/v and gate/up projections fused: one GEMM each instead of three and two, on every device;
+- quantized GGUF weights (workers/model/quant_ops.py, loaded as QuantizedLinear modules) fused the same way when
+  the fused projections share one block type, and multiplied by the native int8 kernels;
 - on the CPU, projections, RMSNorm, RoPE and SiLU-and-multiply through the native kernels (workers/model/cpu_ops.py;
   each falls back to PyTorch for tensors it does not take), and the residual adds folded into the O and down
   projections' one rounding;
@@ -24,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from ringserve.workers.model import cpu_ops
+from ringserve.workers.model import cpu_ops, quant_ops
 from ringserve.workers.model.hugepages import move_to_huge_pages
 from ringserve.workers.model.llama import (
     LlamaAttention,
@@ -63,7 +65,16 @@ def apply_fast_paths(model: LlamaForCausalLM) -> LlamaForCausalLM:
 def fusable(layer: LlamaDecoderLayer) -> bool:
     """Fusion and the native decoder take plain llama layers; a layer with q/k norms (Qwen3) or a mixture of experts
     keeps its plain forward (its projections and norms still run on the native kernels)."""
-    return type(layer.mlp) is LlamaMLP and not hasattr(layer.self_attn, "q_norm")
+    if type(layer.mlp) is not LlamaMLP or hasattr(layer.self_attn, "q_norm"):
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    return _one_storage(attn.q_proj, attn.k_proj, attn.v_proj) and _one_storage(mlp.gate_proj, mlp.up_proj)
+
+
+def _one_storage(*linears: nn.Module) -> bool:
+    """Float weights all, or quantized blocks of one type all (what one fused matrix can hold)."""
+    kinds = {module.qweight.kind if isinstance(module, quant_ops.QuantizedLinear) else None for module in linears}
+    return len(kinds) == 1
 
 
 def _become(module: nn.Module, cls: type[nn.Module]) -> None:
@@ -82,7 +93,7 @@ class NativeRMSNorm(RMSNorm):
 class FusedAttention(LlamaAttention):
     """q/k/v as one matrix (the three parameters become views of it); queries and keys rotated as one tensor."""
 
-    qkv_weight: torch.Tensor
+    qkv_weight: torch.Tensor | quant_ops.QuantizedWeight
     qkv_bias: torch.Tensor | None
     cos_sin_table: Callable[[torch.device], torch.Tensor]
 
@@ -99,7 +110,7 @@ class FusedAttention(LlamaAttention):
         """The attention block's output, plus `residual` when given."""
         tokens = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = cpu_ops.linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads, self.head_dim)
+        qkv = quant_ops.linear(x, self.qkv_weight, self.qkv_bias).view(tokens, heads, self.head_dim)
         # In place in one native pass on CPU, else half the RoPE tensor operations of rotating them apart.
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         if not (qk.numel() and cpu_ops.rope_(qk, rope.positions, self.cos_sin_table(qk.device))):
@@ -112,7 +123,7 @@ class FusedAttention(LlamaAttention):
 class FusedMLP(LlamaMLP):
     """gate/up as one matrix, then SiLU-and-multiply in one native pass on CPU."""
 
-    gate_up_weight: torch.Tensor
+    gate_up_weight: torch.Tensor | quant_ops.QuantizedWeight
 
     @classmethod
     def fuse(cls, mlp: LlamaMLP) -> FusedMLP:
@@ -123,7 +134,7 @@ class FusedMLP(LlamaMLP):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output, plus `residual` when given."""
-        gate_up = cpu_ops.linear(x, self.gate_up_weight)
+        gate_up = quant_ops.linear(x, self.gate_up_weight)
         if gate_up.numel() and (activated := cpu_ops.silu_mul(gate_up)) is not None:
             return _project(self.down_proj, activated, residual)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -152,9 +163,19 @@ def _project(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) ->
 
 
 @torch.no_grad()
-def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+def _fuse_linears(*linears: nn.Linear) -> torch.Tensor | quant_ops.QuantizedWeight:
     """One weight matrix holding every linear's rows in order; each linear's weight becomes a view of its rows,
-    so loading, state_dict and tensor-parallel slicing still see the original parameters and no memory is doubled."""
+    so loading, state_dict and tensor-parallel slicing still see the original parameters and no memory is doubled.
+    Quantized linears (all of one block type: `fusable`) give one QuantizedWeight the same way."""
+    if isinstance(linears[0], quant_ops.QuantizedLinear):
+        quantized = [module for module in linears if isinstance(module, quant_ops.QuantizedLinear)]
+        blocks = quant_ops.QuantizedWeight.cat([module.qweight for module in quantized])
+        start = 0
+        for module in quantized:
+            rows = module.qweight.rows
+            module.qweight = blocks.slice_rows(slice(start, start + rows))
+            start += rows
+        return blocks
     fused = torch.cat([module.weight for module in linears])
     start = 0
     for module in linears:
@@ -187,7 +208,7 @@ def _place_weights_on_huge_pages(model: LlamaForCausalLM) -> None:
     fused = [(module, name) for layer in model.model.layers
              for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "qkv_bias"),
                                   (layer.mlp, "gate_up_weight"))
-             if getattr(module, name, None) is not None]  # fmt: skip
+             if isinstance(getattr(module, name, None), torch.Tensor)]  # fmt: skip
 
     def rebind(i: int, tensor: torch.Tensor) -> None:
         if i < len(params):

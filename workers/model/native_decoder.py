@@ -15,6 +15,7 @@ import torch
 from ringserve.workers.attention import AttentionBackend, get_attention_metadata
 from ringserve.workers.model.cpu_ops import native_chunk_attention, native_decoder_module
 from ringserve.workers.model.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from ringserve.workers.model.quant_ops import QuantizedLinear
 from torch import nn
 
 
@@ -104,6 +105,8 @@ class NativeDecoder:
         """bf16 weights and caches on the CPU, fused projections, no hooks (tensor parallelism adds collectives as
         forward hooks), even widths (the native projection's layout for batches of three or more rows)."""
         cfg = model.config
+        if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+            return False  # its projections are bf16 ones
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return False
         if type(model.model.embed_tokens) is not nn.Embedding or cfg.hidden_size % 2 or cfg.intermediate_size % 2:

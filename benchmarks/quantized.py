@@ -1,0 +1,128 @@
+"""Quantized GGUF weights (--quantization gguf) against the dequantized float path, same process, alternating rounds.
+Last line: one JSON object.
+
+    python benchmarks/quantized.py [--model PATH] [--dtype float32] [--threads 1] [--quick]
+
+- single_tok_s / float_single_tok_s: one request decoding alone (benchmarks/throughput.py's run_single_stream), median
+  of the rounds; ratio_single = their ratio.
+- prefill_1k_ms / float_prefill_1k_ms: one 1,024-token prompt prefilled in one step; ratio_prefill = float / quantized
+  (above 1: the quantized path is faster).
+- kernels: per projection shape of the model (fused qkv, o, gate_up, down, lm_head), milliseconds per call for 1 row
+  and for the prefill's 1,024 rows, quantized kernel against the float path's F.linear / native kernel (where the time
+  goes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from ringserve.frontend.model_source import embedded_model_path
+from ringserve.workers.model_runner import NewRequest, StepPlan
+from throughput import run_single_stream
+
+
+def prefill_ms(runner, prompt: np.ndarray, block_size: int) -> float:
+    blocks = np.arange(-(-(len(prompt) + 1) // block_size), dtype=np.int32)
+    one = np.zeros(1, np.int32)
+    request = NewRequest(0, prompt.astype(np.int32), blocks, num_prompt_tokens=len(prompt), temperature=0.0)
+    start = time.perf_counter()
+    runner.execute(StepPlan(0, new_requests=[request], sched_slots=one, sched_start=one,
+                            sched_len=np.array([len(prompt)], np.int32), sched_sample=np.ones(1, bool)))  # fmt: skip
+    elapsed = time.perf_counter() - start
+    runner.execute(StepPlan(1, finished_slots=one))
+    return elapsed * 1e3
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def kernel_profile(float_model, quant_model, rows: tuple[int, ...], repeats: int) -> dict[str, dict[str, float]]:
+    from ringserve.workers.model import quant_ops
+
+    layer_f, layer_q = float_model.model.layers[0], quant_model.model.layers[0]
+    pairs = {
+        "qkv": (layer_f.self_attn.qkv_weight, layer_q.self_attn.qkv_weight),
+        "o": (layer_f.self_attn.o_proj.weight, layer_q.self_attn.o_proj.qweight),
+        "gate_up": (layer_f.mlp.gate_up_weight, layer_q.mlp.gate_up_weight),
+        "down": (layer_f.mlp.down_proj.weight, layer_q.mlp.down_proj.qweight),
+        "lm_head": (float_model.lm_head.weight, quant_model.lm_head.qweight),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, (wf, wq) in pairs.items():
+        for m in rows:
+            x = torch.randn(m, wf.shape[1], dtype=wf.dtype)
+            f = best_ms(lambda x=x, wf=wf: quant_ops.linear(x, wf), repeats)
+            q = best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq), repeats)
+            out[f"{name}_m{m}"] = {"float_ms": round(f, 3), "quant_ms": round(q, 3), "speedup": round(f / q, 2)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a .gguf file (default: $RINGSERVE_TEST_GGUF or the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, quick 1)")
+    p.add_argument("--quick", action="store_true", help="one round, 32 decode tokens, 512-token prompt")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rounds = args.rounds or (1 if args.quick else 3)
+    gen, prompt_len = (32, 512) if args.quick else (128, 1024)
+
+    from ringserve.workers.loader import load_model, parse_dtype
+    from ringserve.workers.model_runner import ModelRunner
+
+    dtype = parse_dtype(args.dtype)
+    model_path = Path(args.model or os.environ.get("RINGSERVE_TEST_GGUF") or embedded_model_path())
+    block_size = 16
+    runners = {}
+    for setting in ("none", "gguf"):
+        model = load_model(model_path, dtype, quantization=setting)
+        runners[setting] = ModelRunner(model, block_size=block_size, num_kv_blocks=prompt_len // block_size + 16)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(10, runners["none"].model.config.vocab_size, size=prompt_len)
+    singles: dict[str, list[float]] = {"none": [], "gguf": []}
+    prefills: dict[str, list[float]] = {"none": [], "gguf": []}
+    for runner in runners.values():  # warm-up
+        run_single_stream(runner, prompt[:8], 4, block_size)
+    for r in range(rounds):
+        for setting, runner in runners.items():
+            singles[setting].append(run_single_stream(runner, prompt[:16], gen, block_size))
+            prefills[setting].append(prefill_ms(runner, prompt, block_size))
+        print(f"round {r}: {singles} {prefills}", file=sys.stderr)
+    profile = kernel_profile(runners["none"].model, runners["gguf"].model, (1, prompt_len), 3 if args.quick else 5)
+    single = {k: float(np.median(v)) for k, v in singles.items()}
+    prefill = {k: float(np.median(v)) for k, v in prefills.items()}
+    result = {
+        "model": model_path.name,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+        "prompt_len": prompt_len,
+        "single_tok_s": round(single["gguf"], 2),
+        "float_single_tok_s": round(single["none"], 2),
+        "ratio_single": round(single["gguf"] / single["none"], 3),
+        "prefill_1k_ms" if prompt_len == 1024 else "prefill_ms": round(prefill["gguf"], 1),
+        "float_prefill_1k_ms" if prompt_len == 1024 else "float_prefill_ms": round(prefill["none"], 1),
+        "ratio_prefill": round(prefill["none"] / prefill["gguf"], 3),
+        "kernels": profile,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+// Matrix products with GGUF-quantized weights for CPU workers: y[M, N] = x[M, K] * w[N, K]^T (+ bias) (+ residual),
+// where each weight row is a run of blocks of 32 values, as a GGUF file stores them.
+//
+// The input rows are first quantized per block of 32 values to int8 (scale = the block's largest magnitude / 127,
+// rounded to nearest even), keeping each block's scale and, for weight formats with an offset, its scaled sum; each
+// weight block then meets each input block in one integer dot product (int8 x int8, or uint8 nibbles x int8),
+// scaled once in float32. On AVX2 CPUs these are _mm256_maddubs_epi16 / _mm256_madd_epi16; elsewhere portable loops
+// compute the same sums (the reference the tests hold the AVX2 path to). The activations' quantization is the same
+// code's result on both paths, bit for bit.
+//
+// Decode rows (a few inputs) read each weight block once for every input row; prompt chunks walk chunks of 16 weight
+// rows that stay in L1 while every input row passes them. Threads take chunks of weight rows as they free up.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kernels/cpu_linear.h"
+
+namespace ringserve::kernels {
+
+// Weight block formats, each a block of 32 values (byte sizes in quant_block_bytes). The first three are GGUF's own
+// layouts (ggml's block_q8_0, block_q4_0, block_q4_1, float16 scales); the last two hold a k-quant's 256-value
+// super-blocks repacked without loss at load time (workers/model/quant_ops.py):
+// - kQ4_1F: Q4_K's sub-blocks: float32 scale d, float32 offset m, 16 bytes of nibbles; value = d * q + m.
+// - kQ8_2F: Q6_K's sub-blocks, two per block: float32 scales d0 (values 0-15) and d1 (16-31), 32 int8 values.
+// In the 4-bit formats byte i holds value i in its low nibble and value i + 16 in its high one.
+enum class QuantType : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_1F = 3, kQ8_2F = 4 };
+
+constexpr std::size_t kQuantBlock = 32;  // values per block
+
+// Bytes per block of `type`; std::invalid_argument for a value outside the enum.
+std::size_t quant_block_bytes(QuantType type);
+
+// True when this CPU runs the AVX2 path (AVX2, FMA and F16C).
+bool has_avx2_quant();
+
+enum class QuantPath { kFastest, kPortable };
+
+// x: m*k, w: n rows of k/32 blocks, y: m*n, bias: n or empty, residual: m*n or empty (may be y itself). K must be a
+// multiple of 32. Throws std::invalid_argument on a size mismatch. Weight rows are split in chunks over `threads`
+// threads when the product is large enough.
+void linear_quant_f32(LinearShape shape, QuantType type, std::span<const float> x, std::span<const uint8_t> w,
+                      std::span<const float> bias, std::span<float> y, QuantPath path = QuantPath::kFastest,
+                      int threads = 1, std::span<const float> residual = {});
+void linear_quant_bf16(LinearShape shape, QuantType type, std::span<const bf16_bits> x, std::span<const uint8_t> w,
+                       std::span<const bf16_bits> bias, std::span<bf16_bits> y, QuantPath path = QuantPath::kFastest,
+                       int threads = 1, std::span<const bf16_bits> residual = {});
+
+// IEEE half precision to float32 (exact; subnormals, infinities and NaN kept).
+float half_to_float(uint16_t h);
+
+}  // namespace ringserve::kernels

@@ -1,0 +1,200 @@
+// The quantized-weight products against a float64 product of the dequantized weights, for every block type, input
+// row tile and tail, thread count and output type; the AVX2 path (where this CPU has it) against the portable one.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels/cpu_quant.h"
+#include "tests/check.h"
+
+using namespace ringserve::kernels;
+
+namespace {
+
+constexpr QuantType kTypes[] = {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ4_1F,
+                                QuantType::kQ8_2F};
+
+// A float16 scale of either sign between 2^-9 and 2^-3.
+uint16_t random_half(std::mt19937& gen) {
+  std::uniform_int_distribution<int> exponent(6, 12);
+  std::uniform_int_distribution<int> mantissa(0, 1023);
+  std::uniform_int_distribution<int> sign(0, 1);
+  return static_cast<uint16_t>((sign(gen) << 15) | (exponent(gen) << 10) | mantissa(gen));
+}
+
+void put(std::vector<uint8_t>& out, const void* p, std::size_t bytes) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  out.insert(out.end(), b, b + bytes);
+}
+
+// One random block of `type`, appended to `bytes`, and its 32 values appended to `values`.
+void random_block(QuantType type, std::mt19937& gen, std::vector<uint8_t>& bytes, std::vector<double>& values) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_int_distribution<int> int8(-127, 127);
+  std::uniform_real_distribution<float> real(-0.1F, 0.1F);
+  if (type == QuantType::kQ8_0 || type == QuantType::kQ8_2F) {
+    double d[2];
+    if (type == QuantType::kQ8_0) {
+      const uint16_t h = random_half(gen);
+      put(bytes, &h, 2);
+      d[0] = d[1] = half_to_float(h);
+    } else {
+      const float f[2] = {real(gen), real(gen)};
+      put(bytes, f, 8);
+      d[0] = f[0];
+      d[1] = f[1];
+    }
+    for (int p = 0; p < 32; ++p) {
+      const auto q = static_cast<int8_t>(int8(gen));
+      put(bytes, &q, 1);
+      values.push_back(d[p / 16] * q);
+    }
+    return;
+  }
+  double d = 0.0;
+  double m = 0.0;
+  if (type == QuantType::kQ4_0) {
+    const uint16_t h = random_half(gen);
+    put(bytes, &h, 2);
+    d = half_to_float(h);
+    m = -8.0 * d;
+  } else if (type == QuantType::kQ4_1) {
+    const uint16_t h[2] = {random_half(gen), random_half(gen)};
+    put(bytes, h, 4);
+    d = half_to_float(h[0]);
+    m = half_to_float(h[1]);
+  } else {
+    const float f[2] = {real(gen), real(gen)};
+    put(bytes, f, 8);
+    d = f[0];
+    m = f[1];
+  }
+  uint8_t qs[16];
+  for (auto& q : qs) q = static_cast<uint8_t>(byte(gen));
+  put(bytes, qs, 16);
+  for (int p = 0; p < 32; ++p) values.push_back(d * (p < 16 ? qs[p] & 0x0F : qs[p - 16] >> 4) + m);
+}
+
+template <class T>
+T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return float_to_bf16(v);
+  }
+}
+
+// y of the kernel against sum(w * x) in float64, within the error the inputs' int8 rounding allows (half a step of
+// each block's scale, times the weights' magnitudes) plus float32 summation; returns y for comparing paths.
+template <class T>
+std::vector<T> check_type(QuantType type, std::size_t m, std::size_t n, std::size_t k, QuantPath path, int threads,
+                          bool with_bias, bool with_residual) {
+  std::mt19937 gen(static_cast<unsigned>(static_cast<int>(type) * 7919 + m * 1000003 + n * 1009 + k));
+  std::vector<uint8_t> w;
+  std::vector<double> wv;
+  for (std::size_t b = 0; b < n * k / 32; ++b) random_block(type, gen, w, wv);
+  std::normal_distribution<float> normal;
+  std::vector<T> x(m * k);
+  for (auto& v : x) v = from_float<T>(normal(gen));
+  std::vector<T> bias(with_bias ? n : 0);
+  for (auto& v : bias) v = from_float<T>(normal(gen));
+  std::vector<T> residual(with_residual ? m * n : 0);
+  for (auto& v : residual) v = from_float<T>(normal(gen));
+  std::vector<T> y(m * n, from_float<T>(12345.0F));
+  if constexpr (std::is_same_v<T, float>) {
+    linear_quant_f32({m, n, k}, type, x, w, bias, y, path, threads, residual);
+  } else {
+    linear_quant_bf16({m, n, k}, type, x, w, bias, y, path, threads, residual);
+  }
+  for (std::size_t i = 0; i < m; ++i) {
+    for (std::size_t j = 0; j < n; ++j) {
+      double ref = (with_bias ? load_scalar(bias[j]) : 0.0) + (with_residual ? load_scalar(residual[i * n + j]) : 0.0);
+      double bound = 0.0;
+      double magnitude = std::abs(ref);
+      for (std::size_t b = 0; b < k / 32; ++b) {
+        double amax = 0.0;
+        for (std::size_t p = 0; p < 32; ++p) amax = std::max(amax, double{std::abs(load_scalar(x[i * k + b * 32 + p]))});
+        for (std::size_t p = 0; p < 32; ++p) {
+          const double wp = wv[j * k + b * 32 + p];
+          const double term = wp * load_scalar(x[i * k + b * 32 + p]);
+          ref += term;
+          magnitude += std::abs(term);
+          bound += std::abs(wp) * amax / 127.0 * 0.5;
+        }
+      }
+      const double tolerance = bound * 1.001 + magnitude * (std::is_same_v<T, float> ? 1e-5 : 8e-3) + 1e-6;
+      const double got = load_scalar(y[i * n + j]);
+      if (!(std::abs(got - ref) <= tolerance)) {
+        std::fprintf(stderr, "  type %d m=%zu n=%zu k=%zu threads %d: y[%zu,%zu] = %g, expected %g +- %g\n",
+                     static_cast<int>(type), m, n, k, threads, i, j, got, ref, tolerance);
+        CHECK(false);
+        return y;
+      }
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+TEST(half_to_float_exact) {
+  CHECK(half_to_float(0x3C00) == 1.0F);
+  CHECK(half_to_float(0xC000) == -2.0F);
+  CHECK(half_to_float(0x0001) == std::ldexp(1.0F, -24));
+  CHECK(half_to_float(0x8000) == 0.0F && std::signbit(half_to_float(0x8000)));
+  CHECK(std::isinf(half_to_float(0x7C00)));
+  CHECK(std::isnan(half_to_float(0x7E00)));
+  CHECK(half_to_float(0x7BFF) == 65504.0F);
+}
+
+TEST(every_type_against_the_dequantized_product) {
+  const QuantPath paths[] = {QuantPath::kPortable, QuantPath::kFastest};
+  if (!has_avx2_quant()) std::fprintf(stderr, "  (no AVX2 here: the fastest path is the portable one)\n");
+  for (const QuantType type : kTypes) {
+    for (const QuantPath path : paths) {
+      for (const std::size_t m : {1, 2, 3, 5, 64}) {
+        check_type<float>(type, m, 37, 96, path, 1, m % 2 == 1, m == 3);
+      }
+      check_type<float>(type, 4, 33, 256, path, 3, true, true);
+      check_type<bf16_bits>(type, 5, 19, 64, path, 2, true, true);
+    }
+  }
+}
+
+TEST(avx2_matches_portable_for_every_tile_and_thread_split) {
+  if (!has_avx2_quant()) {
+    std::fprintf(stderr, "  skipped: this CPU has no AVX2 (the portable path is tested above)\n");
+    return;
+  }
+  for (const QuantType type : kTypes) {
+    for (const std::size_t m : {1, 2, 3, 4, 5, 7, 64}) {
+      for (const int threads : {1, 2, 4}) {
+        const std::size_t n = 35;
+        const auto fast = check_type<float>(type, m, n, 160, QuantPath::kFastest, threads, true, false);
+        const auto slow = check_type<float>(type, m, n, 160, QuantPath::kPortable, 1, true, false);
+        for (std::size_t e = 0; e < fast.size(); ++e) {
+          // Same integer sums and scales; only the order of the float32 additions differs.
+          if (!(std::abs(fast[e] - slow[e]) <= 1e-4F * (1.0F + std::abs(slow[e])))) {
+            std::fprintf(stderr, "  type %d m=%zu threads %d: %g vs %g at %zu\n", static_cast<int>(type), m, threads,
+                         fast[e], slow[e], e);
+            CHECK(false);
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(bad_sizes_are_refused) {
+  std::vector<float> x(40), x32(32), y(1);
+  std::vector<uint8_t> w(34);
+  CHECK_THROWS(std::invalid_argument, linear_quant_f32({1, 1, 40}, QuantType::kQ8_0, x, w, {}, y));  // k % 32
+  CHECK_THROWS(std::invalid_argument, linear_quant_f32({1, 1, 32}, QuantType::kQ4_0, x32, w, {}, y));  // 18 bytes
+  CHECK_THROWS(std::invalid_argument, linear_quant_f32({1, 1, 32}, static_cast<QuantType>(9), x32, w, {}, y));
+}
+
+TEST_MAIN()

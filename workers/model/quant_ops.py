@@ -1,0 +1,195 @@
+"""Linear layers whose weights stay in GGUF's quantized blocks on the CPU (`--quantization gguf`).
+
+A `QuantizedWeight` holds a weight matrix as rows of 32-value blocks, and `linear` multiplies by it with
+`ringserve._kernels.linear_quant` (csrc/kernels/cpu_quant.h): each input row is quantized per 32 values to int8 and
+meets the weight blocks in integer dot products (AVX2 where the CPU has it, else portable loops). Q8_0, Q4_0 and Q4_1
+keep the file's own bytes; Q4_K and Q6_K super-blocks are repacked once at load, without loss, into 32-value blocks
+with float32 scales (`repack`). The GGUF loader builds these instead of dequantizing (`--quantization`), and
+`QuantizedLinear` (a cpu_ops.Linear without a float weight) computes with them; fast_paths fuses q/k/v and gate/up
+of one block type into one QuantizedWeight as it fuses float weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from ringserve.workers.model import cpu_ops
+from torch import nn
+
+_MODULE = cpu_ops._MODULE
+# The kernel's block formats (kernels/cpu_quant.h QuantType) and the GGUF type each comes from.
+Q8_0, Q4_0, Q4_1, Q4_1F, Q8_2F = range(5)
+BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q4_1F: 24, Q8_2F: 40}
+_FROM_GGUF = {GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q4_0: Q4_0, GGMLQuantizationType.Q4_1: Q4_1,
+              GGMLQuantizationType.Q4_K: Q4_1F, GGMLQuantizationType.Q6_K: Q8_2F}  # fmt: skip
+QUANTIZED_GGUF_TYPES = tuple(_FROM_GGUF)
+
+
+def available() -> bool:
+    """True when the kernel module is built and has its AVX2 path here (the portable loops alone are a reference,
+    several times slower than PyTorch's float path)."""
+    return _MODULE is not None and bool(_MODULE.has_avx2_quant())
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """`data`: uint8 [rows, blocks * BLOCK_BYTES[kind]], row-major; the matrix is [rows, cols] with cols = 32 blocks."""
+
+    kind: int
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def slice_rows(self, index: slice) -> QuantizedWeight:
+        return QuantizedWeight(self.kind, self.data[index].contiguous(), self.cols)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        if len({(p.kind, p.cols) for p in parts}) != 1:
+            raise ValueError("only weights of one block type and width can be fused")
+        return QuantizedWeight(parts[0].kind, torch.cat([p.data for p in parts]).contiguous(), parts[0].cols)
+
+
+def can_quantize(gguf_type: GGMLQuantizationType, cols: int) -> bool:
+    return gguf_type in _FROM_GGUF and cols % 32 == 0
+
+
+def from_gguf(data: np.ndarray, gguf_type: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
+    """The kernel's blocks for a GGUF tensor's raw bytes `data` [rows, row_bytes] (uint8)."""
+    kind = _FROM_GGUF[gguf_type]
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1)
+    if kind == Q4_1F:
+        raw = repack_q4_k(raw)
+    elif kind == Q8_2F:
+        raw = repack_q6_k(raw)
+    if raw.shape[1] != cols // 32 * BLOCK_BYTES[kind]:
+        raise ValueError(f"{gguf_type.name} tensor of {cols} columns holds {raw.shape[1]} bytes per row")
+    return QuantizedWeight(kind, torch.from_numpy(raw.copy() if not raw.flags.writeable else raw), cols)
+
+
+def _halves(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def repack_q4_k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks (d, dmin: f16; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles) as Q4_1F blocks:
+    sub-block j's values are d * sc_j * q - dmin * m_j, with both products exact in float32."""
+    rows = raw.shape[0]
+    sb = raw.reshape(rows, -1, 144)
+    d, dmin = _halves(sb[..., 0:2]), _halves(sb[..., 2:4])  # [rows, supers, 1]
+    s = sb[..., 4:16].astype(np.uint8)
+    sc = np.empty((*s.shape[:2], 8), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    qs = sb[..., 16:].reshape(rows, -1, 4, 32)  # 64-value chunks: low nibbles first 32 values, high the next 32
+    q = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(rows, -1, 8, 32)  # [rows, supers, sub-block, value]
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    scale = (d * sc.astype(np.float32)).astype(np.float32)
+    offset = (-(dmin * mn.astype(np.float32))).astype(np.float32)
+    out = np.concatenate([scale[..., None].view(np.uint8), offset[..., None].view(np.uint8), packed.astype(np.uint8)],
+                         axis=-1)  # fmt: skip
+    return np.ascontiguousarray(out.reshape(rows, -1))
+
+
+def repack_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks (128 bytes low nibbles, 64 bytes high bit pairs, 16 int8 scales, f16 d) as Q8_2F blocks:
+    value e is d * sc[e // 16] * (q_e - 32), the two scales of a 32-value block in float32 (exact)."""
+    rows = raw.shape[0]
+    sb = raw.reshape(rows, -1, 210)
+    ql = sb[..., 0:128].reshape(rows, -1, 2, 64)
+    qh = sb[..., 128:192].reshape(rows, -1, 2, 32)
+    sc = sb[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = _halves(sb[..., 208:210])
+    low = np.concatenate([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    high = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)
+    q = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32  # [rows, supers, 2, 128]
+    q = q.reshape(rows, -1, 8, 32).astype(np.int8)
+    scales = (d * sc).astype(np.float32).reshape(rows, -1, 8, 2)
+    out = np.concatenate([scales.view(np.uint8).reshape(rows, -1, 8, 8), q.view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(out.reshape(rows, -1))
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    force_portable: bool = False,
+) -> torch.Tensor:
+    """cpu_ops.linear for a float weight; for a QuantizedWeight, x @ W^T (+ bias) (+ residual) by the native kernel
+    (x float32 or bfloat16 on the CPU; the output has x's dtype)."""
+    if not isinstance(weight, QuantizedWeight):
+        return cpu_ops.linear(x, weight, bias, residual)
+    if _MODULE is None:
+        raise RuntimeError("quantized weights need the native kernels (ringserve._kernels is not built)")
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantized linear: input must be float32 or bfloat16 on the CPU (got {x.dtype}, {x.device})")
+    if x.shape[-1] != weight.cols:
+        raise ValueError(f"quantized linear: input has {x.shape[-1]} features, the weight {weight.cols}")
+    n, k = weight.rows, weight.cols
+    rows = x.numel() // max(k, 1)
+    x2 = x.reshape(rows, k).contiguous()
+    extras: dict[str, Any] = {}
+    for name, t, shape in (("bias", bias, (n,)), ("residual", residual, (*x.shape[:-1], n))):
+        if t is not None:
+            if t.dtype is not x.dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"quantized linear: {name} must be {x.dtype} of shape {tuple(shape)}")
+            extras[name] = t.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype)
+    if rows:
+        _MODULE.linear_quant(
+            x.dtype is torch.bfloat16, weight.kind, x2.data_ptr(), weight.data.data_ptr(), weight.data.numel(),
+            extras["bias"].data_ptr() if "bias" in extras else 0, out.data_ptr(), rows, n, k,
+            force_portable=force_portable, threads=torch.get_num_threads(),
+            residual=extras["residual"].data_ptr() if "residual" in extras else 0,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+class QuantizedLinear(cpu_ops.Linear):
+    """A Linear whose weight is a QuantizedWeight (`qweight`); it has no float `weight` parameter (its bias stays)."""
+
+    qweight: QuantizedWeight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.qweight, self.bias, residual)
+
+
+def become_quantized(module: nn.Linear, weight: QuantizedWeight) -> None:
+    """Turns a loaded nn.Linear into a QuantizedLinear over `weight`, dropping its float weight."""
+    if type(module) is not nn.Linear or weight.shape != tuple(module.weight.shape):
+        raise ValueError(f"cannot quantize {type(module).__name__} of shape {tuple(module.weight.shape)} with blocks "
+                         f"of shape {weight.shape}")  # fmt: skip
+    del module.weight
+    module.__class__ = QuantizedLinear
+    module.qweight = weight
+
+
+def quantization_enabled(setting: str, device: torch.device | str, world_size: int) -> bool:
+    """`--quantization` for one model load: gguf keeps blocks (refused where the kernel cannot run), auto does where
+    the AVX2 kernel runs on the CPU with one worker (no tensor or pipeline parallelism), none never does."""
+    if setting == "none":
+        return False
+    cpu = torch.device(device).type == "cpu"
+    if setting == "gguf":
+        if not cpu or world_size > 1 or _MODULE is None:
+            raise ValueError("--quantization gguf needs the CPU device, one worker (--tensor-parallel-size and "
+                             "--pipeline-parallel-size 1) and the built native kernels")  # fmt: skip
+        return True
+    if setting != "auto":
+        raise ValueError(f"--quantization {setting!r}: expected one of auto, none, gguf")
+    return cpu and world_size == 1 and available()
