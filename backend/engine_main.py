@@ -16,11 +16,15 @@ import subprocess
 import sys
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ringserve import _core
 from ringserve.backend.process import die_with_parent, stop_child, worker_environment
 from ringserve.formats.engine_args import EngineArgs, started_process_engine_args
 from ringserve.formats.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
+
+if TYPE_CHECKING:
+    from ringserve.backend.ray_executor import RayExecutor
 
 log = logging.getLogger("ringserve.engine")
 
@@ -45,7 +49,7 @@ def worker_command(engine: EngineArgs, rank: int, step_ring: str, result_ring: s
 
 
 def worker_env(master_port: int) -> dict[str, str]:
-    """torch.distributed rendezvous of the tensor-parallel ranks, on loopback (all ranks share this host)."""
+    """torch.distributed rendezvous of the worker ranks (TP x PP), on loopback (all ranks share this host)."""
     return {**worker_environment(dict(os.environ)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
 
 
@@ -83,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parent_pid = os.getppid()
 
-    step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, engine_args.tensor_parallel_size)
+    # Every rank of every pipeline stage reads each step (workers/pipeline.py RankLayout numbers them).
+    # --distributed-executor ray places the ranks first: the step ring has a reader per rank on this node and one per
+    # other node (that node's relay).
+    executor = start_ray_executor(engine_args) if engine_args.distributed_executor == "ray" else None
+    readers = executor.step_readers if executor is not None else engine_args.world_size
+    step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, readers)
     result_ring = _core.ShmRing.create(new_segment_name("res"), RESULT_RING_BYTES, 1)
     workers: list[subprocess.Popen[bytes]] = []
     engine: _core.Engine | None = None
@@ -97,14 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        env = worker_env(free_port())
-        for rank in range(engine_args.tensor_parallel_size):
-            command = worker_command(engine_args, rank, step_ring.name, result_ring.name)
-            workers.append(subprocess.Popen(command, env=env))
+        if executor is not None:
+            pids = executor.start(step_ring.name, result_ring.name)
+        else:
+            env = worker_env(free_port())
+            for rank in range(engine_args.world_size):
+                command = worker_command(engine_args, rank, step_ring.name, result_ring.name)
+                workers.append(subprocess.Popen(command, env=env))
+            pids = [w.pid for w in workers]
         engine = _core.Engine(
-            engine_config(engine_args), args.request_ring, args.event_ring, step_ring.name, result_ring.name,
-            [w.pid for w in workers],
-        )  # fmt: skip
+            engine_config(engine_args), args.request_ring, args.event_ring, step_ring.name, result_ring.name, pids
+        )
 
         def run_loop() -> None:
             try:
@@ -125,10 +137,19 @@ def main(argv: list[str] | None = None) -> int:
             code = stop_child(w, timeout_s=10.0)
             if code not in (0, -signal.SIGTERM):
                 log.warning("worker pid %d exited with %d", w.pid, code)
+        if executor is not None:
+            executor.stop()
         step_ring.unlink()  # the loop removed the names once the workers attached; this covers a failed start
         result_ring.unlink()
         if os.getppid() != parent_pid:  # the frontend died (we got its death signal): clean up after it
             leave_nothing_behind(engine_args)
+
+
+def start_ray_executor(engine_args: EngineArgs) -> RayExecutor:
+    """Joins the Ray cluster and places the ranks (Ray is imported only with --distributed-executor ray)."""
+    from ringserve.backend.ray_executor import RayExecutor
+
+    return RayExecutor(engine_args)
 
 
 def leave_nothing_behind(engine_args: EngineArgs) -> None:

@@ -31,12 +31,13 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 }
 
 
-def write_tokenizer(folder: Path) -> int:
-    """The embedded model's tokenizer as tokenizer.json + tokenizer_config.json; returns its vocabulary size."""
+def write_tokenizer(folder: Path, gguf: Path | None = None) -> int:
+    """The tokenizer of a GGUF file (default: the embedded model's) as tokenizer.json + tokenizer_config.json;
+    returns its vocabulary size."""
     from ringserve.frontend.model_source import embedded_model_path
     from ringserve.frontend.text.tokenizer import tokenizer_from_gguf
 
-    tokenizer = tokenizer_from_gguf(embedded_model_path())
+    tokenizer = tokenizer_from_gguf(gguf or embedded_model_path())
     tokenizer.backend.save(str(folder / "tokenizer.json"))
     config = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "unk_token": tokenizer.unk_token,
               "pad_token": tokenizer.pad_token, "chat_template": tokenizer.chat_template_source}  # fmt: skip

@@ -16,6 +16,9 @@ other error, and any status other than INVALID_ARGUMENT for a malformed request,
     python benchmarks/soak.py --duration 1800 --chaos
     python benchmarks/soak.py --quick --chaos       # two to three minutes, server start included
 
+Ctrl-C (or SIGTERM) stops the traffic early: the requests in flight finish and the report comes as usual, with
+"interrupted": true; a second one cancels them. The server is stopped either way.
+
 The last line of output is one JSON object: requests, requests_completed, outcomes, errors_by_status,
 unexpected_errors (and a few unexpected_samples), kills, restarts (ringserve_engine_restarts_total),
 mean_time_to_serving_s, frontend_rss_mib / engine_rss_mib / workers_rss_mib (at the start of the measured part, after
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -237,9 +241,33 @@ async def one_request(stub: pb_grpc.GenerationStub, plan: Plan, record: Record) 
         record.unexpected.append(f"{plan.kind}: the stream ended without a final message")
 
 
+class Deadline:
+    """When the traffic stops: after the duration, or at once on the first SIGINT/SIGTERM (in-flight requests finish
+    and the report is printed as usual; a second signal cancels everything, the server is stopped all the same)."""
+
+    def __init__(self, duration_s: float) -> None:
+        self.at = time.monotonic() + duration_s
+        self.stopped = asyncio.Event()
+
+    def passed(self) -> bool:
+        return self.stopped.is_set() or time.monotonic() >= self.at
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleeps `seconds`, or less when the traffic is stopped meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopped.wait(), seconds)
+
+    def on_signal(self, main: asyncio.Task[Any]) -> None:
+        if self.stopped.is_set():
+            main.cancel()
+            return
+        progress("stopping: the requests in flight finish, then the report (signal again to cancel them)")
+        self.stopped.set()
+
+
 async def client(stub: pb_grpc.GenerationStub, info: pb.ModelInfo, rng: random.Random, record: Record,
-                 stop_at: float) -> None:
-    while time.monotonic() < stop_at:
+                 deadline: Deadline) -> None:
+    while not deadline.passed():
         killed = record.outcomes["killed"]
         await one_request(stub, draw_plan(rng, info), record)
         if record.outcomes["killed"] > killed:  # the model is restarting: a client would back off too
@@ -318,10 +346,11 @@ async def health_latency(channel: grpc.aio.Channel) -> tuple[int, float]:
     return status, time.monotonic() - start
 
 
-async def watch(server: LiveServer, channel: grpc.aio.Channel, record: Record, stop_at: float, every_s: float) -> None:
+async def watch(server: LiveServer, channel: grpc.aio.Channel, record: Record, deadline: Deadline,
+                every_s: float) -> None:
     """Samples the processes every `every_s` and health every second (its latency is part of the report)."""
     next_sample = 0.0
-    while time.monotonic() < stop_at:
+    while not deadline.passed():
         status, latency = await health_latency(channel)
         record.health_latency_max_s = max(record.health_latency_max_s, latency)
         record.pids.update(p.pid for p in await asyncio.to_thread(tree, server))  # whose segments to look for
@@ -330,15 +359,15 @@ async def watch(server: LiveServer, channel: grpc.aio.Channel, record: Record, s
             shot["serving"] = status == SERVING  # a replica that is loading is not measured
             record.samples.append(shot)
             next_sample = time.monotonic() + every_s
-        await asyncio.sleep(1.0)
+        await deadline.sleep(1.0)
 
 
-async def chaos(server: LiveServer, channel: grpc.aio.Channel, rng: random.Random, record: Record, stop_at: float,
+async def chaos(server: LiveServer, channel: grpc.aio.Channel, rng: random.Random, record: Record, deadline: Deadline,
                 interval_s: tuple[float, float]) -> None:
     """Kill a worker or the engine after a random while of serving; time the way back to SERVING."""
     while True:
-        await asyncio.sleep(rng.uniform(*interval_s))
-        if time.monotonic() >= stop_at:
+        await deadline.sleep(rng.uniform(*interval_s))
+        if deadline.passed():
             return
         victims = [p for p in tree(server) if role_of(p) in ("engine", "worker")]
         role = rng.choice(("engine", "worker"))
@@ -435,13 +464,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             progress(f"serving {info.model}; {args.duration:.0f} s of traffic from {args.concurrency} clients"
                      f"{', with chaos' if args.chaos else ''}")
             started = time.monotonic()
-            stop_at = started + args.duration
-            tasks = [asyncio.create_task(client(stub, info, random.Random(rng.getrandbits(64)), record, stop_at))
+            deadline = Deadline(args.duration)
+            main = asyncio.current_task()
+            assert main is not None
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(signum, deadline.on_signal, main)
+            tasks = [asyncio.create_task(client(stub, info, random.Random(rng.getrandbits(64)), record, deadline))
                      for _ in range(args.concurrency)]
-            tasks.append(asyncio.create_task(watch(server, channel, record, stop_at, args.sample_every)))
+            tasks.append(asyncio.create_task(watch(server, channel, record, deadline, args.sample_every)))
             if args.chaos:
                 tasks.append(asyncio.create_task(
-                    chaos(server, channel, random.Random(rng.getrandbits(64)), record, stop_at,
+                    chaos(server, channel, random.Random(rng.getrandbits(64)), record, deadline,
                           (args.kill_after_min, args.kill_after_max))))
             await asyncio.gather(*tasks)
             elapsed = time.monotonic() - started
@@ -458,6 +491,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     leaked_blocks = stats.total_kv_blocks - stats.free_kv_blocks
     result: dict[str, Any] = {
         "duration_s": round(elapsed, 1),
+        "interrupted": deadline.stopped.is_set(),
         "chaos": args.chaos,
         "concurrency": args.concurrency,
         "requests": record.finished,

@@ -21,6 +21,7 @@ from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.kv_pull import compute_prompt_kv, run_kv_pulls
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.fast_paths import apply_fast_paths
+from ringserve.workers.pipeline import SampledTokens, split_micro_batches
 from ringserve.workers.sampler import Sampler
 from ringserve.workers.speculative import Proposer
 from ringserve.workers.speculative.execution import SpeculativeStep
@@ -110,8 +111,12 @@ class ModelRunner:
         kv_connector: Any = None,
         cuda_graphs: GraphMode = "auto",
         max_graph_batch: int = 256,
+        sampled_tokens: SampledTokens | None = None,  # a pipeline stage's: the model is its layers only
     ) -> None:
         apply_fast_paths(model)  # inference only from here on: fused projections, native CPU kernels, huge pages
+        self.pipeline = sampled_tokens
+        if sampled_tokens is not None:
+            model.native_decode = False  # type: ignore[attr-defined]  # a stage's ends send and receive
         self.model = model
         self.config = model.config  # with tensor parallelism: this rank's shard (its KV heads size the cache)
         self.device = torch.device(device)
@@ -156,7 +161,7 @@ class ModelRunner:
             raise ValueError(f"cuda_graphs={requested!r}: must be one of {', '.join(GRAPH_MODES)}")
         if requested == "off":
             return "off"
-        hooks = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
+        hooks = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules()) or self.pipeline is not None
         experts = self.config.num_experts > 0
         eligible = backend.name == "triton_paged" and not hooks and kv_cache is None and not experts
         if requested == "static":
@@ -196,6 +201,8 @@ class ModelRunner:
         starts = np.asarray(plan.sched_start, np.int64).reshape(-1)
         lens = np.asarray(plan.sched_len, np.int64).reshape(-1)
         sample = np.asarray(plan.sched_sample, np.bool_).reshape(-1)
+        if self.pipeline is not None:
+            return self._execute_stage(self.pipeline, plan.step_id, slots, starts, lens, sample)
         graphs = self.graphs
         if graphs is not None and self.proposer is None and len(slots) <= graphs.max_batch and (lens == 1).all():
             with torch.inference_mode():
@@ -214,6 +221,32 @@ class ModelRunner:
         if not len(sampled_slots):
             return StepOutput.empty(plan.step_id)
         return self._sample(plan.step_id, logits, sampled_slots)
+
+    def _execute_stage(
+        self, pipeline: SampledTokens, step_id: int, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+        sample: np.ndarray,
+    ) -> StepOutput:
+        """A pipeline stage's part of a step, in micro-batches: while the next stage computes one, this stage
+        computes the next. The last stage samples every row at once (as one rank would) and shares the tokens; an
+        earlier stage appends them to its batch and reports nothing (the result rank does)."""
+        last = pipeline.stage.is_last
+        logits = []
+        for part in split_micro_batches(lens, pipeline.stage.num_stages):
+            step = self.batch.prepare(slots[part], starts[part], lens[part], sample[part])
+            with torch.inference_mode(), attention_metadata_scope(step.metadata):
+                if last:
+                    logits.append(self.model(step.input_ids, step.positions, float_logits=False))
+                else:
+                    self.model.model(step.input_ids, step.positions)  # the hidden states go to the next stage
+        sampled_slots = slots[sample]
+        if not len(sampled_slots):
+            return StepOutput.empty(step_id)
+        if not last:
+            self.batch.append_sampled(sampled_slots, pipeline.share(np.zeros(len(sampled_slots), np.int64)))
+            return StepOutput.empty(step_id)
+        out = self._sample(step_id, torch.cat(logits), sampled_slots)
+        pipeline.share(out.token_ids)
+        return out
 
     def _sample(self, step_id: int, logits: torch.Tensor, sampled_slots: np.ndarray) -> StepOutput:
         """One token for each sampled slot (row i of the logits is sampled_slots[i]'s), appended to its tokens."""

@@ -4,7 +4,8 @@ Each rank builds the model with a *local* config (its share of heads, KV heads, 
 only its slice of every checkpoint tensor (`TensorParallelShard.slice`), then `apply_tensor_parallel` adds the
 collectives: an all-reduce after the row-parallel O and down projections, a masked lookup plus all-reduce for the
 vocab-parallel embedding, and an all-gather of the vocab-parallel LM head's logits so every rank samples the same
-full logits (identical seeds make every rank's sampler draw the same tokens).
+full logits (identical seeds make every rank's sampler draw the same tokens). With pipeline stages
+(workers/pipeline.py) these collectives run within the stage's tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.cpu_ops import linear
 from ringserve.workers.model.llama import SparseMoeBlock
+from ringserve.workers.pipeline import RankLayout
 from torch import nn
 
 # Parameter-name suffix -> dim split across ranks (0: output rows, column-parallel; 1: input columns, row-parallel).
@@ -146,7 +148,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=_groups.tensor_parallel)
         return out
 
 
@@ -162,12 +164,12 @@ class VocabParallelHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = linear(hidden, self.weight).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)
+        dist.all_gather(parts, local, group=_groups.tensor_parallel)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
 def _all_reduce_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(output)
+    dist.all_reduce(output, group=_groups.tensor_parallel)
     return output
 
 
@@ -182,17 +184,35 @@ def apply_tensor_parallel(model: LlamaForCausalLM, shard: TensorParallelShard) -
         # same weighted experts: one all-reduce of the block's output, not one per expert.
         moe = isinstance(layer.mlp, SparseMoeBlock)
         (layer.mlp if moe else layer.mlp.down_proj).register_forward_hook(_all_reduce_output)
-    embed = model.model.embed_tokens.weight
-    head = model.lm_head.weight
-    model.model.embed_tokens = VocabParallelEmbedding(embed, shard.vocab_start)  # type: ignore[assignment]
-    model.lm_head = VocabParallelHead(head, shard.full.vocab_size, shard.world_size)  # type: ignore[assignment]
+    # A pipeline stage holds the embedding (first) or the head (last) only where it uses them.
+    if isinstance(model.model.embed_tokens, nn.Embedding):
+        embed = model.model.embed_tokens.weight
+        model.model.embed_tokens = VocabParallelEmbedding(embed, shard.vocab_start)  # type: ignore[assignment]
+    if isinstance(model.lm_head, nn.Linear):
+        head = model.lm_head.weight
+        model.lm_head = VocabParallelHead(head, shard.full.vocab_size, shard.world_size)  # type: ignore[assignment]
     return model
 
 
-def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s: float = 600.0) -> None:
-    """Joins the process group from MASTER_ADDR/MASTER_PORT (set by the engine): NCCL on CUDA, gloo on CPU."""
+@dataclass
+class ProcessGroups:
+    """This rank's groups; None = the default group (every rank), which is what they are without pipeline stages."""
+
+    tensor_parallel: dist.ProcessGroup | None = None
+    pipeline: dist.ProcessGroup | None = None
+
+
+_groups = ProcessGroups()  # set once by init_distributed; the collectives above read it
+
+
+def init_distributed(
+    rank: int, world_size: int, device: torch.device, timeout_s: float = 600.0, pipeline_parallel_size: int = 1
+) -> ProcessGroups:
+    """Joins the process group from MASTER_ADDR/MASTER_PORT (set by the engine): NCCL on CUDA, gloo on CPU. With
+    pipeline stages, also this rank's tensor-parallel group (its stage) and pipeline group (its TP part across the
+    stages), laid out by `RankLayout`."""
     if world_size == 1 or dist.is_initialized():
-        return
+        return _groups
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise RuntimeError(f"{key} is not set; the engine sets it when it starts tensor-parallel workers")
@@ -201,3 +221,16 @@ def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )  # fmt: skip
+    if pipeline_parallel_size > 1:
+        layout = RankLayout(world_size // pipeline_parallel_size, pipeline_parallel_size)
+        tp_rank, pp_rank = layout.coords(rank)
+        # Every rank creates every group, in the same order (new_group is collective over the default group).
+        for p in range(layout.pipeline_parallel_size):
+            group = dist.new_group(layout.tensor_parallel_group(p))
+            if p == pp_rank:
+                _groups.tensor_parallel = group
+        for t in range(layout.tensor_parallel_size):
+            group = dist.new_group(layout.pipeline_group(t))
+            if t == tp_rank:
+                _groups.pipeline = group
+    return _groups

@@ -1,7 +1,8 @@
 """Worker process entry point: `python -m ringserve.workers.worker_main --rank R --step-ring ... --engine-args JSON`.
 
-Reads StepPlans from the step ring, runs them on the persistent batch, and (rank 0) writes StepResults to the
-result ring. Records are the typed binary layouts of `ringserve._core`; nothing here is pickled.
+Reads StepPlans from the step ring, runs them on the persistent batch, and (one rank: tensor-parallel rank 0 of the
+last pipeline stage) writes StepResults to the result ring. Records are the typed binary layouts of
+`ringserve._core`; nothing here is pickled.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ringserve.formats.engine_args import EngineArgs, default_worker_threads, st
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects
 from ringserve.workers.parallel import init_distributed
+from ringserve.workers.pipeline import RankLayout, SampledTokens
 from ringserve.workers.speculative import make_proposer
 
 _READ_TIMEOUT_S = 0.5  # how often an idle worker checks that its parent is alive
@@ -31,20 +33,22 @@ _MAX_FAILURE_MESSAGE = 4000  # keep WorkerFailed well under any ring's max_recor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """This worker's rank and rings, and the engine's EngineArgs (`args.engine`; its tensor-parallel size is the
-    world size)."""
+    """This worker's rank and rings, and the engine's EngineArgs (`args.engine`; TP x PP ranks make the world)."""
     p = argparse.ArgumentParser(prog="python -m ringserve.workers.worker_main", description=__doc__)
-    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    p.add_argument("--rank", type=int, default=0, help="rank of this worker (workers/pipeline.py RankLayout)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
     p.add_argument("--step-ring", required=True, help="shared-memory name of the step ring (engine -> workers)")
-    p.add_argument("--result-ring", required=True, help="shared-memory name of the result ring (rank 0 -> engine)")
+    p.add_argument("--step-reader", type=int, default=None,
+                   help="this worker's reader slot of the step ring (default: its rank)")  # fmt: skip
+    p.add_argument("--result-ring", required=True, help="shared-memory name of the result ring (result rank -> engine)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the engine) is gone")
     p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
     p.add_argument("--engine-args", required=True, help="the EngineArgs JSON (ringserve/formats/engine_args.py)")
     args = p.parse_args(argv)
     args.engine = started_process_engine_args(p, args.engine_args)
-    if not 0 <= args.rank < args.engine.tensor_parallel_size:
-        p.error(f"--rank {args.rank} is outside [0, --tensor-parallel-size {args.engine.tensor_parallel_size})")
+    if not 0 <= args.rank < args.engine.world_size:
+        p.error(f"--rank {args.rank} is outside [0, {args.engine.world_size}) (--tensor-parallel-size "
+                f"{args.engine.tensor_parallel_size} x --pipeline-parallel-size {args.engine.pipeline_parallel_size})")
     return args
 
 
@@ -88,10 +92,10 @@ def worker_device(name: str, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def serve_steps(
-    core: ModuleType, reader: Any, writer: Any, runner: Any, rank: int, keep_running: Callable[[], bool]
-) -> int:
-    """The step loop; returns the exit code. Raises on a failed step (the caller reports WorkerFailed)."""
+def serve_steps(core: ModuleType, reader: Any, writer: Any, runner: Any, keep_running: Callable[[], bool]) -> int:
+    """The step loop; returns the exit code. Raises on a failed step (the caller reports WorkerFailed). Only the
+    result rank has a writer: every rank of the last stage sampled the same tokens (same logits, same seeds), and
+    the earlier stages sampled none."""
     kv_pull = getattr(core, "KvPull", ())  # () matches nothing: a core (or test double) without disaggregation
     while True:
         record = reader.read(_READ_TIMEOUT_S)
@@ -106,7 +110,7 @@ def serve_steps(
             runner.kv_pulls.append(command)
             continue
         out = runner.execute(command)
-        if rank == 0:  # every rank sampled the same tokens (same logits, same seeds); one answer is enough
+        if writer is not None:
             if not write_until_accepted(writer, encode_result(core, out), keep_running):
                 return 1
 
@@ -146,7 +150,10 @@ def make_kv_connector(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine: EngineArgs = args.engine
-    world_size = engine.tensor_parallel_size
+    layout = RankLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size)
+    world_size, tp_size = layout.world_size, layout.tensor_parallel_size
+    tp_rank, _ = layout.coords(args.rank)
+    stage = layout.stage(args.rank) if layout.pipeline_parallel_size > 1 else None
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s")  # fmt: skip
@@ -154,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ringserve import _core as core  # built from csrc/; imported here so the rest of workers/ needs no build
 
-    # The result ring has one writer: rank 0. Other ranks report failure by exiting (the engine watches every pid,
-    # and rank 0's next collective fails too).
-    writer = core.RingWriter(core.ShmRing.attach(args.result_ring)) if args.rank == 0 else None
-    reader = core.RingReader(core.ShmRing.attach(args.step_ring), args.rank)
+    # The result ring has one writer: the result rank. Other ranks report failure by exiting (the engine watches
+    # every pid, and the result rank's next collective or receive fails too).
+    writer = core.RingWriter(core.ShmRing.attach(args.result_ring)) if args.rank == layout.result_rank else None
+    slot = args.rank if args.step_reader is None else args.step_reader
+    reader = core.RingReader(core.ShmRing.attach(args.step_ring), slot)
 
     def keep_running() -> bool:
         return parent_alive(args.parent_pid)
@@ -167,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         threads = engine.worker_threads or default_worker_threads(len(os.sched_getaffinity(0)), world_size)
         torch.set_num_threads(threads)
         device = worker_device(args.device, args.rank)
-        init_distributed(args.rank, world_size, device)
+        groups = init_distributed(args.rank, world_size, device, pipeline_parallel_size=layout.pipeline_parallel_size)
         dtype = parse_dtype(engine.dtype)
-        model = load_model(engine.model_path, dtype, device, args.rank, world_size)
+        model = load_model(engine.model_path, dtype, device, tp_rank, tp_size, stage)
         kv_dtype = None if engine.kv_cache_dtype == "auto" else parse_dtype(engine.kv_cache_dtype)
-        kv_cache, connector = make_kv_connector(engine, args.rank, model, kv_dtype, device)
+        kv_cache, connector = make_kv_connector(engine, args.rank, model, kv_dtype, device)  # refused with stages
         runner = ModelRunner(
             model,
             block_size=engine.block_size,
@@ -185,13 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             kv_connector=connector,
             cuda_graphs=engine.cuda_graphs,
             max_graph_batch=engine.max_num_seqs,  # graphs only as large as a step can be
+            sampled_tokens=None if stage is None else SampledTokens(stage, groups.pipeline, device),
         )
         speculation = engine.num_speculative_tokens > 0  # the engine then plans lookahead
         if speculation:
             runner.proposer = make_proposer(
                 engine.draft, runner.model, runner.num_kv_blocks, engine.block_size,
                 torch.Generator(device).manual_seed(args.seed + 1), engine.prompt_lookup_min, engine.prompt_lookup_max,
-                load_draft=lambda path: load_model(path, dtype, device, args.rank, world_size),
+                load_draft=lambda path: load_model(path, dtype, device, tp_rank, tp_size),  # refused with stages
                 tree=engine.draft_tree(),
             )  # fmt: skip
         print(
@@ -199,17 +208,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{device}, {runner.num_kv_blocks} KV blocks of {engine.block_size}, {threads} threads, "
             f"attention {engine.attention_backend}"
             + (f", CUDA graphs for batches up to {runner.graphs.max_batch}" if runner.graphs is not None else "")
+            + (f", stage {stage.index} of {stage.num_stages} ({runner.config.num_layers} layers)" if stage else "")
             + (f", speculation {engine.draft}" if speculation else "")
             + (f" tree {engine.spec_tree}" if speculation and engine.spec_tree else ""),
             file=sys.stderr,
             flush=True,
         )
         freeze_long_lived_objects()
+        num_kv_blocks = runner.num_kv_blocks
         if world_size > 1:
-            torch.distributed.barrier()  # the engine waits for one WorkerReady: it must mean every rank loaded
+            # The engine waits for one WorkerReady: it must mean every rank loaded, and its block count must fit
+            # every rank (stages with fewer layers fit more blocks in the same memory).
+            blocks = torch.tensor([num_kv_blocks], device=device)
+            torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
+            num_kv_blocks = int(blocks.item())
         if writer is not None:
-            write_until_accepted(writer, core.encode_worker_ready(args.rank, runner.num_kv_blocks), keep_running)
-        return serve_steps(core, reader, writer, runner, args.rank, keep_running)
+            write_until_accepted(writer, core.encode_worker_ready(args.rank, num_kv_blocks), keep_running)
+        return serve_steps(core, reader, writer, runner, keep_running)
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         if writer is not None:

@@ -30,9 +30,9 @@ class RequestTimeline:
     """
 
     __slots__ = (
-        "api", "chat", "completion_tokens", "emit_ns", "end_ns", "engine_arrival_ns", "error", "error_code",
-        "finish_reason", "first_scheduled_ns", "first_token_ns", "kv_pull_blocks", "kv_pulled_ns", "model",
-        "num_cached_tokens", "num_preemptions", "params", "parent_headers", "prefill_chunks", "prompt_tokens",
+        "api", "chat", "completion_tokens", "emit_ns", "end_ns", "engine_arrival_ns", "error_code", "error_message",
+        "error_type", "finish_reason", "first_scheduled_ns", "first_token_ns", "kv_pull_blocks", "kv_pulled_ns",
+        "model", "num_cached_tokens", "num_preemptions", "params", "parent_headers", "prefill_chunks", "prompt_tokens",
         "receive_ns", "request_id", "rpc_method", "rpc_start_ns", "send_ns", "spec_steps", "token_ids",
         "tokenize_end_ns",
     )  # fmt: skip
@@ -67,8 +67,11 @@ class RequestTimeline:
         # (emit time, draft tokens verified, accepted) per step that verified drafts for this request.
         self.spec_steps: list[tuple[int, int, int]] = []
         self.finish_reason = ""
-        self.error: BaseException | None = None
+        # The failure as text: holding the exception would keep its traceback's frames (and what they reference)
+        # alive until the cycle collector runs.
         self.error_code: grpc.StatusCode | None = None
+        self.error_type = ""
+        self.error_message = ""
         self.end_ns = 0
 
     def on_output(self, output: Any) -> None:
@@ -118,7 +121,8 @@ class RequestTimeline:
     def fail(self, code: grpc.StatusCode, error: BaseException) -> None:
         if self.error_code is None:
             self.error_code = code
-            self.error = error
+            self.error_type = type(error).__name__
+            self.error_message = str(error)
 
     def finish(self) -> None:
         self.end_ns = time.time_ns()

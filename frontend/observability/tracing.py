@@ -213,7 +213,9 @@ class RequestTracer:
         code = t.error_code or grpc.StatusCode.OK
         attributes["rpc.grpc.status_code"] = code.value[0]
         server.set_attributes(attributes)
-        if t.error is not None and code is not grpc.StatusCode.CANCELLED:
-            server.record_exception(t.error, timestamp=t.end_ns)
-            server.set_status(Status(StatusCode.ERROR, f"{code.name}: {t.error}"))
+        if t.error_code is not None and code is not grpc.StatusCode.CANCELLED:
+            # The exception event of OpenTelemetry's semantic conventions, from the text the timeline kept.
+            event = {"exception.type": t.error_type, "exception.message": t.error_message, "exception.escaped": "False"}
+            server.add_event("exception", event, timestamp=t.end_ns)
+            server.set_status(Status(StatusCode.ERROR, f"{code.name}: {t.error_message}"))
         server.end(t.end_ns)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,15 +26,20 @@ from ringserve.formats.spec_tree import DraftTree
 DEFAULT_MAX_STEP_SLOWDOWN = 2.0
 MAX_SPECULATIVE_TOKENS = 8
 DTYPES = ("float32", "bfloat16", "float16")
+DISTRIBUTED_EXECUTORS = ("mp", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
+# Local worker processes (TP x PP) of one engine: each reads the step ring, which takes at most this many readers
+# (kMaxRingReaders in csrc/ringserve/shm_ring.h, exported as _core.MAX_RING_READERS; a test keeps them equal).
+MAX_LOCAL_WORKERS = 8
 # CPUs that --worker-threads 0 leaves to the frontend and the engine loop (both wake every step): a worker thread
 # sharing its core with them is descheduled in the middle of a step's kernels, and the step waits for it.
 CPUS_LEFT_TO_FRONTEND_AND_ENGINE = 1
 
 
 def default_worker_threads(usable_cpus: int, world_size: int) -> int:
-    """--worker-threads 0: the usable CPUs less CPUS_LEFT_TO_FRONTEND_AND_ENGINE, divided among the tensor-parallel
-    ranks, at least one each (so one thread on a 2-core machine, three on four)."""
+    """--worker-threads 0: the usable CPUs less CPUS_LEFT_TO_FRONTEND_AND_ENGINE, divided among the worker
+    processes (ranks), at least one each (so one thread on a 2-core machine, three on four)."""
     return max(1, (usable_cpus - CPUS_LEFT_TO_FRONTEND_AND_ENGINE) // max(world_size, 1))
 
 
@@ -51,6 +57,9 @@ class EngineArgs:
         "auto", "weights and activations dtype (default %(default)s = bfloat16 where the CPU has AVX512-BF16 or an "
         "NVIDIA GPU is present, else float32)", choices=("auto", *DTYPES))  # fmt: skip
     tensor_parallel_size: int = _setting(1, "worker processes the model is split across (default %(default)s)")
+    pipeline_parallel_size: int = _setting(
+        1, "pipeline stages the model's layers are split into, each stage holding its layers' weights and KV cache "
+        "on --tensor-parallel-size workers of its own (default %(default)s)")  # fmt: skip
     max_num_seqs: int = _setting(256, "most sequences running in one step (default %(default)s)")
     max_num_batched_tokens: int = _setting(2048, "token budget of one engine step (default %(default)s)")
     max_model_len: int = _setting(0, "context length limit (default: the model's)")
@@ -105,6 +114,16 @@ class EngineArgs:
         "auto", "KV transfer backend between prefill and decode servers: shm (same host), nixl (NIXL over UCX: RDMA, "
         "TCP), none; auto = shm for --role prefill/decode, none for both",
         choices=("auto", "none", "shm", "nixl"))  # fmt: skip
+    distributed_executor: str = _setting(
+        "mp", "how worker ranks are started: mp = processes on this host; ray = Ray actors placed on the nodes of a "
+        "running Ray cluster (docs/distributed.md; pip install 'ringserve[ray]')",
+        choices=DISTRIBUTED_EXECUTORS)  # fmt: skip
+    ray_address: str = _setting(
+        "", "--distributed-executor ray: the Ray cluster to join (default: $RAY_ADDRESS, else the cluster running "
+        "on this host)")  # fmt: skip
+    placement_strategy: str = _setting(
+        "PACK", "--distributed-executor ray: Ray placement group strategy of the ranks' bundles (default "
+        "%(default)s; SPREAD / STRICT_SPREAD put ranks on different nodes)", choices=PLACEMENT_STRATEGIES)  # fmt: skip
     eos_token_ids: tuple[int, ...] = _setting((), "the tokenizer's end-of-sequence ids", flag=False)
     model_id: str = _setting("", "the model identity the KV handshake of disaggregation compares", flag=False)
     kv_info_dir: str = _setting("", "where the workers write their KV peer infos (rank<r>.bin)", flag=False)
@@ -119,6 +138,16 @@ class EngineArgs:
                 return f"{_flag(f.name)} {getattr(self, f.name)!r}: expected one of {', '.join(choices)}"
         if self.tensor_parallel_size < 1:
             return f"--tensor-parallel-size must be at least 1 (got {self.tensor_parallel_size})"
+        if self.pipeline_parallel_size < 1:
+            return f"--pipeline-parallel-size must be at least 1 (got {self.pipeline_parallel_size})"
+        if self.world_size > MAX_LOCAL_WORKERS:
+            return (f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                    f"{self.pipeline_parallel_size} = {self.world_size} worker processes; one engine starts at most "
+                    f"{MAX_LOCAL_WORKERS}")  # fmt: skip
+        if self.pipeline_parallel_size > 1 and self.num_speculative_tokens > 0:
+            return "--pipeline-parallel-size > 1 does not support speculative decoding (--num-speculative-tokens 0)"
+        if self.pipeline_parallel_size > 1 and self.kv_transfer in ("shm", "nixl"):
+            return "--pipeline-parallel-size > 1 does not support --kv-transfer (disaggregated prefill and decode)"
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 return f"{_flag(name)} must be at least 1 (got {getattr(self, name)})"
@@ -148,11 +177,25 @@ class EngineArgs:
                 return f"--max-step-slowdown must be 0 (off) or >= 1, or auto (got {self.max_step_slowdown})"
         if self.priority_aging_ms < 0:
             return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {self.priority_aging_ms})"
+        if self.distributed_executor == "ray" and importlib.util.find_spec("ray") is None:
+            return "--distributed-executor ray needs Ray, which is not installed here: pip install 'ringserve[ray]'"
         if self.worker_threads < 0:
             return f"--worker-threads must be >= 0 (0 = automatic; got {self.worker_threads})"
         if self.max_model_len < 0 or self.num_kv_blocks < 0 or self.kv_cache_memory_gib <= 0:
             return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
         return None
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes of the engine: --tensor-parallel-size ranks in each of --pipeline-parallel-size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def result_rank(self) -> int:
+        """The one rank that writes step results: tensor-parallel rank 0 of the last stage (rank r is tensor part
+        r % TP of stage r // TP; workers/pipeline.py RankLayout lays the ranks out, test_pipeline_stages keeps the two
+        equal)."""
+        return self.tensor_parallel_size * (self.pipeline_parallel_size - 1)
 
     def draft_tree(self) -> DraftTree | None:
         """The --spec-tree shape at depth --num-speculative-tokens, or None for one chain."""

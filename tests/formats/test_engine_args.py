@@ -76,6 +76,11 @@ def test_json_that_does_not_fit_is_refused_naming_the_key(text: str, message: st
     ({"max_step_slowdown": "fast"}, "--max-step-slowdown must be 0 (off) or >= 1"),
     ({"attention_backend": "flash"}, "--attention-backend 'flash': expected one of auto, torch_sdpa, triton_paged"),
     ({"kv_cache_memory_gib": 0.0}, "--kv-cache-memory-gib > 0"),
+    ({"pipeline_parallel_size": 0}, "--pipeline-parallel-size must be at least 1"),
+    ({"tensor_parallel_size": 3, "pipeline_parallel_size": 3},
+     "--tensor-parallel-size 3 x --pipeline-parallel-size 3 = 9 worker processes; one engine starts at most 8"),
+    ({"pipeline_parallel_size": 2, "num_speculative_tokens": 2}, "--pipeline-parallel-size > 1 does not support spec"),
+    ({"pipeline_parallel_size": 2, "kv_transfer": "shm"}, "--pipeline-parallel-size > 1 does not support --kv-trans"),
 ])  # fmt: skip
 def test_a_setting_that_cannot_work_is_refused_naming_its_flag(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError) as error:
@@ -101,3 +106,15 @@ def test_default_worker_threads_leave_one_cpu_to_the_frontend_and_engine() -> No
     assert [default_worker_threads(cpus, 1) for cpus in (1, 2, 3, 4, 16)] == [1, 1, 2, 3, 15]
     assert default_worker_threads(8, 2) == 3  # (8 - 1) // 2 per rank
     assert default_worker_threads(2, 4) == 1  # never below one per rank
+
+
+def test_the_ray_executor_is_refused_where_ray_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ValueError, match=r"--distributed-executor ray needs Ray.*pip install 'ringserve\[ray\]'"):
+        EngineArgs(distributed_executor="ray")
+    assert EngineArgs(distributed_executor="mp").distributed_executor == "mp"
+    with pytest.raises(ValueError, match="--placement-strategy 'BOTH'"):
+        EngineArgs(placement_strategy="BOTH")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from ringserve.frontend.api.server import build_server
 from ringserve.frontend.engine_client import EngineUnavailableError
+from ringserve.frontend.observability.timeline import RequestTimeline
 from ringserve.frontend.observability.tracing import RequestTracer, TracingSettings, make_exporter, span_limits
 from ringserve.frontend.text.tokenizer import ModelTokenizer
 from ringserve.v1 import generation_pb2 as pb
@@ -188,6 +191,28 @@ async def test_an_engine_failure_is_an_error_span(tiny_tokenizer: ModelTokenizer
     finally:
         await t.harness.channel.close()
         await t.harness.server.stop(grace=None)
+
+
+def test_a_failed_timeline_keeps_the_errors_text_not_the_exception_and_its_frames() -> None:
+    class Refusal(ValueError):  # a Python subclass: built-in exceptions take no weak references
+        pass
+
+    timeline = RequestTimeline(MODEL)
+
+    def refuse() -> weakref.ref[Refusal]:
+        try:
+            raise Refusal("top_p must be in (0, 1]")
+        except Refusal as error:
+            timeline.fail(grpc.StatusCode.INVALID_ARGUMENT, error)
+            return weakref.ref(error)
+
+    gc.disable()  # without the cycle collector, only plain reference counting may free it
+    try:
+        error = refuse()
+        assert error() is None
+    finally:
+        gc.enable()
+    assert (timeline.error_type, timeline.error_message) == ("Refusal", "top_p must be in (0, 1]")
 
 
 def test_span_limits_fit_one_event_per_token_of_the_longest_generation() -> None:

@@ -13,14 +13,17 @@ from ringserve.workers.model.registry import ARCHITECTURES
 from ringserve.workers.model.rope import rope_frequencies
 from ringserve.workers.model_runner import ModelRunner
 from transformers import LlamaConfig as HfLlamaConfig
+from transformers import Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from workers_testkit import hf_greedy, save_tiny_hf_model, serve_in_process
 
 BLOCK = 4
-# One variant per kind of difference from llama: dense with RoPE scaling, bias, q/k norm, fused checkpoint
-# tensors, sliding windows (every layer, and mixed with global layers), experts with and without a shared one.
-ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "mistral_sliding_window",
-                         "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")  # fmt: skip
+# One variant per kind of difference from llama: dense with RoPE scaling (YaRN, LongRoPE), bias, q/k norm, fused
+# checkpoint tensors, sliding windows (every layer, and mixed with global layers), experts with and without a shared
+# one.
+ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "phi3_longrope",
+                         "mistral_sliding_window", "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe",
+                         "gemma2", "gemma3")  # fmt: skip
 # transformers 5.x's generate() with yarn RoPE departs from its own whole-sequence forward (prompt [250, 1, 2], token
 # 17: 137 where the forward's argmax is 2, by a logit margin of 0.07); the dense variant is compared with the forward.
 WHOLE_FORWARD_REFERENCE = {"llama_yarn"}
@@ -100,9 +103,27 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path: Path) -> 
 
 def test_an_unsupported_rope_scaling_is_refused(tmp_path: Path) -> None:
     save_tiny_hf_model("phi3", tmp_path)
-    write_config(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0]})
-    with pytest.raises(ValueError, match=r"rope scaling 'longrope' is not supported \(supported: default, linear"):
+    write_config(tmp_path, rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    with pytest.raises(ValueError, match=r"rope scaling 'mrope' is not supported \(supported: default, linear"):
         load_hf_model(tmp_path, torch.float32)
+
+
+@pytest.mark.parametrize("max_position", [4096, 131072])
+def test_longrope_takes_the_factor_set_of_the_served_context_as_transformers_does_past_it(max_position: int) -> None:
+    # Short factors while the context is the original one; past it the long ones, which transformers takes (for every
+    # position) once a sequence is longer than the original context.
+    short, long = [1.0 + i / 10 for i in range(32)], [1.0 + i for i in range(32)]
+    scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+               "original_max_position_embeddings": 4096}  # fmt: skip
+    hf = Phi3Config(hidden_size=512, num_attention_heads=8, max_position_embeddings=max_position,
+                    rope_scaling={**scaling, "rope_theta": 10000.0})  # fmt: skip
+    want, want_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=max_position)
+    got, factor = rope_frequencies(64, 10000.0, scaling, max_position)
+    torch.testing.assert_close(got, want.float(), atol=0, rtol=1e-6)
+    assert factor == pytest.approx(want_factor)
+    assert (factor == 1.0) == (max_position == 4096)
+    with pytest.raises(ValueError, match="longrope: 32 rescale factors for head_dim 128"):
+        rope_frequencies(128, 10000.0, scaling, max_position)
 
 
 def test_the_registry_names_each_architecture_once() -> None:

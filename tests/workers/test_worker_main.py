@@ -37,6 +37,12 @@ def test_rank_outside_the_world_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(worker_flags(replace(RESOLVED, tensor_parallel_size=2), "--rank", "2"))
     assert "--rank 2" in capsys.readouterr().err
+    stages = replace(RESOLVED, tensor_parallel_size=2, pipeline_parallel_size=2)  # ranks 0..3
+    assert parse_args(worker_flags(stages, "--rank", "3")).rank == 3
+    with pytest.raises(SystemExit):
+        parse_args(worker_flags(stages, "--rank", "4"))
+    message = "--rank 4 is outside [0, 4) (--tensor-parallel-size 2 x --pipeline-parallel-size 2)"
+    assert message in capsys.readouterr().err
 
 
 def test_settings_the_frontend_leaves_to_resolve_are_refused(capsys):
@@ -108,7 +114,7 @@ def test_step_loop_answers_each_plan_and_exits_cleanly_on_shutdown(tiny_folder):
         ]
     )
     writer = FakeWriter(full_times=2)  # a full result ring is waited out, not dropped
-    assert serve_steps(FAKE_CORE, reader, writer, runner, rank=0, keep_running=lambda: True) == 0
+    assert serve_steps(FAKE_CORE, reader, writer, runner, keep_running=lambda: True) == 0
     assert [(r[0], r[1]) for r in writer.records] == [(0, [1]), (1, [1])]
     assert runner.tokens_of(1)[3:] == [writer.records[0][2][0], writer.records[1][2][0]]
     assert all(isinstance(r[3], np.ndarray) and r[3].dtype == np.float32 for r in writer.records)
@@ -116,14 +122,14 @@ def test_step_loop_answers_each_plan_and_exits_cleanly_on_shutdown(tiny_folder):
 
 def test_step_loop_exits_when_the_parent_is_gone(tiny_folder):
     runner = ModelRunner(load_hf_model(tiny_folder, torch.float32), block_size=4, num_kv_blocks=8)
-    assert serve_steps(FAKE_CORE, FakeReader([]), FakeWriter(), runner, rank=0, keep_running=lambda: False) == 1
+    assert serve_steps(FAKE_CORE, FakeReader([]), FakeWriter(), runner, keep_running=lambda: False) == 1
 
 
 def test_a_bad_plan_raises_for_the_caller_to_report(tiny_folder):
     runner = ModelRunner(load_hf_model(tiny_folder, torch.float32), block_size=4, num_kv_blocks=8)
     reader = FakeReader([plan(0, [(3, 0, 1, True)])])  # slot 3 was never added
     with pytest.raises(ValueError, match="slot 3"):
-        serve_steps(FAKE_CORE, reader, FakeWriter(), runner, rank=0, keep_running=lambda: True)
+        serve_steps(FAKE_CORE, reader, FakeWriter(), runner, keep_running=lambda: True)
 
 
 def test_worker_process_attaches_to_real_rings_and_announces_ready(tiny_folder):

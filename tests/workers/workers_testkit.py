@@ -98,6 +98,11 @@ VARIANTS = {
         **TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 0 global, layer 1 local
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16)),
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**TINY, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+    # LongRoPE with an original context of 2, so every test sequence is past it (the long factors, all positions).
+    "phi3_longrope": lambda: Phi3ForCausalLM(Phi3Config(
+        **TINY, pad_token_id=0, eos_token_id=2, bos_token_id=1, original_max_position_embeddings=2,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                      "long_factor": [1.0, 1.4, 2.2, 3.5, 5.0, 7.5, 11.0, 16.0]})),
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
         **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,

@@ -23,6 +23,7 @@ from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.gemma import GemmaConfig, GemmaForCausalLM
 from ringserve.workers.model.registry import Architecture, gguf_architecture
 from ringserve.workers.parallel import TensorParallelShard
+from ringserve.workers.pipeline import PipelineStage
 from tqdm import tqdm
 
 # Storage types gguf's `dequantize` reads: float, the legacy block types and the k-quants.
@@ -128,16 +129,17 @@ def load_gguf_model(
     device: torch.device | str = "cpu",
     rank: int = 0,
     world_size: int = 1,
+    stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     """Quantized blocks span whole rows, so each tensor is dequantized whole and then sliced to this rank's part."""
     path = str(path)
     reader = GGUFFile(path)
     arch, config = read_gguf_config(reader, path)
     shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
-    model = build_empty_model(config, dtype, device, shard, arch.model_class)
+    model = build_empty_model(config, dtype, device, shard, arch.model_class, stage)
     names = expand_names(config, "gguf")
     gemma = isinstance(config, GemmaConfig)
-    sink = WeightSink(model, shard)
+    sink = WeightSink(model, shard, stage, config)
     for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor", file=sys.stderr):
         if tensor.name in _IGNORED_TENSORS:
             factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
@@ -146,6 +148,8 @@ def load_gguf_model(
         ours = names.get(tensor.name)
         if ours is None:
             raise KeyError(f"unexpected tensor {tensor.name!r} in {path}; it maps to no {arch.name} parameter")
+        if sink.elsewhere(ours):
+            continue  # another pipeline stage's tensor: never dequantized here
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first; torch's is reverse
         data = tensor.data
         # Quantized blocks run along a row, so a rank that needs whole rows (column-parallel, vocab, KV heads)

@@ -12,6 +12,7 @@ from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.registry import Architecture, hf_architecture
 from ringserve.workers.parallel import TensorParallelShard
+from ringserve.workers.pipeline import PipelineStage
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -69,14 +70,15 @@ def load_hf_model(
     device: torch.device | str = "cpu",
     rank: int = 0,
     world_size: int = 1,
+    stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     """The model, or with world_size > 1 rank `rank`'s tensor-parallel shard of it (reading only that part)."""
     folder = Path(folder)
     arch, config = read_hf_config(folder)
     shard = TensorParallelShard(rank, world_size, config) if world_size > 1 else None
-    model = build_empty_model(config, dtype, device, shard, arch.model_class)
+    model = build_empty_model(config, dtype, device, shard, arch.model_class, stage)
     names = expand_names(config, "hf")
-    sink = WeightSink(model, shard)
+    sink = WeightSink(model, shard, stage, config)
     files = safetensors_files(folder)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]  # memory-mapped
     total = sum(len(h.keys()) for h in handles)
@@ -88,6 +90,8 @@ def load_hf_model(
                     continue
                 renamed = our_name(key, arch)
                 parts = fused_parts(renamed, config, arch.fused)
+                if parts and sink.elsewhere(parts[0][0]):
+                    continue
                 if parts:
                     full = handle.get_tensor(key)
                     for (ours, _), tensor in zip(parts, full.split([rows for _, rows in parts]), strict=True):
@@ -96,6 +100,8 @@ def load_hf_model(
                 ours = names.get(renamed)
                 if ours is None:
                     raise KeyError(f"unexpected tensor {key!r} in {folder}; it maps to no {arch.name} parameter")
+                if sink.elsewhere(ours):
+                    continue  # another pipeline stage's tensor: never read here
                 if not sink.wants(ours) and ours == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied checkpoints sometimes save the head anyway; the embedding wins
                 if shard is None:

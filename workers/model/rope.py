@@ -1,7 +1,7 @@
 """RoPE frequencies with a checkpoint's context-extension scaling, computed in float32 as transformers computes them.
 
 `rope_frequencies(head_dim, theta, scaling, max_position)` returns the inverse frequencies [head_dim / 2] and the
-factor the cos/sin tables are multiplied by (YaRN's attention factor; 1.0 for every other kind).
+factor the cos/sin tables are multiplied by (YaRN's and LongRoPE's attention factor; 1.0 for every other kind).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_frequencies(
@@ -31,6 +31,8 @@ def rope_frequencies(
         return _llama3(inv_freq, scaling), 1.0  # type: ignore[arg-type]
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_position)  # type: ignore[arg-type]
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling, max_position)  # type: ignore[arg-type]
     raise ValueError(f"unsupported rope scaling {kind!r} (supported: {', '.join(ROPE_SCALING_TYPES)})")
 
 
@@ -79,3 +81,23 @@ def _yarn(head_dim: int, theta: float, scaling: dict[str, Any], max_position: in
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
     return interpolated * (1 - keep) + extrapolated * keep, float(attention_factor)
+
+
+def _longrope(head_dim: int, theta: float, scaling: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (arXiv 2402.13753; Phi-3, Phi-3.5, Phi-4-mini): each frequency divided by its own factor, from the
+    `long_factor` list when the served context exceeds the original one, else `short_factor`; cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original context)).
+
+    The set is chosen once for the model from its context length, not per step from the longest sequence in the batch
+    as transformers does: a key's rotation then never changes after its KV entry is written, and a request's output
+    does not depend on what it is batched with. Up to the original context this equals transformers exactly."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    chosen = scaling["long_factor"] if max_position > original else scaling["short_factor"]
+    if len(chosen) != head_dim // 2:
+        raise ValueError(f"longrope: {len(chosen)} rescale factors for head_dim {head_dim} (need {head_dim // 2})")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(chosen, dtype=torch.float32) * theta**exponents), float(attention_factor)

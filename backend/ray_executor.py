@@ -1,0 +1,206 @@
+"""`--distributed-executor ray`: the engine's worker ranks as Ray actors on the nodes of a running Ray cluster.
+
+The engine joins the cluster (`--ray-address`, else $RAY_ADDRESS, else the cluster on this host), reserves a
+placement group of one bundle per rank (a GPU and a CPU where the cluster has GPUs, else a CPU) and starts, in each
+bundle, a `RankHost` actor that runs the rank as the same worker command the local executor starts
+(`python -m ringserve.workers.worker_main`), as its child. Ranks on the engine's node read the engine's step ring
+directly. Each other node gets one `NodeRelay` actor with that node's own rings and one TCP stream to an engine-side
+relay process (backend/step_relay.py), which carries the ring records unchanged. Ray's calls carry only strings and
+integers. torch.distributed rendezvouses at rank 0's node address and a port free there. Details:
+docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringserve.backend.process import stop_child, worker_environment
+from ringserve.backend.step_relay import TOKEN_BYTES, TOKEN_ENV, NodeRelay
+from ringserve.formats.engine_args import EngineArgs
+
+log = logging.getLogger("ringserve.ray_executor")
+
+PLACEMENT_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0
+# What a rank's worker takes from the engine's environment (the rest is the Ray worker's own, e.g. the
+# CUDA_VISIBLE_DEVICES Ray set for its bundle).
+_PASSED_ENV = ("RINGSERVE_", "GLIBC_TUNABLES", "GLOO_", "NCCL_", "TORCH_")
+
+
+class RankHost:
+    """A Ray actor in one rank's bundle: starts that rank's worker process and reports its pid."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address as Ray knows it, and a TCP port free on it (for rank 0: the rendezvous)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return str(ray.util.get_node_ip_address()), int(s.getsockname()[1])
+
+    def start(self, worker_args: list[str], env: dict[str, str]) -> int:
+        command = [
+            sys.executable,
+            "-m",
+            "ringserve.workers.worker_main",
+            *worker_args,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        self.proc = subprocess.Popen(command, env={**os.environ, **env})
+        return self.proc.pid
+
+    def stop(self, timeout_s: float) -> int | None:
+        """Wait for the worker to exit (it was sent WorkerShutdown), then escalate to signals."""
+        return None if self.proc is None else stop_child(self.proc, timeout_s)
+
+
+class NodeRelayActor:
+    """A Ray actor on a node without the engine: that node's rings and the far end of its TCP stream."""
+
+    def __init__(self, num_local_ranks: int, holds_rank0: bool, token_hex: str) -> None:
+        self.relay = NodeRelay(num_local_ranks, holds_rank0, token_hex)
+
+    def open(self) -> tuple[str, int, str, str]:
+        import ray
+
+        return (str(ray.util.get_node_ip_address()), self.relay.port, *self.relay.ring_names())
+
+    def watch(self, pids: list[int]) -> None:
+        self.relay.watch(pids)
+
+    def close(self) -> None:
+        self.relay.close()
+
+
+@dataclass
+class RemoteNode:
+    node_id: str
+    ranks: list[int]
+    step_reader: int  # the engine-side relay's slot in the engine's step ring
+    token_hex: str = field(default_factory=lambda: secrets.token_hex(TOKEN_BYTES))
+    actor: Any = None
+    address: str = ""  # the node relay's listening end
+    port: int = 0
+    relay: subprocess.Popen[bytes] | None = None
+
+
+class RayExecutor:
+    """The placement of one engine's ranks; `start` starts them, `stop` releases everything it reserved."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group, placement_group_table
+        except ImportError:
+            raise RuntimeError("--distributed-executor ray needs Ray: pip install 'ringserve[ray]'") from None
+        self.ray, self.args = ray, args
+        address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=address, configure_logging=False)  # rank output reaches the engine's log
+        except ConnectionError as exc:
+            raise RuntimeError(f"--distributed-executor ray: no Ray cluster at {address}: {exc}") from None
+        self.world = args.world_size
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self.bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
+        self.pg = placement_group([dict(self.bundle) for _ in range(self.world)], strategy=args.placement_strategy)
+        self.hosts: list[Any] = []
+        self.remote: list[RemoteNode] = []
+        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            self.stop()
+            raise RuntimeError(
+                f"--distributed-executor ray: the cluster at {address} could not place {self.world} bundle(s) of "
+                f"{self.bundle} with --placement-strategy {args.placement_strategy} within {PLACEMENT_TIMEOUT_S:.0f} s "
+                f"(available: {ray.available_resources()})"
+            )
+        bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        self.rank_nodes = [str(bundle_nodes[r]) for r in range(self.world)]
+        self.engine_node = ray.get_runtime_context().get_node_id()
+        self.local_ranks = [r for r in range(self.world) if self.rank_nodes[r] == self.engine_node]
+        for node in dict.fromkeys(n for n in self.rank_nodes if n != self.engine_node):
+            ranks = [r for r in range(self.world) if self.rank_nodes[r] == node]
+            self.remote.append(RemoteNode(node, ranks, len(self.local_ranks) + len(self.remote)))
+
+    @property
+    def step_readers(self) -> int:
+        """Readers of the engine's step ring: one per local rank, one per remote node's relay."""
+        return len(self.local_ranks) + len(self.remote)
+
+    def _in_bundle(self, actor_class: type, rank: int, **resources: float) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+        return self.ray.remote(actor_class).options(scheduling_strategy=strategy, **resources)
+
+    def start(self, step_ring: str, result_ring: str) -> list[int]:
+        """Start every rank; returns, per rank, the pid the engine watches on this host: the worker's for a local
+        rank, the engine-side relay's for a rank on another node."""
+        ray = self.ray
+        gpu = {"num_gpus": 1.0} if "GPU" in self.bundle else {}
+        self.hosts = [self._in_bundle(RankHost, r, num_cpus=1.0, **gpu).remote() for r in range(self.world)]
+        master_addr, master_port = ray.get(self.hosts[0].address.remote(), timeout=START_TIMEOUT_S)
+        rings = {r: (step_ring, self.local_ranks.index(r), result_ring) for r in self.local_ranks}
+        for node in self.remote:
+            node.actor = self._in_bundle(NodeRelayActor, node.ranks[0], num_cpus=0.0).remote(
+                len(node.ranks), self.args.result_rank in node.ranks, node.token_hex
+            )
+            node.address, node.port, node_step, node_result = ray.get(node.actor.open.remote(), timeout=START_TIMEOUT_S)
+            rings.update({r: (node_step, i, node_result) for i, r in enumerate(node.ranks)})
+        env = {k: v for k, v in worker_environment(dict(os.environ)).items() if k.startswith(_PASSED_ENV)}
+        env |= {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+        starts = []
+        for rank, host in enumerate(self.hosts):
+            step, reader, result = rings[rank]
+            worker_args = ["--rank", str(rank), "--step-ring", step, "--step-reader", str(reader),
+                           "--result-ring", result, "--engine-args", self.args.to_json()]  # fmt: skip
+            starts.append(host.start.remote(worker_args, env))
+        worker_pids = ray.get(starts, timeout=START_TIMEOUT_S)
+        pids = list(worker_pids)
+        for node in self.remote:
+            ray.get(node.actor.watch.remote([worker_pids[r] for r in node.ranks]), timeout=START_TIMEOUT_S)
+            node.relay = self._start_relay(node, step_ring, result_ring)
+            for r in node.ranks:
+                pids[r] = node.relay.pid
+        return pids
+
+    def _start_relay(self, node: RemoteNode, step_ring: str, result_ring: str) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "ringserve.backend.step_relay", "--connect", f"{node.address}:{node.port}",
+                   "--step-ring", step_ring, "--step-reader", str(node.step_reader),
+                   "--result-ring", result_ring if self.args.result_rank in node.ranks else ""]  # fmt: skip
+        return subprocess.Popen(command, env={**worker_environment(dict(os.environ)), TOKEN_ENV: node.token_hex})
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """After WorkerShutdown (or a failure): wait for the ranks, end the relays, kill the actors and remove the
+        placement group. Safe to call more than once."""
+        ray = self.ray
+        if not ray.is_initialized():
+            return
+        try:
+            if self.hosts:
+                ray.get([h.stop.remote(timeout_s) for h in self.hosts], timeout=3 * timeout_s)
+        except Exception as exc:  # a dead actor or node: its worker died with it
+            log.warning("stopping the Ray ranks: %s", exc)
+        for node in self.remote:
+            if node.relay is not None:
+                stop_child(node.relay, timeout_s)
+            if node.actor is not None:
+                try:
+                    ray.get(node.actor.close.remote(), timeout=timeout_s)
+                except Exception as exc:
+                    log.warning("closing the relay of node %s: %s", node.node_id, exc)
+        for actor in [*self.hosts, *(n.actor for n in self.remote if n.actor is not None)]:
+            ray.kill(actor)
+        self.hosts, self.remote = [], []
+        ray.util.remove_placement_group(self.pg)
+        ray.shutdown()

@@ -1,0 +1,148 @@
+"""Multi-node serving figures on one machine (docs/distributed.md).
+
+- `step_transport_us`: a decode step's StepPlan (one entry per running request) from the engine's step ring to a
+  remote node's step ring through the TCP step relay of `--distributed-executor ray` (the engine-side relay process,
+  loopback TCP, the node relay), one record at a time: median and p99 in microseconds, next to the same record's trip
+  through one shared-memory ring (`step_shm_us`, the local ranks' path) measured in the same run.
+- `tp1_tok_s`: greedy decode tokens per second of one stream on the embedded model, one rank (`ringserve serve`,
+  --worker-threads 1): the baseline a pipeline-parallel figure is compared with.
+- `tp3_tok_s`, `tp3_ray_tok_s` (with `--ray-address`, a cluster of at least two nodes, else null): the same with
+  three ranks as local processes, then as Ray actors spread over the nodes (`--placement-strategy SPREAD`), so
+  the ranks off the engine's node get every step through the relay.
+- `pp2_tok_s`: the same with two pipeline stages (--pipeline-parallel-size 2): local processes, or with
+  `--ray-address` one stage per node (`--placement-strategy STRICT_SPREAD`), so the second stage gets every step
+  through the relay (`pp2_ray_tok_s`; `pp2_tok_s` is then the local one).
+
+    python benchmarks/multinode.py [--quick] [--ray-address HOST:PORT]
+
+Last line: one JSON object with those keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from live_server import live_server
+from ringserve import _core
+from ringserve.backend.step_relay import TOKEN_BYTES, TOKEN_ENV, NodeRelay
+from ringserve.formats.segments import new_segment_name
+from ringserve.v1 import generation_pb2 as pb
+from ringserve.v1 import generation_pb2_grpc as pb_grpc
+
+
+def decode_plan(step_id: int, batch: int) -> bytes:
+    slots = np.arange(batch, dtype=np.int32)
+    return _core.encode_record(_core.StepPlan(
+        step_id=step_id, sched_slots=slots, sched_start=slots + 100, sched_len=np.ones(batch, np.int32),
+        sched_sample=np.ones(batch, bool), sched_lookahead=np.zeros(batch, np.int32)))  # fmt: skip
+
+
+def percentiles(values_us: list[float]) -> dict[str, float]:
+    ordered = sorted(values_us)
+    return {"median": round(statistics.median(ordered), 1), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 1)}
+
+
+def trips(writer: _core.RingWriter, reader: _core.RingReader, records: list[bytes]) -> list[float]:
+    """Microseconds from each write to its read at the far end, one record in flight at a time."""
+    out = []
+    for record in records:
+        start = time.perf_counter_ns()
+        assert writer.write(record, 5.0)
+        got = reader.read(5.0)
+        out.append((time.perf_counter_ns() - start) / 1e3)
+        assert got is not None and bytes(got) == record
+    return out
+
+
+def step_transport(count: int, batch: int) -> dict[str, object]:
+    records = [decode_plan(i, batch) for i in range(count)]
+    local = _core.ShmRing.create(new_segment_name("step"), 1 << 24, 1)
+    try:
+        shm = trips(_core.RingWriter(local), _core.RingReader(local, 0), records)
+    finally:
+        local.unlink()
+    step = _core.ShmRing.create(new_segment_name("step"), 1 << 24, 1)
+    token = secrets.token_hex(TOKEN_BYTES)
+    node = NodeRelay(1, False, token)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # the node's stand-in rank
+    node.watch([rank.pid])
+    relay = subprocess.Popen([sys.executable, "-m", "ringserve.backend.step_relay", "--connect",
+                              f"127.0.0.1:{node.port}", "--step-ring", step.name, "--step-reader", "0"],
+                             env={**os.environ, TOKEN_ENV: token})  # fmt: skip
+    try:
+        node_reader = _core.RingReader(node.step_ring, 0)
+        tcp = trips(_core.RingWriter(step), node_reader, records)
+    finally:
+        for proc in (relay, rank):
+            proc.kill()
+            proc.wait()
+        node.close()
+        step.unlink()
+    return {
+        "step_transport_us": percentiles(tcp),
+        "step_shm_us": percentiles(shm),
+        "step_record_bytes": len(records[0]),
+        "transport_over_shm_median": round(statistics.median(tcp) / statistics.median(shm), 1),
+    }
+
+
+def decode_tokens_per_s(tokens: int, *flags: str) -> float:
+    """Greedy decode tokens/s of one stream on the embedded model served with `flags`."""
+    from ringserve.frontend.model_source import embedded_model_path
+
+    with tempfile.TemporaryDirectory() as logs, live_server(embedded_model_path(), Path(logs), "--worker-threads",
+                                                            "1", *flags) as server:  # fmt: skip
+        server.wait_serving(600)
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(
+                text="Once upon a time", sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            )
+            list(stub.Generate(pb.GenerateRequest(text="warm up", sampling=pb.SamplingParams(max_tokens=4)),
+                               timeout=300))  # fmt: skip
+            stream = stub.Generate(request, timeout=600)
+            next(stream)  # from the first token on: decode only
+            start = time.perf_counter()
+            count = sum(len(r.token_ids) for r in stream)
+            return round(count / (time.perf_counter() - start), 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer records and tokens (a smoke run)")
+    p.add_argument("--batch", type=int, default=64, help="requests in the decode step sent (default %(default)s)")
+    p.add_argument("--ray-address", default="", help="also measure TP=3 local and over this Ray cluster's nodes")
+    args = p.parse_args(argv)
+    records, tokens = (300, 32) if args.quick else (3000, 128)
+    result: dict[str, object] = {"quick": args.quick, "load": os.getloadavg()[0], "records": records}
+    result |= step_transport(records, args.batch)
+    result["tp1_tok_s"] = decode_tokens_per_s(tokens)
+    if args.ray_address:  # the embedded model's 9 heads split 3 ways; SPREAD puts the ranks on 2+ nodes
+        os.environ["RAY_ADDRESS"] = args.ray_address
+        tp3 = ("--tensor-parallel-size", "3")
+        result["tp3_tok_s"] = decode_tokens_per_s(tokens, *tp3)
+        result["tp3_ray_tok_s"] = decode_tokens_per_s(tokens, *tp3, "--distributed-executor", "ray",
+                                                      "--placement-strategy", "SPREAD")  # fmt: skip
+    else:
+        result["tp3_tok_s"] = result["tp3_ray_tok_s"] = None
+    pp2 = ("--pipeline-parallel-size", "2")
+    result["pp2_tok_s"] = decode_tokens_per_s(tokens, *pp2)
+    result["pp2_ray_tok_s"] = decode_tokens_per_s(tokens, *pp2, "--distributed-executor", "ray",
+                                                  "--placement-strategy", "STRICT_SPREAD") if args.ray_address else None
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The step relay of `--distributed-executor ray` without Ray: the engine's rings on one side, a node's rings on the
+other, the engine-side relay as a real process and the node side in this process, over loopback TCP."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from ringserve import _core
+from ringserve.backend.step_relay import TOKEN_BYTES, TOKEN_ENV, NodeRelay, recv_frame, send_frame
+from ringserve.formats.segments import new_segment_name
+
+SHM = Path("/dev/shm")
+
+
+def read(reader: _core.RingReader, timeout_s: float = 10.0) -> bytes:
+    record = reader.read(timeout_s)
+    assert record is not None, "nothing arrived within the timeout"
+    return bytes(record)
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def relayed(holds_rank0: bool = True, token: str | None = None) -> Iterator[dict]:
+    """The engine's step ring (slot 0: a local rank, slot 1: the relay) and result ring, a node relay watching a
+    stand-in rank process, and the engine-side relay process connected to it."""
+    step = _core.ShmRing.create(new_segment_name("step"), 1 << 20, 2)
+    result = _core.ShmRing.create(new_segment_name("res"), 1 << 16, 1)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    node_token = secrets.token_hex(TOKEN_BYTES)
+    node = NodeRelay(1, holds_rank0, node_token)
+    node.watch([rank.pid], accept_timeout_s=30.0)
+    command = [
+        sys.executable,
+        "-m",
+        "ringserve.backend.step_relay",
+        "--connect",
+        f"127.0.0.1:{node.port}",
+        "--step-ring",
+        step.name,
+        "--step-reader",
+        "1",
+        "--result-ring",
+        result.name if holds_rank0 else "",
+    ]
+    relay = subprocess.Popen(command, env={**os.environ, TOKEN_ENV: token or node_token})
+    try:
+        yield {"step": step, "result": result, "node": node, "rank": rank, "relay": relay}
+    finally:
+        for proc in (relay, rank):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        node.close()
+        step.unlink()
+        result.unlink()
+
+
+def plan(step_id: int) -> bytes:
+    return _core.encode_record(_core.StepPlan(step_id=step_id))
+
+
+def test_records_cross_unchanged_both_ways_and_a_shutdown_ends_the_relay_cleanly() -> None:
+    with relayed() as r:
+        node: NodeRelay = r["node"]
+        engine_writer, node_reader = _core.RingWriter(r["step"]), _core.RingReader(node.step_ring, 0)
+        local_reader = _core.RingReader(r["step"], 0)
+        sent = [plan(i) for i in range(50)]
+        for record in sent:
+            assert engine_writer.write(record, 5.0)
+        assert [read(node_reader) for _ in sent] == sent
+        assert [read(local_reader) for _ in sent] == sent  # the local rank's slot is untouched by the relay
+        assert not (SHM / node.step_ring.name.lstrip("/")).exists(), "the node's ring names outlive the first record"
+
+        results = [
+            _core.encode_worker_ready(0, 77),
+            *(_core.encode_record(_core.StepResult(step_id=i)) for i in range(5)),
+        ]
+        node_writer, engine_reader = _core.RingWriter(node.result_ring), _core.RingReader(r["result"], 0)
+        for record in results:
+            assert node_writer.write(record, 5.0)
+        assert [read(engine_reader) for _ in results] == results
+
+        assert engine_writer.write(_core.encode_record(_core.WorkerShutdown()), 5.0)
+        assert isinstance(_core.decode_worker_command(read(node_reader)), _core.WorkerShutdown)
+        r["rank"].terminate()  # the rank exits after its shutdown, as a worker does
+        assert wait_exit(r["relay"]) == 0
+
+
+def test_a_dead_rank_on_the_node_ends_the_engine_side_relay_with_a_failure() -> None:
+    with relayed(holds_rank0=False) as r:
+        node_reader = _core.RingReader(r["node"].step_ring, 0)
+        assert _core.RingWriter(r["step"]).write(plan(1), 5.0)
+        assert read(node_reader) == plan(1)
+        r["rank"].kill()
+        assert wait_exit(r["relay"]) == 1
+
+
+def test_a_connection_without_the_token_is_refused() -> None:
+    with relayed(token=secrets.token_hex(TOKEN_BYTES)) as r:
+        assert _core.RingWriter(r["step"]).write(plan(1), 5.0)
+        assert wait_exit(r["relay"]) == 1
+        assert _core.RingReader(r["node"].step_ring, 0).read(0.2) is None
+
+
+def test_frames_round_trip_and_an_oversized_one_is_refused() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, b"abc")
+        assert recv_frame(b, 64) == b"abc"
+        send_frame(a, b"x" * 100)
+        with pytest.raises(ConnectionError, match="exceeds the ring's record limit 64"):
+            recv_frame(b, 64)
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, b"abc")
+        a.shutdown(socket.SHUT_WR)
+        assert recv_frame(b, 64) == b"abc"
+        assert recv_frame(b, 64) is None  # the end of the stream

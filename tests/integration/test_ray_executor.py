@@ -1,0 +1,194 @@
+"""`--distributed-executor ray` on a two-node Ray cluster on this host (ray.cluster_utils.Cluster, one CPU per node):
+STRICT_SPREAD puts rank 0 and rank 1 of a tiny random llama on different nodes, so one rank reads the engine's step
+ring and the other gets the records over the TCP relay. TP=2 decodes the TP=1 greedy tokens; killing the remote
+rank's actor ends the stream UNAVAILABLE within seconds, the model comes back, and nothing is left behind (actors,
+placement groups, processes, /dev/shm). Two data-parallel replicas each place their rank on the cluster; killing one
+engine leaves nothing either. Pipeline stages across the nodes (a tiny llama TP=2 x PP=2, each stage's two ranks
+packed on one node; the embedded model PP=2, one stage per node) decode the one-rank tokens. Skipped without Ray
+(pip install 'ringserve[ray]')."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from ringserve.v1 import generation_pb2 as pb
+from server_harness import real_model_path, start_server
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ringserve[ray]')")
+from ray.cluster_utils import Cluster  # noqa: E402
+from test_self_healing import NOT_SERVING, SERVING, open_streams, wait_health  # noqa: E402
+from test_tensor_parallel import save_tiny_hf_model, save_word_tokenizer  # noqa: E402
+
+PROMPTS = [[5, 9, 200, 3, 17, 8], [250, 1, 2]]
+FLAGS = ("--worker-threads", "1", "--num-kv-blocks", "128", "--max-num-batched-tokens", "256")
+SHM = Path("/dev/shm")
+
+
+def request(ids: list[int], n: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
+                              sampling=pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))  # fmt: skip
+
+
+def greedy(server, n: int = 32) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [[t for r in server.stub().Generate(request(ids, n), timeout=120) for t in r.token_ids] for ids in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head node and a second node, two CPUs each (the ranks' bundles: one CPU each), no dashboard."""
+    small = {"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
+    c = Cluster(initialize_head=True, head_node_args=small)
+    c.add_node(num_cpus=2, object_store_memory=80 * 1024 * 1024)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ray") / "tiny-llama"
+    hf = save_tiny_hf_model("llama", folder)
+    save_word_tokenizer(folder, hf.config.vocab_size)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single(tiny_llama: Path) -> list[list[int]]:
+    """The greedy tokens of one local rank (--distributed-executor mp)."""
+    with start_server(tiny_llama, tiny_llama.parent, *FLAGS) as server:
+        tokens = greedy(server)
+        assert server.stop() == 0
+    assert all(len(t) == 32 for t in tokens)
+    return tokens
+
+
+def segments() -> set[str]:
+    return {p.name for p in SHM.glob("ringserve-*")}
+
+
+def remote_rank(server) -> psutil.Process:  # type: ignore[no-untyped-def]
+    """The actor process of the rank on the other node: the parent of the worker reading a node relay's ring."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or ())
+        if "ringserve.workers.worker_main" in cmd and "-rstep" in cmd:
+            return proc.parent()
+    raise AssertionError(f"no worker reads a node relay's step ring\n{server.log()}")
+
+
+def test_tp2_across_two_nodes_decodes_like_one_rank_and_heals_after_a_remote_rank_dies(
+    cluster: Cluster, tiny_llama: Path, single: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = segments()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    ray_flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_SPREAD",
+                 "--tensor-parallel-size", "2")  # fmt: skip
+    with start_server(tiny_llama, tmp_path, *FLAGS, *ray_flags, ready_timeout_s=240) as server:
+        assert greedy(server) == single
+
+        [(reader, errors)] = open_streams(server, 1)  # a long stream, past its first token
+        victim = remote_rank(server)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        reader.join(timeout=30)
+        ended_s = time.monotonic() - killed_at
+        assert not reader.is_alive() and errors, "the stream did not end after the kill"
+        assert errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors
+        wait_health(server, NOT_SERVING, 10)
+        wait_health(server, SERVING, 240)
+        print(f"\n[ray] remote rank killed: stream UNAVAILABLE after {ended_s:.2f} s, SERVING again after "
+              f"{time.monotonic() - killed_at:.1f} s")  # fmt: skip
+        assert greedy(server, 8) == [t[:8] for t in single]
+        assert server.stop() == 0
+
+    assert_nothing_left(cluster, server.proc.pid, before)
+
+
+def test_data_parallel_replicas_on_the_cluster_and_a_killed_engine_leaves_nothing(
+    cluster: Cluster, tiny_llama: Path, single: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas, each an engine with its own placement group on the cluster; an engine killed with SIGKILL
+    takes its actors and placement group with it (Ray ends the job of a dead driver) and its replica comes back."""
+    before = segments()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    flags = ("--distributed-executor", "ray", "--placement-strategy", "SPREAD", "--data-parallel-size", "2")
+    with start_server(tiny_llama, tmp_path, *FLAGS, *flags, ready_timeout_s=240) as server:
+        assert greedy(server) == single
+        engines = [psutil.Process(pid) for pid in engine_pids(server.proc.pid)]
+        assert len(engines) == 2
+        engines[0].kill()
+        deadline = time.monotonic() + 240
+        while engines[0].pid in (pids := engine_pids(server.proc.pid)) or len(pids) < 2:  # restarted
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.5)
+        wait_health(server, SERVING, 240)
+        assert greedy(server, 8) == [t[:8] for t in single]
+        assert server.stop() == 0
+    assert_nothing_left(cluster, server.proc.pid, before)
+
+
+def test_pipeline_stages_across_nodes_decode_like_one_rank(
+    cluster: Cluster, tiny_llama: Path, single: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    # Four one-CPU bundles on two two-CPU nodes: PACK fills one node with stage 0's ranks, the other with stage 1's.
+    flags = ("--distributed-executor", "ray", "--placement-strategy", "PACK", "--tensor-parallel-size", "2",
+             "--pipeline-parallel-size", "2")  # fmt: skip
+    with start_server(tiny_llama, tmp_path, *FLAGS, *flags, ready_timeout_s=240) as server:
+        assert greedy(server) == single
+        assert server.stop() == 0
+
+    model = real_model_path()
+    if model is None:
+        pytest.skip("set RINGSERVE_TEST_GGUF to the embedded model for its two-stage run")
+    text = pb.GenerateRequest(text="The capital of France is",
+                              sampling=pb.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))  # fmt: skip
+    tokens = {}
+    for name, extra in (("one rank", ()), ("two stages on two nodes", ("--distributed-executor", "ray",
+                        "--placement-strategy", "STRICT_SPREAD", "--pipeline-parallel-size", "2"))):  # fmt: skip
+        with start_server(model, tmp_path, *FLAGS, *extra, ready_timeout_s=300) as server:
+            tokens[name] = [t for r in server.stub().Generate(text, timeout=300) for t in r.token_ids]
+            assert server.stop() == 0
+    assert len(tokens["one rank"]) == 32
+    assert tokens["two stages on two nodes"] == tokens["one rank"]
+
+
+def engine_pids(server_pid: int) -> set[int]:
+    pids = set()
+    for p in psutil.Process(server_pid).children():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "engine_main" in " ".join(p.cmdline()):
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def assert_nothing_left(cluster: Cluster, server_pid: int, before: set[str]) -> None:
+    """No placement group, actor, relay or node ring of the stopped server remains (within 30 s: Ray reclaims a
+    dead driver's actors and groups asynchronously)."""
+    ours = ("-rstep", "-rres", "ringserve.backend.step_relay", "ray::RankHost", "ray::NodeRelayActor")
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+            left = [c for p in psutil.process_iter(["cmdline"]) if any(k in (c := " ".join(p.info["cmdline"] or ()))
+                                                                      for k in ours)]  # fmt: skip
+            if not groups and not left:
+                break
+            time.sleep(0.5)
+        assert not groups, groups
+        assert not left, left
+    finally:
+        ray.shutdown()
+    # Other servers may run on this host: only the segments this server's processes would name are checked.
+    assert not [n for n in segments() - before if any(k in n for k in ours) or f"-{server_pid}-" in n]
