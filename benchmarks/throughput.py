@@ -20,6 +20,10 @@ step plans shaped like the engine's; no gRPC, rings or engine process, so the fi
 - read_bandwidth_gb_s, single_stream_vs_read_bound: the same with the bytes a read-only stream (a sum over a large
   tensor) gets per second, measured in the same rounds. A copy's figure counts its writes too; on some machines a
   read-only stream reaches well below it, and this says how close decoding comes to what reading alone allows.
+- contention_ratio_offline, contention_ratio_single: offline and single-stream tokens/s with one CPU-bound busy
+  process (a Python busy loop) running beside the worker over the same without it, in --contention-rounds
+  alternating rounds (quiet, then busy); the median of the rounds' ratios. On a machine with C cores a fair share
+  is (C - 1) / C of the quiet figure when the worker's threads fill every core: 0.5 on two cores.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from ringserve.formats.engine_args import QUANTIZATIONS, EngineArgs
+from ringserve.formats.engine_args import QUANTIZATIONS, EngineArgs, default_worker_threads
 from ringserve.frontend.model_source import embedded_model_path
 from ringserve.workers.model_runner import NewRequest, StepPlan
 from tqdm import tqdm
@@ -146,6 +151,34 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return params + sum(quantized.values())
 
 
+def contention_rounds(runner, prompts: np.ndarray, args, block_size: int) -> dict[str, object]:
+    """Offline and single-stream tokens/s without, then with, a busy process beside this one, per round."""
+    quiet: list[tuple[float, float]] = []
+    busy: list[tuple[float, float]] = []
+
+    def measure() -> tuple[float, float]:
+        offline = run_offline(runner, prompts, args.output_len, block_size)
+        return offline, run_single_stream(runner, prompts[0], args.single_stream_len, block_size)
+
+    for _ in tqdm(range(args.contention_rounds), desc="contention rounds (quiet, busy)", file=sys.stderr):
+        quiet.append(measure())
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.2)  # let it start spinning
+            busy.append(measure())
+        finally:
+            spinner.kill()
+            spinner.wait()
+    offline_ratios = [b[0] / q[0] for q, b in zip(quiet, busy, strict=True)]
+    single_ratios = [b[1] / q[1] for q, b in zip(quiet, busy, strict=True)]
+    return {
+        "contention_ratio_offline": round(float(np.median(offline_ratios)), 3),
+        "contention_ratio_single": round(float(np.median(single_ratios)), 3),
+        "contention_quiet_tok_s": [[round(o, 2), round(s, 2)] for o, s in quiet],
+        "contention_busy_tok_s": [[round(o, 2), round(s, 2)] for o, s in busy],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
@@ -158,7 +191,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None, help="single-stream + bandwidth rounds (default 5, quick 2)")
     p.add_argument("--offline-rounds", type=int, default=None,
                    help="offline + transformers rounds (default 3, quick 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--contention-rounds", type=int, default=None,
+                   help="rounds without and with a busy process beside the worker (default 3, quick 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: what a worker picks, ringserve.formats.engine_args)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens; finishes in well under a minute")
     p.add_argument("--quantization", default=EngineArgs.quantization, choices=QUANTIZATIONS,
                    help="GGUF weights: kept quantized (gguf), dequantized (none), or auto as the server (default)")
@@ -168,8 +204,8 @@ def main() -> None:
         args.num_prompts, args.output_len, args.single_stream_len = 8, 16, 16
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.offline_rounds = args.offline_rounds or (1 if args.quick else 3)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.contention_rounds = args.contention_rounds or (1 if args.quick else 3)
+    torch.set_num_threads(args.threads or default_worker_threads(len(os.sched_getaffinity(0)), 1))
 
     from ringserve.workers.loader import load_model, parse_dtype
     from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects
@@ -207,6 +243,7 @@ def main() -> None:
     vs_bound = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, bandwidths, strict=True)]))
     vs_read = float(np.median([s * wbytes / (b * 1e9) for s, b in zip(singles, reads, strict=True)]))
     quantized_linears = sum(hasattr(m, "qweight") for m in model.modules())
+    contention = contention_rounds(runner, prompts, args, block_size)
     del runner, model
     result = {
         "model": model_path.name,
@@ -232,6 +269,7 @@ def main() -> None:
         "bandwidth_rounds_gb_s": [round(v, 2) for v in bandwidths],
         "read_bandwidth_gb_s": round(float(np.median(reads)), 2),
         "single_stream_vs_read_bound": round(vs_read, 3),
+        **contention,
     }
     print(f"copy bandwidth {bandwidth:.2f} GB/s, weights {wbytes / 1e6:.1f} MB per decode step", file=sys.stderr)
     print(json.dumps(result))

@@ -39,7 +39,7 @@ cxx_tests build/ctest
 ctest --test-dir build/ctest --output-on-failure
 cxx_tests build/ctest-asan -DRINGSERVE_SANITIZE=address,undefined
 ctest --test-dir build/ctest-asan --output-on-failure
-cxx_tests build/ctest-tsan -DRINGSERVE_SANITIZE=thread  # the core's tests: rings, engine threads (no kernels)
+cxx_tests build/ctest-tsan -DRINGSERVE_SANITIZE=thread  # the core's tests (rings, engine threads) and the kernels' pool
 ctest --test-dir build/ctest-tsan --output-on-failure
 
 echo "==> typings/ringserve/_core.pyi is current (${SECONDS}s in)"

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from ringserve.formats.engine_args import EngineArgs, started_process_engine_args
+from ringserve.formats.engine_args import EngineArgs, default_worker_threads, started_process_engine_args
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects
 from ringserve.workers.parallel import init_distributed
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     connector = None
     try:
-        threads = engine.worker_threads or max(1, len(os.sched_getaffinity(0)) // world_size)
+        threads = engine.worker_threads or default_worker_threads(len(os.sched_getaffinity(0)), world_size)
         torch.set_num_threads(threads)
         device = worker_device(args.device, args.rank)
         groups = init_distributed(args.rank, world_size, device, pipeline_parallel_size=layout.pipeline_parallel_size)

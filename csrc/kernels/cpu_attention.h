@@ -49,8 +49,8 @@ void check_paged_attention_sizes(const char* op, const PagedDecodeShape& shape, 
                                  std::size_t k_size, std::size_t v_size, std::size_t out_size);
 
 // Throws std::invalid_argument when a size, sequence id, query row, length or block id is out of range (checked
-// before anything is written). With `threads` >= 2 and enough work, the sequences are spread over the OpenMP threads
-// (torch's, when loaded after torch; see cpu_linear.cpp). Each sequence's K and V token rows are read in order, once,
+// before anything is written). With `threads` >= 2 and enough work, the sequences are spread over the kernels' worker
+// pool (kernels/parallel.h). Each sequence's K and V token rows are read in order, once,
 // for all heads, prefetching the next block's row (blocks are scattered in the cache).
 void paged_decode_attention_f32(const PagedDecodeShape& shape, const PagedDecodeIndex& index,
                                 std::span<const float> q, std::span<const float> k_cache,

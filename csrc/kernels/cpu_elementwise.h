@@ -26,7 +26,7 @@ struct RopeShape {
 // (-x[half:], x[:half]) and cos / sin are float32 tables [max_position, head_dim] rounded to the storage type first;
 // each product and the sum are rounded to the storage type, as the tensor formulation does. `positions` [rows] index
 // the tables. Every position is checked before anything is written (std::invalid_argument). With `threads` >= 2, a
-// large call splits its rows over that many OpenMP threads.
+// large call splits its rows over that many threads of the kernels' pool.
 void rope_f32(const RopeShape& shape, std::span<float> x, std::span<const int64_t> positions,
               std::span<const float> cos, std::span<const float> sin, int threads = 1);
 void rope_bf16(const RopeShape& shape, std::span<bf16_bits> x, std::span<const int64_t> positions,
@@ -34,7 +34,7 @@ void rope_bf16(const RopeShape& shape, std::span<bf16_bits> x, std::span<const i
 
 // The gated MLP's activation: out[r, j] = silu(gate[r, j]) * up[r, j] with gate_up [rows, 2 * dim] holding gate then
 // up in each row and out [rows, dim]; silu(g) = g / (1 + exp(-g)) in float32, rounded to the storage type before the
-// product (as F.silu(gate) * up rounds). With `threads` >= 2, a large call splits its rows over that many OpenMP
+// product (as F.silu(gate) * up rounds). With `threads` >= 2, a large call splits its rows over that many pool
 // threads.
 void silu_mul_f32(std::size_t rows, std::size_t dim, std::span<const float> gate_up, std::span<float> out,
                   int threads = 1);

@@ -203,20 +203,15 @@ void rows_avx512(const RowRange& job) {
 
 template <Dot kDot>
 void linear_avx512(LinearShape s, const bf16_bits* x, const bf16_bits* w, const Epilogue& epi, bf16_bits* y,
-                   [[maybe_unused]] bool two_cores) {
-#ifdef _OPENMP
-  // The two halves of the rows on two threads of the OpenMP pool. Imported after torch, this module shares torch's
-  // libgomp (same soname), so these are torch's own intra-op threads, already awake between the step's operators.
-  if (two_cores && s.n * s.k >= kSplitElements) {
-    const std::size_t middle = s.n / 2 / kRowTile * kRowTile;
-    const RowRange halves[2] = {{s, x, w, epi, y, 0, middle}, {s, x, w, epi, y, middle, s.n}};
-#pragma omp parallel for num_threads(2) schedule(static)
-    for (int half = 0; half < 2; ++half) rows_avx512<kDot>(halves[half]);
-    return;
-  }
-#endif
-  const RowRange all{s, x, w, epi, y, 0, s.n};
-  rows_avx512<kDot>(all);
+                   bool two_cores) {
+  // Blocks of row tiles claimed by two threads of the kernels' pool (kernels/parallel.h), so a descheduled thread
+  // holds up at most one block.
+  constexpr std::size_t kBlockRows = 8 * kRowTile;
+  const std::size_t blocks = (s.n + kBlockRows - 1) / kBlockRows;
+  for_each_item(blocks, 2, two_cores && s.n * s.k >= kSplitElements, [&](std::size_t b) {
+    const RowRange rows{s, x, w, epi, y, b * kBlockRows, std::min(s.n, (b + 1) * kBlockRows)};
+    rows_avx512<kDot>(rows);
+  });
 }
 
 // ---- Batches: an outer-product kernel on weight panels packed per call ----
@@ -459,22 +454,16 @@ T* thread_buffer(std::size_t size) {
 
 template <class Kernel, class T = typename Kernel::Weight>
 void gemm(LinearShape s, const typename Kernel::Input* x, const T* w, const EpilogueOf<T>& epi, T* y,
-          [[maybe_unused]] int threads) {
+          int threads) {
   using Packed = typename Kernel::Packed;
   const std::size_t panel_count = (s.n + kPanel - 1) / kPanel;
-#ifdef _OPENMP
-  if (threads >= 2 && panel_count >= 2) {
-    const int parts = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(threads), panel_count));
-#pragma omp parallel for num_threads(parts) schedule(static)
-    for (int part = 0; part < parts; ++part) {
-      const std::size_t first = panel_count * static_cast<std::size_t>(part) / static_cast<std::size_t>(parts);
-      const std::size_t last = panel_count * static_cast<std::size_t>(part + 1) / static_cast<std::size_t>(parts);
-      panels<Kernel>(s, x, w, epi, y, first, last, thread_buffer<Packed, 0>(Kernel::packed_size(s.k)));
-    }
-    return;
-  }
-#endif
-  panels<Kernel>(s, x, w, epi, y, 0, panel_count, thread_buffer<Packed, 0>(Kernel::packed_size(s.k)));
+  // Runs of panels claimed by the kernels' pool threads (several per thread, so the others can take a late
+  // thread's share), each packing into its own buffer; a run prefetches its next panel as it goes.
+  const std::size_t run = std::max<std::size_t>(1, panel_count / (static_cast<std::size_t>(std::max(threads, 1)) * kChunksPerThread / 2));
+  for_each_item((panel_count + run - 1) / run, threads, true, [&](std::size_t r) {
+    panels<Kernel>(s, x, w, epi, y, r * run, std::min(panel_count, (r + 1) * run),
+                   thread_buffer<Packed, 0>(Kernel::packed_size(s.k)));
+  });
 }
 
 __attribute__((target("avx512f"))) void widen_bf16(const bf16_bits* in, float* out, std::size_t count) {

@@ -40,8 +40,8 @@ enum class LinearPath { kFastest, kAvx512F, kPortable };
 
 // x: m*k, w: n*k, y: m*n, bias: n or empty, residual: m*n or empty (may be y itself); all row-major and
 // contiguous. y = x w^T + bias + residual, summed in float32 and rounded once. Throws std::invalid_argument on a size
-// mismatch. With `threads` of 2 or more, a large product is split over that many OpenMP threads (torch's pool,
-// shared through libgomp).
+// mismatch. With `threads` of 2 or more, a large product is split over that many threads of the kernels'
+// worker pool (kernels/parallel.h).
 void linear_bf16(LinearShape shape, std::span<const bf16_bits> x, std::span<const bf16_bits> w,
                  std::span<const bf16_bits> bias, std::span<bf16_bits> y, LinearPath path = LinearPath::kFastest,
                  int threads = 1, std::span<const bf16_bits> residual = {});

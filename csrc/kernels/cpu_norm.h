@@ -12,7 +12,7 @@ namespace ringserve::kernels {
 // RMSNorm over rows of `dim` values, as Hugging Face's LlamaRMSNorm computes it: in float32,
 // y = x * rsqrt(mean(x^2) + eps), rounded to the storage type, then out = weight * y rounded again. x, out:
 // [rows, dim]; weight: [dim]. Throws std::invalid_argument on a size mismatch. AVX-512 where dim is a multiple of 16;
-// with `threads` >= 2 a large call splits its rows over that many OpenMP threads.
+// with `threads` >= 2 a large call splits its rows over that many threads of the kernels' pool.
 void rms_norm_f32(std::size_t rows, std::size_t dim, std::span<const float> x, std::span<const float> weight,
                   std::span<float> out, float eps, int threads = 1);
 void rms_norm_bf16(std::size_t rows, std::size_t dim, std::span<const bf16_bits> x,

@@ -13,7 +13,7 @@ namespace ringserve::kernels {
 
 // logits [rows, vocab] (contiguous); ids and logprobs [rows]. ids[r] is the first index of the row's maximum, as
 // torch.argmax picks it (a NaN counts as the maximum, as there); logprobs[r] = logits[r, ids[r]] - logsumexp(row),
-// computed in float32. With `threads` >= 2 the rows are split over that many OpenMP threads.
+// computed in float32. With `threads` >= 2 the rows are split over that many threads of the kernels' pool.
 // Throws std::invalid_argument on a size mismatch or an empty vocabulary.
 void argmax_logprob_f32(std::size_t rows, std::size_t vocab, std::span<const float> logits, std::span<int64_t> ids,
                         std::span<float> logprobs, int threads = 1);

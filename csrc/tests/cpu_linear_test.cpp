@@ -163,8 +163,8 @@ TEST(a_residual_is_added_on_every_path) {
   CHECK_THROWS(std::invalid_argument, linear_bf16({m, n, k}, x, w, {}, separate, kFastest, 1, short_residual));
 }
 
-// Products this large are split over two threads (where built with OpenMP): both halves, and the row tile that
-// straddles an odd split point, must be computed.
+// Products this large are split over two threads in blocks of row tiles: every block, and the row tile that
+// straddles an odd block end, must be computed.
 TEST(products_split_over_two_threads_match_the_reference) {
   for (const LinearPath path : kAllPaths) {
     for (std::size_t n : {1536, 1538, 1541}) check_against_reference(1, n, 576, n % 2 == 0, path, 2);

@@ -33,6 +33,15 @@ ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention
 # Local worker processes (TP x PP) of one engine: each reads the step ring, which takes at most this many readers
 # (kMaxRingReaders in csrc/ringserve/shm_ring.h, exported as _core.MAX_RING_READERS; a test keeps them equal).
 MAX_LOCAL_WORKERS = 8
+# CPUs that --worker-threads 0 leaves to the frontend and the engine loop (both wake every step): a worker thread
+# sharing its core with them is descheduled in the middle of a step's kernels, and the step waits for it.
+CPUS_LEFT_TO_FRONTEND_AND_ENGINE = 1
+
+
+def default_worker_threads(usable_cpus: int, world_size: int) -> int:
+    """--worker-threads 0: the usable CPUs less CPUS_LEFT_TO_FRONTEND_AND_ENGINE, divided among the worker
+    processes (ranks), at least one each (so one thread on a 2-core machine, three on four)."""
+    return max(1, (usable_cpus - CPUS_LEFT_TO_FRONTEND_AND_ENGINE) // max(world_size, 1))
 
 
 def _setting(default: Any, help_: str, *, choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
@@ -109,8 +118,8 @@ class EngineArgs:
     num_kv_blocks: int = _setting(0, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
     kv_cache_memory_gib: float = _setting(1.0, "KV cache memory budget per worker in GiB (default %(default)s)")
     worker_threads: int = _setting(
-        0, "torch CPU threads per worker process (default 0: the usable CPUs divided among the tensor-parallel ranks; "
-        "on a machine shared with other busy processes fewer threads avoid stalls)")  # fmt: skip
+        0, "CPU threads per worker process (torch's and the native kernels'; default 0: the usable CPUs less one left "
+        "to the frontend and engine, divided among the tensor-parallel ranks, at least one each)")  # fmt: skip
     kv_transfer: str = _setting(
         "auto", "KV transfer backend between prefill and decode servers: shm (same host), nixl (NIXL over UCX: RDMA, "
         "TCP), none; auto = shm for --role prefill/decode, none for both",

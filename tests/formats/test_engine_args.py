@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 import pytest
-from ringserve.formats.engine_args import EngineArgs, add_engine_arguments
+from ringserve.formats.engine_args import EngineArgs, add_engine_arguments, default_worker_threads
 
 
 def engine_parser() -> argparse.ArgumentParser:
@@ -100,6 +100,12 @@ def test_a_draft_tree_has_the_depth_of_the_speculative_tokens() -> None:
     assert EngineArgs(num_speculative_tokens=4, draft="layers:2").draft_tree() is None
     tree = EngineArgs(num_speculative_tokens=4, draft="layers:2", spec_tree="2x2").draft_tree()
     assert tree is not None and tree.num_nodes == 14
+
+
+def test_default_worker_threads_leave_one_cpu_to_the_frontend_and_engine() -> None:
+    assert [default_worker_threads(cpus, 1) for cpus in (1, 2, 3, 4, 16)] == [1, 1, 2, 3, 15]
+    assert default_worker_threads(8, 2) == 3  # (8 - 1) // 2 per rank
+    assert default_worker_threads(2, 4) == 1  # never below one per rank
 
 
 def test_the_ray_executor_is_refused_where_ray_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:

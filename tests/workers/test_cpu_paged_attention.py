@@ -118,7 +118,7 @@ def run_kernel(step: PagedStep, seqs: list[int], threads: int, tables: torch.Ten
 
 
 def test_two_threads_give_the_single_threaded_result() -> None:
-    # Enough work (sequences x heads x positions) to be spread over the OpenMP threads.
+    # Enough work (sequences x heads x positions) to be spread over the kernels' pool threads.
     step = paged_step([(1, 300)] * 12, group=3, kv_heads=3, head_dim=64)
     seqs = list(range(12))
     assert torch.equal(run_kernel(step, seqs, threads=1), run_kernel(step, seqs, threads=2))

@@ -5,7 +5,7 @@ On AVX-512 CPUs (with AVX512-BF16 dot products, or without them by widening bf16
 memory at several times the rate of PyTorch's bf16 path, and batches (many sequences, prefill) run packed weight
 panels at about three times its FLOP/s here. On AVX-512 CPUs, float32 products of 4 to 63 rows (batched decoding,
 short chunks) run `linear_f32`'s float32 weight panels, whose cost grows with the row count as PyTorch's does not.
-Large products split over torch's own OpenMP threads (the kernel module shares torch's libgomp). Everything else
+Large products split over the kernels' own worker pool (csrc/kernels/worker_pool.cpp). Everything else
 (other dtypes and row counts, devices, CPUs without AVX-512) is plain F.linear.
 """
 
