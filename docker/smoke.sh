@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Quick check of the CPU image by hand on a machine with a Docker engine (tests/docker/ check more, in CI):
 # builds ringserve:cpu, runs it, waits until Docker reports it healthy (the image's gRPC HEALTHCHECK), streams one
-# request with `ringserve generate` inside the container (and from the host when .venv has ringserve), reads the
-# metrics endpoint, then stops it with SIGTERM and checks that the server drained and exited 0.
-# Usage: docker/smoke.sh            SKIP_BUILD=1 reuses an existing image; IMAGE, PORT, HEALTH_TIMEOUT override.
+# request with `ringserve generate` inside the container (and from the host when .venv has ringserve), asks the
+# OpenAI-compatible HTTP API's /health and /v1/models through its published port, reads the metrics endpoint, then
+# stops it with SIGTERM and checks that the server drained and exited 0.
+# Usage: docker/smoke.sh    SKIP_BUILD=1 reuses an existing image; IMAGE, PORT, HTTP_PORT, HEALTH_TIMEOUT override.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 image=${IMAGE:-ringserve:cpu}
 port=${PORT:-50051}
+http_port=${HTTP_PORT:-8000}
 health_timeout=${HEALTH_TIMEOUT:-300}
 name=ringserve-smoke-$$
 
@@ -24,8 +26,8 @@ fail() {
   exit 1
 }
 
-echo "==> starting $image as $name (gRPC on 127.0.0.1:$port)"
-docker run -d --name "$name" --init --shm-size=1g -p "127.0.0.1:${port}:50051" \
+echo "==> starting $image as $name (gRPC on 127.0.0.1:$port, HTTP on 127.0.0.1:$http_port)"
+docker run -d --name "$name" --init --shm-size=1g -p "127.0.0.1:${port}:50051" -p "127.0.0.1:${http_port}:8000" \
   -e RINGSERVE_MAX_NUM_SEQS=8 "$image" --kv-cache-memory-gib 0.25 >/dev/null
 
 echo "==> waiting for the HEALTHCHECK to report healthy (up to ${health_timeout}s)"
@@ -54,9 +56,14 @@ if [ -x .venv/bin/python ] && .venv/bin/python -c "import ringserve.frontend.cli
   [ -n "$(echo "$text" | tr -d '[:space:]')" ] || fail "the stream through the published port returned no text"
 fi
 
+echo "==> the OpenAI-compatible HTTP API through the published port"
+curl -fsS -m 10 "http://127.0.0.1:${http_port}/health" >/dev/null || fail "no /health on :${http_port}"
+curl -fsS -m 10 "http://127.0.0.1:${http_port}/v1/models" | grep -q '"object": *"list"' \
+  || fail "no model list on :${http_port}/v1/models"
+
 echo "==> reading the Prometheus metrics endpoint"
-docker exec "$name" python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/metrics', timeout=5)" \
-  || fail "no metrics on :8000"
+docker exec "$name" python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8002/metrics', timeout=5)" \
+  || fail "no metrics on :8002"
 
 echo "==> stopping with SIGTERM (docker stop)"
 docker stop -t 30 "$name" >/dev/null

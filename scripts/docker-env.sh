@@ -4,11 +4,17 @@
 #                                   dockerd started in the background; exit 3 with the reason when there is no way
 #   scripts/docker-env.sh build     ringserve:cpu from docker/Dockerfile.cpu (and the image the compose tests use in
 #                                   place of Prometheus when prom/prometheus cannot be pulled)
+#   scripts/docker-env.sh build-cuda  ringserve:cuda from docker/Dockerfile.cuda, then checks inside it that
+#                                   `ringserve serve --help` runs and torch, ringserve._core and NCCL's library load;
+#                                   not part of the test suite (several GB of CUDA wheels): tests/docker/ run it with
+#                                   RINGSERVE_DOCKER_CUDA=1
 #   scripts/docker-env.sh down      stops what `up` started (containers it left are stopped by dockerd)
 # Where Docker Hub is unreachable, `build` makes a stand-in for the python base image (scripts/docker-base-image.sh)
 # and, where download.pytorch.org is unreachable, serves the torch CPU wheel that pip finds here to the build from a
 # PEP 503 index on 127.0.0.1 (`docker build --network host`). The engine keeps the build cache: a second build
-# reuses every layer whose inputs did not change.
+# reuses every layer whose inputs did not change. Where nvidia/cuda cannot be pulled, `build-cuda` builds on the same
+# stand-in base (Debian's Python instead of Ubuntu's; torch's CUDA wheels bring their own CUDA libraries and NCCL), and
+# where download.pytorch.org is unreachable it installs PyPI's torch, the CUDA 13.0 build.
 # RINGSERVE_DOCKER_STATE (default /tmp/ringserve-docker) holds the logs and what `up` started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -118,23 +124,67 @@ standin() {  # image wanted, stand-in tag, stand-in Dockerfile, base: the stand-
 
 build() {
   docker info >/dev/null 2>&1 || no_engine "none is reachable (run \`$0 up\` first)"
-  local base
+  local base prometheus status=0
   base=$(base_image)
+  # The observability profile's Prometheus (tests/docker/ run the stand-in in its place where it cannot be pulled),
+  # pulled or built alongside ringserve:cpu: they share only the base, and neither keeps both cores busy throughout.
+  prometheus=$(sed -n 's/^ *image: *${PROMETHEUS_IMAGE:-\([^}]*\)}.*/\1/p' docker/compose.yaml)
+  standin "$prometheus" ringserve-test/prometheus tests/docker/images/Dockerfile.prometheus "$base" \
+    >"$state/prometheus.log" 2>&1 &
+  local prometheus_pid=$!
   trap stop_index EXIT
   torch_index
   echo "==> ringserve:cpu on $base (log: $state/build-cpu.log)"
   t scripts/docker-build.sh cpu --progress=plain --network host --build-arg "PYTHON_IMAGE=$base" \
-    --build-arg "TORCH_INDEX_URL=$index_url" >"$state/build-cpu.log" 2>&1 || { tail -n 40 "$state/build-cpu.log"; exit 1; }
+    --build-arg "TORCH_INDEX_URL=$index_url" >"$state/build-cpu.log" 2>&1 || status=$?
   stop_index
+  if [ "$status" != 0 ]; then
+    tail -n 40 "$state/build-cpu.log"
+    wait "$prometheus_pid" || true
+    exit 1
+  fi
   docker image inspect ringserve:cpu --format '    ringserve:cpu {{.Size}} bytes'
-  # The observability profile's Prometheus (tests/docker/ run the stand-in in its place where it cannot be pulled)
-  standin "$(sed -n 's/^ *image: *${PROMETHEUS_IMAGE:-\([^}]*\)}.*/\1/p' docker/compose.yaml)" ringserve-test/prometheus \
-    tests/docker/images/Dockerfile.prometheus "$base"
+  wait "$prometheus_pid" || status=$?
+  cat "$state/prometheus.log"
+  [ "$status" = 0 ] || exit 1
+}
+
+build_cuda() {
+  docker info >/dev/null 2>&1 || no_engine "none is reachable (run \`$0 up\` first)"
+  local base cuda_image torch_cuda args=()
+  cuda_image=$(sed -n 's/^ARG CUDA_IMAGE=//p' docker/Dockerfile.cuda)
+  torch_cuda=$(sed -n 's/^ARG TORCH_CUDA=//p' docker/Dockerfile.cuda)
+  if pullable "$cuda_image"; then
+    base=$cuda_image
+  else
+    base=$(base_image)
+    echo "==> $cuda_image cannot be pulled: building on $base"
+    args+=(--build-arg "CUDA_IMAGE=$base")
+  fi
+  if ! curl -fsS -m 20 -o /dev/null "https://download.pytorch.org/whl/${torch_cuda}/torch/"; then
+    echo "==> download.pytorch.org is unreachable: PyPI's torch==2.13.0 (its CUDA 13.0 build)"
+    args+=(--build-arg TORCH_VERSION=2.13.0 --build-arg TORCH_INDEX_URL=https://pypi.org/simple)
+  fi
+  echo "==> ringserve:cuda (log: $state/build-cuda.log)"
+  t scripts/docker-build.sh cuda --progress=plain --network host "${args[@]}" >"$state/build-cuda.log" 2>&1 \
+    || { tail -n 40 "$state/build-cuda.log"; exit 1; }
+  docker image inspect ringserve:cuda --format '    ringserve:cuda {{.Size}} bytes'
+  echo "==> inside ringserve:cuda: ringserve serve --help, import torch and ringserve._core, load NCCL"
+  docker run --rm ringserve:cuda ringserve serve --help >/dev/null
+  docker run --rm ringserve:cuda python -c '
+import ctypes, glob, site, torch, ringserve._core
+libs = sorted(p for d in site.getsitepackages() for p in glob.glob(d + "/nvidia/**/libnccl.so*", recursive=True))
+assert libs, "no libnccl in the nvidia-nccl wheel"
+nccl = ctypes.CDLL(libs[0])
+version = ctypes.c_int()
+assert nccl.ncclGetVersion(ctypes.byref(version)) == 0
+print(f"    torch {torch.__version__} (CUDA {torch.version.cuda}), NCCL {version.value} from {libs[0]}")'
 }
 
 case "${1:-}" in
   up) up ;;
   build) build ;;
+  build-cuda) build_cuda ;;
   down) down ;;
-  *) echo "usage: $0 up|build|down" >&2; exit 2 ;;
+  *) echo "usage: $0 up|build|build-cuda|down" >&2; exit 2 ;;
 esac

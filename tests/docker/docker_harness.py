@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 from test_tracing import OtlpReceiver, trace_service_pb2_grpc  # noqa: E402  (tests/integration's receiver)
 
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"
+ENV_SCRIPT = REPO / "scripts" / "docker-env.sh"  # the engine and the images for these tests
 BUILD_TIMEOUT_S = 3600  # a cold build (base image, compiler, torch) on two cores; test modules add their own time
 
 
@@ -78,7 +79,7 @@ class ComposeProject:
         self.profile = profile
         self.services = services  # only these (and not what they depend on); all of the profile's when empty
         self.name = f"ringserve-test-{profile}-{os.getpid()}"
-        self.ports = {name: free_port() for name in ("GRPC", "METRICS", "JAEGER_UI", "OTLP", "PROMETHEUS")}
+        self.ports = {name: free_port() for name in ("GRPC", "HTTP", "METRICS", "JAEGER_UI", "OTLP", "PROMETHEUS")}
         self.env = {**os.environ, **{f"HOST_{name}_PORT": str(port) for name, port in self.ports.items()}, **variables}
         files = [arg for path in (COMPOSE_FILE, *extra_files) for arg in ("-f", str(path))]
         self.base = [*compose_command(), *files, "-p", self.name, "--profile", profile]

@@ -1,6 +1,7 @@
 """docker/compose.yaml's `single` profile brought up and used from the host: healthy by the image's HEALTHCHECK, a
-streamed Generate and the TorchServe Ping through the published gRPC port, Prometheus metrics through the published
-metrics port counting what was served, and `docker stop` (SIGTERM) draining a stream in flight before exiting 0."""
+streamed Generate, the TorchServe Ping and KServe v2's ModelReady through the published gRPC port, a streamed OpenAI
+completion through the published HTTP port, Prometheus metrics through the published metrics port counting what was
+served, and `docker stop` (SIGTERM) draining a stream in flight before exiting 0."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 from docker_harness import BUILD_TIMEOUT_S, ComposeProject, inspect, logs, wait_healthy
 from google.protobuf import empty_pb2
 from prometheus_client.parser import text_string_to_metric_families
+from ringserve.kserve import grpc_service_pb2 as kpb
+from ringserve.kserve import grpc_service_pb2_grpc as kpb_grpc
 from ringserve.torchserve import inference_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
 from ringserve.v1 import generation_pb2_grpc
@@ -32,6 +35,22 @@ def generation_tokens(metrics_port: int) -> float:
                if s.name == "ringserve_generation_tokens_total")  # fmt: skip
 
 
+def streamed_completion(http_port: int, max_tokens: int) -> list[dict]:
+    """POST /v1/completions with stream=true: the server-sent events' JSON chunks, up to `data: [DONE]`."""
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    post = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})  # fmt: skip
+    chunks = []
+    with urllib.request.urlopen(post, timeout=300) as reply:
+        for line in reply:
+            data = line.decode().strip().removeprefix("data: ")
+            if data == "[DONE]":
+                return chunks
+            if data:
+                chunks.append(json.loads(data))
+    raise AssertionError(f"the stream ended without [DONE] after {chunks}")
+
+
 def test_single_profile_serves_through_published_ports_and_drains_on_docker_stop(cpu_image: str) -> None:
     with ComposeProject("single", RINGSERVE_WORKER_THREADS="1", RINGSERVE_KV_CACHE_MEMORY_GIB="0.25") as project:
         cid = project.container("ringserve")
@@ -47,8 +66,15 @@ def test_single_profile_serves_through_published_ports_and_drains_on_docker_stop
 
         ping = inference_pb2_grpc.InferenceAPIsServiceStub(channel).Ping(empty_pb2.Empty(), timeout=30)
         assert json.loads(ping.health) == {"status": "Healthy"}
+        info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
+        kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
+        assert kserve.ModelReady(kpb.ModelReadyRequest(name=info.model), timeout=30).ready
 
-        assert generation_tokens(project.ports["METRICS"]) >= 8
+        chunks = streamed_completion(project.ports["HTTP"], 6)
+        assert len(chunks) > 1, f"the HTTP reply came in one piece, not streamed: {chunks}"
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).strip(), chunks
+
+        assert generation_tokens(project.ports["METRICS"]) >= 8 + 6
 
         # `docker stop` while a stream is running: the server drains it (RINGSERVE_SHUTDOWN_GRACE, under compose's
         # stop_grace_period), then stops the engine and workers and exits 0.

@@ -5,6 +5,7 @@ wherever the unit tests do; tests/docker/ bring the profiles up)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,20 @@ def test_the_disaggregated_profile_wires_router_prefill_and_decode(services: dic
     assert any(f":{router.port}" in port for port in services["ringserve-router"]["ports"])
     for name in ("ringserve-prefill", "ringserve-decode"):
         assert "tcp" in services[name]["environment"]["UCX_TLS"]  # NIXL's UCX backend needs tcp (not sm alone)
+
+
+def test_published_ports_are_the_ports_the_images_serve_on(services: dict[str, Any]) -> None:
+    """The images set RINGSERVE_PORT, _HTTP_PORT and _METRICS_PORT and EXPOSE them; compose publishes those container
+    ports, and the observability profile's Prometheus scrapes the metrics one."""
+    docker = COMPOSE.parent
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        text = (docker / dockerfile).read_text()
+        image = {name: int(port) for name, port in re.findall(r"RINGSERVE_(PORT|HTTP_PORT|METRICS_PORT)=(\d+)", text)}
+        assert image.keys() == {"PORT", "HTTP_PORT", "METRICS_PORT"}, dockerfile
+        assert len(set(image.values())) == 3, image
+        exposed = re.search(r"^EXPOSE (.+)$", text, re.MULTILINE)
+        assert exposed and sorted(map(int, exposed[1].split())) == sorted(image.values()), dockerfile
+    published = sorted(int(mapping.rsplit(":", 1)[1]) for mapping in services["ringserve"]["ports"])
+    assert published == sorted(image.values())
+    scrape = yaml.safe_load((docker / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"][0]
+    assert scrape["targets"] == [f"ringserve-observed:{image['METRICS_PORT']}"]

@@ -95,7 +95,7 @@ def test_entrypoint_serves_from_environment_configuration_and_drains_on_sigterm(
         assert probe.returncode == 0, probe.stdout + probe.stderr
 
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-            assert response.status == 200  # RINGSERVE_METRICS_PORT, which the images set to 8000
+            assert response.status == 200  # RINGSERVE_METRICS_PORT, which the images set to 8002
 
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         proc.send_signal(signal.SIGTERM)
