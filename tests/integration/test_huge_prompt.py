@@ -145,6 +145,7 @@ class PacedStream:
 def test_streams_keep_their_pace_while_the_largest_allowed_prompt_is_tokenized(huge_server: RunningServer,
                                                                                 size_bound: int) -> None:
     streams = [PacedStream(huge_server) for _ in range(2)]
+    took: list[float] = []
     try:
         while min(len(s.arrivals) for s in streams) < 10:  # past the prefill
             assert all(s.thread.is_alive() for s in streams), [s.error for s in streams]
@@ -152,14 +153,16 @@ def test_streams_keep_their_pace_while_the_largest_allowed_prompt_is_tokenized(h
         warm = time.monotonic()
         largest = (PROSE * (size_bound // len(PROSE) + 1))[:size_bound]
         assert len(largest.encode()) == size_bound
-        # The same run without the huge request first: a baseline as long as the huge request will take.
+        # The largest prompt, sent again and again for a few seconds: every request is tokenized in full, then refused.
         started = time.monotonic()
-        error = refusal(lambda: list(huge_server.stub().Generate(pb.GenerateRequest(text=largest), timeout=300)))
+        while not took or time.monotonic() - started < 4.0:
+            sent = time.monotonic()
+            error = refusal(lambda: list(huge_server.stub().Generate(pb.GenerateRequest(text=largest), timeout=300)))
+            took.append(time.monotonic() - sent)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+            assert "tokens but the context length is" in error.details(), error.details()  # it was tokenized
         ended = time.monotonic()
-        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
-        assert "tokens but the context length is" in error.details(), error.details()  # it was tokenized
-        took = ended - started
-        time.sleep(max(took, 3.0))  # ... and after it, as long again
+        time.sleep(max(ended - started, 3.0))  # the same pace without the huge requests, as long again
         after = time.monotonic()
         baseline = [g for s in streams for g in s.gaps(warm, started) + s.gaps(ended + 0.5, after)]
         during = [g for s in streams for g in s.gaps(started, ended)]
@@ -167,13 +170,16 @@ def test_streams_keep_their_pace_while_the_largest_allowed_prompt_is_tokenized(h
         for s in streams:
             s.call.cancel()
             s.thread.join(timeout=30)
-    assert len(baseline) >= 10 and len(during) >= 2, (baseline, during)
+    assert len(baseline) >= 10 and len(during) >= 4, (baseline, during)
     base_median, base_max = statistics.median(baseline), max(baseline)
     during_median, during_max = statistics.median(during), max(during)
-    print(f"\n[huge prompt] {size_bound} bytes tokenized and refused in {took:.2f} s; inter-token gaps: baseline "
-          f"median {base_median * 1e3:.0f} ms max {base_max * 1e3:.0f} ms ({len(baseline)}), during median "
-          f"{during_median * 1e3:.0f} ms max {during_max * 1e3:.0f} ms ({len(during)})")
-    # A frozen event loop would show one gap as long as the request took; the streams' pace is the baseline's.
-    assert took > 4 * base_median, "the tokenization was too quick to show anything on this machine"
-    assert during_max < took / 2, f"a stream stalled for {during_max:.2f} s of the request's {took:.2f} s"
+    shortest = min(took)
+    print(f"\n[huge prompt] {size_bound} bytes tokenized and refused {len(took)} times in {shortest:.2f}-"
+          f"{max(took):.2f} s; inter-token gaps: baseline median {base_median * 1e3:.0f} ms max "
+          f"{base_max * 1e3:.0f} ms ({len(baseline)}), during median {during_median * 1e3:.0f} ms max "
+          f"{during_max * 1e3:.0f} ms ({len(during)})")
+    # An event loop frozen while a request is tokenized shows a gap at least as long as that request took; the test
+    # can tell one only if a request takes clearly longer than the streams' slowest ordinary gap.
+    assert shortest > 2 * base_max, "the tokenization was too quick to show anything on this machine"
+    assert during_max < 0.75 * shortest, f"a stream stalled for {during_max:.2f} s of a request's {shortest:.2f} s"
     assert during_median < 3 * base_median, (during_median, base_median)
