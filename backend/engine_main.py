@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parent_pid = os.getppid()
 
-    # Every rank of every pipeline stage reads each step (workers/pipeline.py RankLayout numbers them).
+    # Every rank of every pipeline stage reads each step (ringserve/formats/rank_layout.py numbers them).
     # --distributed-executor ray places the ranks first: the step ring has a reader per rank on this node and one per
     # other node (that node's relay).
     executor = start_ray_executor(engine_args) if engine_args.distributed_executor == "ray" else None

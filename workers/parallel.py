@@ -25,10 +25,10 @@ import torch.distributed as dist
 # releases a finished collective's tensors).
 import torch.distributed.nn.functional
 import torch.nn.functional as F
+from ringserve.formats.rank_layout import RankLayout
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.cpu_ops import linear
 from ringserve.workers.model.llama import SparseMoeBlock
-from ringserve.workers.pipeline import RankLayout
 from torch import nn
 
 # Parameter-name suffix -> dim split across ranks (0: output rows, column-parallel; 1: input columns, row-parallel).

@@ -9,8 +9,8 @@ decoder layers carry the residual stream in the hidden states themselves, so one
 each boundary. Sampled tokens travel back from the last stage to every stage (a broadcast in the rank's pipeline
 group), since each stage's persistent batch appends them.
 
-`RankLayout` is where a rank sits: rank = pp_rank * tensor_parallel_size + tp_rank, so a stage's TP ranks are
-consecutive (and share a node when ranks are packed node by node). The local executor and a remote one both use it.
+Where a rank sits is `RankLayout`'s (ringserve/formats/rank_layout.py, shared with the engine); `PipelineStage.of`
+turns a rank into its stage.
 """
 
 from __future__ import annotations
@@ -22,53 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from ringserve.formats.rank_layout import RankLayout
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from torch import nn
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """TP x PP ranks: rank r is tensor-parallel rank r % TP of pipeline stage r // TP."""
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(tp_rank, pp_rank) of global rank `rank`."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
-        return rank % self.tensor_parallel_size, rank // self.tensor_parallel_size
-
-    def rank_of(self, tp_rank: int, pp_rank: int) -> int:
-        return pp_rank * self.tensor_parallel_size + tp_rank
-
-    @property
-    def result_rank(self) -> int:
-        """The one rank that writes step results: tensor-parallel rank 0 of the last stage (it samples)."""
-        return self.rank_of(0, self.pipeline_parallel_size - 1)
-
-    def tensor_parallel_group(self, pp_rank: int) -> list[int]:
-        """The ranks of stage `pp_rank` (they all-reduce within it)."""
-        return [self.rank_of(t, pp_rank) for t in range(self.tensor_parallel_size)]
-
-    def pipeline_group(self, tp_rank: int) -> list[int]:
-        """The ranks that hold tensor-parallel part `tp_rank` in every stage (they pass activations along)."""
-        return [self.rank_of(tp_rank, p) for p in range(self.pipeline_parallel_size)]
-
-    def stage(self, rank: int) -> PipelineStage:
-        tp_rank, pp_rank = self.coords(rank)
-        last = self.pipeline_parallel_size - 1
-        return PipelineStage(
-            index=pp_rank,
-            num_stages=self.pipeline_parallel_size,
-            prev_rank=self.rank_of(tp_rank, pp_rank - 1) if pp_rank > 0 else None,
-            next_rank=self.rank_of(tp_rank, pp_rank + 1) if pp_rank < last else None,
-            last_rank=self.rank_of(tp_rank, last),
-        )
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -92,6 +48,19 @@ class PipelineStage:
     prev_rank: int | None
     next_rank: int | None
     last_rank: int  # the rank of the last stage in this rank's pipeline group: it broadcasts the sampled tokens
+
+    @classmethod
+    def of(cls, layout: RankLayout, rank: int) -> PipelineStage:
+        """The stage of global rank `rank` in `layout`."""
+        tp_rank, pp_rank = layout.coords(rank)
+        last = layout.pipeline_parallel_size - 1
+        return cls(
+            index=pp_rank,
+            num_stages=layout.pipeline_parallel_size,
+            prev_rank=layout.rank_of(tp_rank, pp_rank - 1) if pp_rank > 0 else None,
+            next_rank=layout.rank_of(tp_rank, pp_rank + 1) if pp_rank < last else None,
+            last_rank=layout.rank_of(tp_rank, last),
+        )
 
     @property
     def is_first(self) -> bool:

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 from ringserve.formats.engine_args import EngineArgs, default_worker_threads, started_process_engine_args
+from ringserve.formats.rank_layout import RankLayout
 from ringserve.workers.loader import load_model, parse_dtype
 from ringserve.workers.model_runner import ModelRunner, freeze_long_lived_objects
 from ringserve.workers.parallel import init_distributed
-from ringserve.workers.pipeline import RankLayout, SampledTokens
+from ringserve.workers.pipeline import PipelineStage, SampledTokens
 from ringserve.workers.speculative import make_proposer
 
 _READ_TIMEOUT_S = 0.5  # how often an idle worker checks that its parent is alive
@@ -35,7 +36,7 @@ _MAX_FAILURE_MESSAGE = 4000  # keep WorkerFailed well under any ring's max_recor
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """This worker's rank and rings, and the engine's EngineArgs (`args.engine`; TP x PP ranks make the world)."""
     p = argparse.ArgumentParser(prog="python -m ringserve.workers.worker_main", description=__doc__)
-    p.add_argument("--rank", type=int, default=0, help="rank of this worker (workers/pipeline.py RankLayout)")
+    p.add_argument("--rank", type=int, default=0, help="rank of this worker (ringserve/formats/rank_layout.py)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
     p.add_argument("--step-ring", required=True, help="shared-memory name of the step ring (engine -> workers)")
     p.add_argument("--step-reader", type=int, default=None,
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = RankLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size)
     world_size, tp_size = layout.world_size, layout.tensor_parallel_size
     tp_rank, _ = layout.coords(args.rank)
-    stage = layout.stage(args.rank) if layout.pipeline_parallel_size > 1 else None
+    stage = PipelineStage.of(layout, args.rank) if layout.pipeline_parallel_size > 1 else None
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s")  # fmt: skip

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ringserve.formats.cli_env import env_default, env_help, parse_bool
+from ringserve.formats.rank_layout import RankLayout
 from ringserve.formats.spec_tree import DraftTree
 
 # The decode-latency guard's default: a step that prefills while requests decode may take at most 2x a decode-only
@@ -196,16 +197,20 @@ class EngineArgs:
         return None
 
     @property
+    def rank_layout(self) -> RankLayout:
+        """Where each of the engine's worker ranks sits (--tensor-parallel-size parts in --pipeline-parallel-size
+        stages)."""
+        return RankLayout(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
     def world_size(self) -> int:
         """Worker processes of the engine: --tensor-parallel-size ranks in each of --pipeline-parallel-size stages."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.rank_layout.world_size
 
     @property
     def result_rank(self) -> int:
-        """The one rank that writes step results: tensor-parallel rank 0 of the last stage (rank r is tensor part
-        r % TP of stage r // TP; workers/pipeline.py RankLayout lays the ranks out, test_pipeline_stages keeps the two
-        equal)."""
-        return self.tensor_parallel_size * (self.pipeline_parallel_size - 1)
+        """The one rank that writes step results (RankLayout.result_rank)."""
+        return self.rank_layout.result_rank
 
     def draft_tree(self) -> DraftTree | None:
         """The --spec-tree shape at depth --num-speculative-tokens, or None for one chain."""

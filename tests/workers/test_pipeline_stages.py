@@ -9,14 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ringserve.formats.engine_args import MAX_LOCAL_WORKERS, EngineArgs
+from ringserve.formats.engine_args import MAX_LOCAL_WORKERS
+from ringserve.formats.rank_layout import RankLayout
 from ringserve.workers.loader import load_model
 from ringserve.workers.model import LlamaConfig
 from ringserve.workers.pipeline import (
     HeadOnLastStage,
     HiddenFromPreviousStage,
     HiddenToNextStage,
-    RankLayout,
+    PipelineStage,
     split_layers,
     split_micro_batches,
 )
@@ -32,20 +33,12 @@ def test_ranks_are_numbered_stage_by_stage_and_the_last_stage_writes_results() -
     assert layout.result_rank == 4
     assert layout.tensor_parallel_group(1) == [2, 3]
     assert layout.pipeline_group(1) == [1, 3, 5]
-    first, middle, last = layout.stage(1), layout.stage(2), layout.stage(5)
+    first, middle, last = PipelineStage.of(layout, 1), PipelineStage.of(layout, 2), PipelineStage.of(layout, 5)
     assert (first.is_first, first.prev_rank, first.next_rank, first.last_rank) == (True, None, 3, 5)
     assert (middle.is_first, middle.is_last, middle.prev_rank, middle.next_rank) == (False, False, 0, 4)
     assert (last.is_last, last.prev_rank, last.next_rank) == (True, 3, None)
     with pytest.raises(ValueError, match="rank 6 is outside"):
         layout.coords(6)
-
-
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 3), (3, 2), (1, 8)])
-def test_the_engines_world_size_and_result_rank_are_the_layouts(tp: int, pp: int) -> None:
-    # The engine (and the Ray executor) read them from EngineArgs; the workers lay out ranks with RankLayout.
-    args = EngineArgs(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    layout = RankLayout(tp, pp)
-    assert (args.world_size, args.result_rank) == (layout.world_size, layout.result_rank)
 
 
 def test_layers_split_into_contiguous_stages_with_the_extra_layers_first() -> None:
@@ -81,7 +74,7 @@ def test_a_stage_config_keeps_its_layers_windows_and_expert_flags() -> None:
     full = LlamaConfig(100, 32, 64, 5, 4, 2, 8, layer_windows=(None, 8, None, 8, 4), num_experts=2,
                        num_experts_per_tok=1, moe_intermediate_size=16, moe_layers=(False, True, True, False, True),
                        tie_word_embeddings=True)  # fmt: skip
-    first, last = RankLayout(1, 2).stage(0), RankLayout(1, 2).stage(1)
+    first, last = PipelineStage.of(RankLayout(1, 2), 0), PipelineStage.of(RankLayout(1, 2), 1)
     local = last.local_config(full)
     assert (local.num_layers, local.layer_windows, local.moe_layers) == (2, (8, 4), (False, True))
     assert first.local_config(full).tie_word_embeddings and not local.tie_word_embeddings
@@ -104,8 +97,8 @@ def test_each_stage_loads_only_its_layers_and_ends(three_layer_tied_llama) -> No
     folder, hf = three_layer_tied_llama
     full = load_model(folder, torch.float32)
     layout = RankLayout(1, 2)
-    first = load_model(folder, torch.float32, stage=layout.stage(0))
-    last = load_model(folder, torch.float32, stage=layout.stage(1))
+    first = load_model(folder, torch.float32, stage=PipelineStage.of(layout, 0))
+    last = load_model(folder, torch.float32, stage=PipelineStage.of(layout, 1))
     assert (len(first.model.layers), len(last.model.layers)) == (2, 1)
     assert first.config.num_layers == 2 and last.config.num_layers == 1  # the KV cache holds the stage's layers
     assert type(first.model.norm) is HiddenToNextStage and type(first.lm_head) is HeadOnLastStage
@@ -125,4 +118,4 @@ def test_each_stage_loads_only_its_layers_and_ends(three_layer_tied_llama) -> No
 def test_a_model_with_fewer_layers_than_stages_is_refused_naming_the_flag(three_layer_tied_llama) -> None:
     folder, _ = three_layer_tied_llama
     with pytest.raises(ValueError, match="--pipeline-parallel-size 4 is larger than the model's 3 layers"):
-        load_model(folder, torch.float32, stage=RankLayout(1, 4).stage(0))
+        load_model(folder, torch.float32, stage=PipelineStage.of(RankLayout(1, 4), 0))
