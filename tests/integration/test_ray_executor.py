@@ -232,6 +232,7 @@ def test_a_replica_whose_restart_cannot_be_placed_is_retried_then_failed_with_th
             with pytest.raises(grpc.RpcError) as refused:
                 list(server.stub().Generate(request(PROMPTS[0], 4), timeout=30))
             details = refused.value.details()
+            print(f"[ray] refused: {details}")
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, details
             assert "load failed: engine failed: --distributed-executor ray:" in details, details
             assert "could not place 3 bundle(s)" in details and "--max-restarts 2" in details, details
@@ -245,10 +246,10 @@ def test_a_replica_whose_restart_cannot_be_placed_is_retried_then_failed_with_th
 
 
 def end_a_stream_on_failure(server, act) -> float:  # type: ignore[no-untyped-def]
-    """Seconds from `act()` until a long stream ends UNAVAILABLE."""
+    """Seconds from `act()`'s start until a long stream ends UNAVAILABLE."""
     [(reader, errors)] = open_streams(server, 1)  # a long stream, past its first token
-    act()
     acted_at = time.monotonic()
+    act()
     reader.join(timeout=30 + HEARTBEAT_TIMEOUT_S)
     assert not reader.is_alive() and errors, "the stream did not end"
     assert errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors
