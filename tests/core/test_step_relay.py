@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from ringserve import _core
+from ringserve.backend.process import stop_child
 from ringserve.backend.step_relay import (
     TOKEN_BYTES,
     TOKEN_ENV,
@@ -141,6 +142,13 @@ def test_a_rank_stopped_on_the_node_ends_the_engine_side_relay_within_the_heartb
         stopped_at = time.monotonic()
         assert wait_exit(r["relay"], 10 * HEARTBEAT_S) == 1
         print(f"\n[relay] a stopped rank ended the stream after {time.monotonic() - stopped_at:.2f} s")
+
+
+def test_a_stopped_rank_is_ended_by_sigterm_when_its_replica_stops() -> None:
+    """stop_child continues a stopped (SIGSTOP) child after SIGTERM, so it need not wait for SIGKILL."""
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    rank.send_signal(signal.SIGSTOP)
+    assert stop_child(rank, timeout_s=2.0) == -signal.SIGTERM
 
 
 def test_a_silent_node_ends_the_engine_side_relay_within_the_heartbeat_timeout() -> None:
