@@ -189,8 +189,8 @@ def test_pipeline_stages_across_nodes_decode_like_one_rank(
 def test_a_placement_the_cluster_cannot_satisfy_fails_the_start_with_the_reason(
     cluster: Cluster, llama_3_layers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three ranks, one per node, on a two-node cluster: the engine reports the placement it could not get and the
-    server exits instead of waiting for ever."""
+    """Three ranks, one per node, on a two-node cluster (or a bad --ray-address): the engine reports the placement
+    it could not get (or the address it could not reach) and the server exits instead of waiting for ever."""
     before = segments()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_SPREAD", "--pipeline-parallel-size",
@@ -201,6 +201,14 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_the_start_with_the_reason(
     assert "could not place 3 bundle(s) of {'CPU': 1.0} with --placement-strategy STRICT_SPREAD within " \
            "--ray-placement-timeout 2 s" in str(failed.value)
     assert_nothing_left(cluster, 0, before)
+
+    # An address where no cluster listens: ray.init would retry it for ever.
+    closed = free_port()
+    with pytest.raises(AssertionError, match="server exited with 1 while starting") as failed:
+        start_server(llama_3_layers, tmp_path, *FLAGS, "--distributed-executor", "ray", "--ray-address",
+                     f"127.0.0.1:{closed}", ready_timeout_s=120)  # fmt: skip
+    assert f"engine failed: --distributed-executor ray: no Ray cluster at 127.0.0.1:{closed}: cannot connect" \
+        in str(failed.value)
 
 
 def test_a_replica_whose_restart_cannot_be_placed_is_retried_then_failed_with_the_reason(
