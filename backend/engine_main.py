@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     # Every rank of every pipeline stage reads each step (ringserve/formats/rank_layout.py numbers them).
     # --distributed-executor ray places the ranks first: the step ring has a reader per rank on this node and one per
     # other node (that node's relay).
-    executor = start_ray_executor(engine_args) if engine_args.distributed_executor == "ray" else None
+    try:
+        executor = start_ray_executor(engine_args) if engine_args.distributed_executor == "ray" else None
+    except Exception as exc:
+        return report_start_failure(args.event_ring, exc)
     readers = executor.step_readers if executor is not None else engine_args.world_size
     step_ring = _core.ShmRing.create(new_segment_name("step"), STEP_RING_BYTES, readers)
     result_ring = _core.ShmRing.create(new_segment_name("res"), RESULT_RING_BYTES, 1)
@@ -107,17 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        if executor is not None:
-            pids = executor.start(step_ring.name, result_ring.name)
-        else:
-            env = worker_env(free_port())
-            for rank in range(engine_args.world_size):
-                command = worker_command(engine_args, rank, step_ring.name, result_ring.name)
-                workers.append(subprocess.Popen(command, env=env))
-            pids = [w.pid for w in workers]
-        engine = _core.Engine(
-            engine_config(engine_args), args.request_ring, args.event_ring, step_ring.name, result_ring.name, pids
-        )
+        try:
+            if executor is not None:
+                pids = executor.start(step_ring.name, result_ring.name)
+            else:
+                env = worker_env(free_port())
+                for rank in range(engine_args.world_size):
+                    command = worker_command(engine_args, rank, step_ring.name, result_ring.name)
+                    workers.append(subprocess.Popen(command, env=env))
+                pids = [w.pid for w in workers]
+            engine = _core.Engine(
+                engine_config(engine_args), args.request_ring, args.event_ring, step_ring.name, result_ring.name, pids
+            )
+        except Exception as exc:
+            return report_start_failure(args.event_ring, exc)
 
         def run_loop() -> None:
             try:
@@ -144,6 +150,20 @@ def main(argv: list[str] | None = None) -> int:
         result_ring.unlink()
         if os.getppid() != parent_pid:  # the frontend died (we got its death signal): clean up after it
             leave_nothing_behind(engine_args)
+
+
+def report_start_failure(event_ring: str, error: Exception) -> int:
+    """Tell the frontend why the engine could not start its ranks, as the EngineFailed a failing engine loop sends
+    (the frontend then reports, retries and gives up on it as on any engine failure), and return the exit code 1.
+    Nothing else writes the event ring before the engine loop exists."""
+    message = str(error) if isinstance(error, RuntimeError) else f"{type(error).__name__}: {error}"
+    log.error("the engine could not start: %s", message)
+    try:
+        writer = _core.RingWriter(_core.ShmRing.attach(event_ring))
+        writer.write(_core.encode_record(_core.EngineFailed(message=message)), 5.0)
+    except Exception as exc:  # the frontend is gone: it sees the exit code, if anyone does
+        log.error("reporting it to the frontend failed: %s", exc)
+    return 1
 
 
 def start_ray_executor(engine_args: EngineArgs) -> RayExecutor:

@@ -90,6 +90,8 @@ def stop_child(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         if sig is not None and proc.poll() is None:
             proc.send_signal(sig)
+            if sig == signal.SIGTERM:
+                proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) acts on SIGTERM only once continued
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

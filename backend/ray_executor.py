@@ -27,8 +27,8 @@ from ringserve.formats.engine_args import EngineArgs
 
 log = logging.getLogger("ringserve.ray_executor")
 
-PLACEMENT_TIMEOUT_S = 60.0
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0  # for each of Ray's calls that start the ranks and relays
+CONNECT_TIMEOUT_S = 10.0  # for the cluster's address to accept a connection (ray.init waits for ever)
 # What a rank's worker takes from the engine's environment (the rest is the Ray worker's own, e.g. the
 # CUDA_VISIBLE_DEVICES Ray set for its bundle).
 _PASSED_ENV = ("RINGSERVE_", "GLIBC_TUNABLES", "GLOO_", "NCCL_", "TORCH_")
@@ -106,23 +106,25 @@ class RayExecutor:
             raise RuntimeError("--distributed-executor ray needs Ray: pip install 'ringserve[ray]'") from None
         self.ray, self.args = ray, args
         address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+        check_reachable(address)
         try:
             ray.init(address=address, configure_logging=False)  # rank output reaches the engine's log
-        except ConnectionError as exc:
-            raise RuntimeError(f"--distributed-executor ray: no Ray cluster at {address}: {exc}") from None
+        except Exception as exc:  # ConnectionError, or a ValueError/RuntimeError for an address Ray cannot parse
+            raise RuntimeError(f"--distributed-executor ray: no Ray cluster at {address}: {first_lines(exc)}") from None
         self.world = args.world_size
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
         self.pg = placement_group([dict(self.bundle) for _ in range(self.world)], strategy=args.placement_strategy)
         self.hosts: list[Any] = []
         self.remote: list[RemoteNode] = []
-        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        ready, _ = ray.wait([self.pg.ready()], timeout=args.ray_placement_timeout)
         if not ready:
+            available = ray.available_resources()
             self.stop()
             raise RuntimeError(
                 f"--distributed-executor ray: the cluster at {address} could not place {self.world} bundle(s) of "
-                f"{self.bundle} with --placement-strategy {args.placement_strategy} within {PLACEMENT_TIMEOUT_S:.0f} s "
-                f"(available: {ray.available_resources()})"
+                f"{self.bundle} with --placement-strategy {args.placement_strategy} within --ray-placement-timeout "
+                f"{args.ray_placement_timeout:g} s (available: {available})"
             )
         bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         self.rank_nodes = [str(bundle_nodes[r]) for r in range(self.world)]
@@ -146,16 +148,16 @@ class RayExecutor:
     def start(self, step_ring: str, result_ring: str) -> list[int]:
         """Start every rank; returns, per rank, the pid the engine watches on this host: the worker's for a local
         rank, the engine-side relay's for a rank on another node."""
-        ray = self.ray
         gpu = {"num_gpus": 1.0} if "GPU" in self.bundle else {}
         self.hosts = [self._in_bundle(RankHost, r, num_cpus=1.0, **gpu).remote() for r in range(self.world)]
-        master_addr, master_port = ray.get(self.hosts[0].address.remote(), timeout=START_TIMEOUT_S)
+        master_addr, master_port = self._get(self.hosts[0].address.remote(), "rank 0's actor")
         rings = {r: (step_ring, self.local_ranks.index(r), result_ring) for r in self.local_ranks}
         for node in self.remote:
             node.actor = self._in_bundle(NodeRelayActor, node.ranks[0], num_cpus=0.0).remote(
                 len(node.ranks), self.args.result_rank in node.ranks, node.token_hex
             )
-            node.address, node.port, node_step, node_result = ray.get(node.actor.open.remote(), timeout=START_TIMEOUT_S)
+            node.address, node.port, node_step, node_result = self._get(node.actor.open.remote(),
+                                                                        f"the relay actor of node {node.node_id}")
             rings.update({r: (node_step, i, node_result) for i, r in enumerate(node.ranks)})
         env = {k: v for k, v in worker_environment(dict(os.environ)).items() if k.startswith(_PASSED_ENV)}
         env |= {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
@@ -165,14 +167,26 @@ class RayExecutor:
             worker_args = ["--rank", str(rank), "--step-ring", step, "--step-reader", str(reader),
                            "--result-ring", result, "--engine-args", self.args.to_json()]  # fmt: skip
             starts.append(host.start.remote(worker_args, env))
-        worker_pids = ray.get(starts, timeout=START_TIMEOUT_S)
+        worker_pids = self._get(starts, "starting the ranks' workers")
         pids = list(worker_pids)
         for node in self.remote:
-            ray.get(node.actor.watch.remote([worker_pids[r] for r in node.ranks]), timeout=START_TIMEOUT_S)
+            self._get(node.actor.watch.remote([worker_pids[r] for r in node.ranks]),
+                      f"the relay actor of node {node.node_id}")
             node.relay = self._start_relay(node, step_ring, result_ring)
             for r in node.ranks:
                 pids[r] = node.relay.pid
         return pids
+
+    def _get(self, refs: Any, what: str) -> Any:
+        """ray.get of a starting call; a dead actor or node, or no answer within START_TIMEOUT_S, raises a
+        RuntimeError naming `what` (the engine reports it to the frontend as its failure)."""
+        try:
+            return self.ray.get(refs, timeout=START_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            problem = f"did not answer within {START_TIMEOUT_S:.0f} s"
+        except self.ray.exceptions.RayError as exc:
+            problem = f"failed: {first_lines(exc)}"
+        raise RuntimeError(f"--distributed-executor ray: {what} {problem}")
 
     def _start_relay(self, node: RemoteNode, step_ring: str, result_ring: str) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "ringserve.backend.step_relay", "--connect", f"{node.address}:{node.port}",
@@ -204,3 +218,22 @@ class RayExecutor:
         self.hosts, self.remote = [], []
         ray.util.remove_placement_group(self.pg)
         ray.shutdown()
+
+
+def check_reachable(address: str) -> None:
+    """A HOST:PORT cluster address must accept a TCP connection within CONNECT_TIMEOUT_S: ray.init retries one that
+    does not for ever. `auto` and `ray://` addresses are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"--distributed-executor ray: no Ray cluster at {address}: cannot connect ({exc}); "
+                           "expected HOST:PORT of the head's GCS (--ray-address or $RAY_ADDRESS)") from None
+
+
+def first_lines(error: BaseException, lines: int = 2) -> str:
+    """The head of an exception's text: Ray's carry their actor's details and traceback below."""
+    return " ".join(line.strip() for line in str(error).splitlines()[:lines]) or type(error).__name__

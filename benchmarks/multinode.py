@@ -13,7 +13,10 @@
   `--ray-address` one stage per node (`--placement-strategy STRICT_SPREAD`), so the second stage gets every step
   through the relay (`pp2_ray_tok_s`; `pp2_tok_s` is then the local one).
 
-    python benchmarks/multinode.py [--quick] [--ray-address HOST:PORT]
+    python benchmarks/multinode.py [--quick] [--ray-address HOST:PORT | --local-cluster]
+
+`--local-cluster` starts a two-node Ray cluster on this host for the Ray figures (ray.cluster_utils.Cluster, two CPUs
+per node, as tests/integration/test_ray_executor.py does): "remote" then means loopback TCP.
 
 Last line: one JSON object with those keys.
 """
@@ -123,13 +126,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer records and tokens (a smoke run)")
     p.add_argument("--batch", type=int, default=64, help="requests in the decode step sent (default %(default)s)")
     p.add_argument("--ray-address", default="", help="also measure TP=3 local and over this Ray cluster's nodes")
+    p.add_argument("--local-cluster", action="store_true", help="start a two-node Ray cluster on this host for that")
     args = p.parse_args(argv)
+    if args.local_cluster:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=2)
+            cluster.wait_for_nodes()
+            return measure(args, cluster.address)
+        finally:
+            cluster.shutdown()
+    return measure(args, args.ray_address)
+
+
+def measure(args: argparse.Namespace, ray_address: str) -> int:
     records, tokens = (300, 32) if args.quick else (3000, 128)
     result: dict[str, object] = {"quick": args.quick, "load": os.getloadavg()[0], "records": records}
     result |= step_transport(records, args.batch)
     result["tp1_tok_s"] = decode_tokens_per_s(tokens)
-    if args.ray_address:  # the embedded model's 9 heads split 3 ways; SPREAD puts the ranks on 2+ nodes
-        os.environ["RAY_ADDRESS"] = args.ray_address
+    if ray_address:  # the embedded model's 9 heads split 3 ways; SPREAD puts the ranks on 2+ nodes
+        os.environ["RAY_ADDRESS"] = ray_address
         tp3 = ("--tensor-parallel-size", "3")
         result["tp3_tok_s"] = decode_tokens_per_s(tokens, *tp3)
         result["tp3_ray_tok_s"] = decode_tokens_per_s(tokens, *tp3, "--distributed-executor", "ray",
@@ -139,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     pp2 = ("--pipeline-parallel-size", "2")
     result["pp2_tok_s"] = decode_tokens_per_s(tokens, *pp2)
     result["pp2_ray_tok_s"] = decode_tokens_per_s(tokens, *pp2, "--distributed-executor", "ray",
-                                                  "--placement-strategy", "STRICT_SPREAD") if args.ray_address else None
+                                                  "--placement-strategy", "STRICT_SPREAD") if ray_address else None
     print(json.dumps(result))
     return 0
 

@@ -135,6 +135,10 @@ class EngineArgs:
     placement_strategy: str = _setting(
         "PACK", "--distributed-executor ray: Ray placement group strategy of the ranks' bundles (default "
         "%(default)s; SPREAD / STRICT_SPREAD put ranks on different nodes)", choices=PLACEMENT_STRATEGIES)  # fmt: skip
+    ray_placement_timeout: float = _setting(
+        60.0, "--distributed-executor ray: seconds to wait for the cluster to place the ranks' bundles; then the "
+        "engine fails to start with the resources it asked for and those free, and is retried as any failed engine "
+        "(default %(default)s)")  # fmt: skip
     eos_token_ids: tuple[int, ...] = _setting((), "the tokenizer's end-of-sequence ids", flag=False)
     model_id: str = _setting("", "the model identity the KV handshake of disaggregation compares", flag=False)
     kv_info_dir: str = _setting("", "where the workers write their KV peer infos (rank<r>.bin)", flag=False)
@@ -190,6 +194,8 @@ class EngineArgs:
             return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {self.priority_aging_ms})"
         if self.distributed_executor == "ray" and importlib.util.find_spec("ray") is None:
             return "--distributed-executor ray needs Ray, which is not installed here: pip install 'ringserve[ray]'"
+        if self.ray_placement_timeout <= 0:
+            return f"--ray-placement-timeout must be > 0 seconds (got {self.ray_placement_timeout})"
         if self.worker_threads < 0:
             return f"--worker-threads must be >= 0 (0 = automatic; got {self.worker_threads})"
         if self.max_model_len < 0 or self.num_kv_blocks < 0 or self.kv_cache_memory_gib <= 0:

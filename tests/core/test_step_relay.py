@@ -5,19 +5,32 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from ringserve import _core
-from ringserve.backend.step_relay import TOKEN_BYTES, TOKEN_ENV, NodeRelay, recv_frame, send_frame
+from ringserve.backend.process import stop_child
+from ringserve.backend.step_relay import (
+    TOKEN_BYTES,
+    TOKEN_ENV,
+    FrameSender,
+    NodeRelay,
+    heartbeat,
+    recv_frame,
+    send_frame,
+)
 from ringserve.formats.segments import new_segment_name
 
 SHM = Path("/dev/shm")
+HEARTBEAT_S = 1.5  # the tests' heartbeat timeout (the default is HEARTBEAT_TIMEOUT_S)
 
 
 def read(reader: _core.RingReader, timeout_s: float = 10.0) -> bytes:
@@ -36,27 +49,29 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
 
 
 @contextmanager
-def relayed(holds_rank0: bool = True, token: str | None = None) -> Iterator[dict]:
+def relayed(holds_rank0: bool = True, token: str | None = None, port: int = 0) -> Iterator[dict]:
     """The engine's step ring (slot 0: a local rank, slot 1: the relay) and result ring, a node relay watching a
     stand-in rank process, and the engine-side relay process connected to it."""
     step = _core.ShmRing.create(new_segment_name("step"), 1 << 20, 2)
     result = _core.ShmRing.create(new_segment_name("res"), 1 << 16, 1)
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     node_token = secrets.token_hex(TOKEN_BYTES)
-    node = NodeRelay(1, holds_rank0, node_token)
+    node = NodeRelay(1, holds_rank0, node_token, heartbeat_timeout_s=HEARTBEAT_S)
     node.watch([rank.pid], accept_timeout_s=30.0)
     command = [
         sys.executable,
         "-m",
         "ringserve.backend.step_relay",
         "--connect",
-        f"127.0.0.1:{node.port}",
+        f"127.0.0.1:{port or node.port}",
         "--step-ring",
         step.name,
         "--step-reader",
         "1",
         "--result-ring",
         result.name if holds_rank0 else "",
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
     ]
     relay = subprocess.Popen(command, env={**os.environ, TOKEN_ENV: token or node_token})
     try:
@@ -111,6 +126,53 @@ def test_a_dead_rank_on_the_node_ends_the_engine_side_relay_with_a_failure() -> 
         assert wait_exit(r["relay"]) == 1
 
 
+def test_an_idle_stream_stays_up_on_heartbeats() -> None:
+    with relayed() as r:
+        time.sleep(3 * HEARTBEAT_S)  # no records either way: only heartbeats cross
+        assert r["relay"].poll() is None and not r["node"].done()
+        assert _core.RingWriter(r["step"]).write(plan(1), 5.0)
+        assert read(_core.RingReader(r["node"].step_ring, 0)) == plan(1)
+
+
+def test_a_rank_stopped_on_the_node_ends_the_engine_side_relay_within_the_heartbeat_timeout() -> None:
+    with relayed(holds_rank0=False) as r:
+        assert _core.RingWriter(r["step"]).write(plan(1), 5.0)
+        assert read(_core.RingReader(r["node"].step_ring, 0)) == plan(1)
+        r["rank"].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert wait_exit(r["relay"], 10 * HEARTBEAT_S) == 1
+        print(f"\n[relay] a stopped rank ended the stream after {time.monotonic() - stopped_at:.2f} s")
+
+
+def test_a_stopped_rank_is_ended_by_sigterm_when_its_replica_stops() -> None:
+    """stop_child continues a stopped (SIGSTOP) child after SIGTERM, so it need not wait for SIGKILL."""
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    rank.send_signal(signal.SIGSTOP)
+    assert stop_child(rank, timeout_s=2.0) == -signal.SIGTERM
+
+
+def test_a_silent_node_ends_the_engine_side_relay_within_the_heartbeat_timeout() -> None:
+    """A node whose relay accepts the stream, then sends nothing and never closes it (a frozen or cut-off node)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        accepted: list[socket.socket] = []
+        threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+        with relayed(holds_rank0=True, port=listener.getsockname()[1]) as r:
+            assert wait_exit(r["relay"], 10 * HEARTBEAT_S) == 1
+        for sock in accepted:
+            sock.close()
+
+
+def test_a_silent_engine_side_ends_the_node_relay() -> None:
+    with relayed() as r:
+        assert _core.RingWriter(r["step"]).write(plan(1), 5.0)
+        assert read(_core.RingReader(r["node"].step_ring, 0)) == plan(1)
+        r["relay"].send_signal(signal.SIGSTOP)  # frozen: the connection stays open, nothing more is sent
+        deadline = time.monotonic() + 10 * HEARTBEAT_S
+        while not r["node"].done():
+            assert time.monotonic() < deadline, "the node relay still serves a silent stream"
+            time.sleep(0.05)
+
+
 def test_a_connection_without_the_token_is_refused() -> None:
     with relayed(token=secrets.token_hex(TOKEN_BYTES)) as r:
         assert _core.RingWriter(r["step"]).write(plan(1), 5.0)
@@ -132,3 +194,20 @@ def test_frames_round_trip_and_an_oversized_one_is_refused() -> None:
         a.shutdown(socket.SHUT_WR)
         assert recv_frame(b, 64) == b"abc"
         assert recv_frame(b, 64) is None  # the end of the stream
+
+
+def test_heartbeats_are_skipped_between_frames_and_their_absence_times_out() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        stopped = threading.Event()
+        sender = FrameSender(a)
+        beat = threading.Thread(target=heartbeat, args=(sender, stopped, 0.05))
+        beat.start()
+        time.sleep(0.1)
+        sender.send(b"record")
+        stopped.set()
+        beat.join()
+        b.settimeout(0.3)
+        assert recv_frame(b, 64) == b"record"  # the empty frames before it were skipped
+        with pytest.raises(TimeoutError):
+            recv_frame(b, 64)

@@ -37,15 +37,18 @@ def greedy(n: int, *, ids: list[int] | None = None, text: str = "") -> pb.Genera
     return pb.GenerateRequest(text=text, sampling=sampling)
 
 
-@pytest.fixture(scope="module")
-def three_layer_llama(tmp_path_factory) -> Path:
+def save_three_layer_llama(folder: Path) -> Path:
     """3 layers (stages of 2 + 1) and a tied head (the last stage keeps its own copy of the embedding)."""
-    folder = tmp_path_factory.mktemp("llama-3-layers")
     torch.manual_seed(0)
     hf = HfLlamaForCausalLM(HfLlamaConfig(**{**TINY, "num_hidden_layers": 3}, tie_word_embeddings=True))
     hf.save_pretrained(folder)
     save_word_tokenizer(folder, hf.config.vocab_size)
     return folder
+
+
+@pytest.fixture(scope="module")
+def three_layer_llama(tmp_path_factory) -> Path:
+    return save_three_layer_llama(tmp_path_factory.mktemp("llama-3-layers"))
 
 
 def test_two_stages_and_two_by_two_ranks_decode_exactly_like_one(three_layer_llama: Path, tmp_path: Path) -> None:
