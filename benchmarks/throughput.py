@@ -196,7 +196,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: what a worker picks, ringserve.formats.engine_args)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens; finishes in well under a minute")
-    p.add_argument("--quantization", default=EngineArgs.quantization, choices=QUANTIZATIONS,
+    p.add_argument("--quantization", default=EngineArgs().quantization, choices=QUANTIZATIONS,
                    help="GGUF weights: kept quantized (gguf), dequantized (none), or auto as the server (default)")
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     args = p.parse_args()

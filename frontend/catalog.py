@@ -237,7 +237,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class ModelSpec:
-    """What to load: a model file or folder and the engine settings that differ from the server's flags."""
+    """What to load: a model file or folder, the engine settings that differ from the server's flags, and a chat
+    template file to use instead of the model's."""
 
     name: str
     path: str
@@ -248,6 +249,7 @@ class ModelSpec:
     max_num_seqs: int | None = None
     kv_cache_memory_gib: float | None = None
     num_kv_blocks: int | None = None
+    chat_template: str | None = None  # a Jinja file replacing the model's own chat template (or its lack of one)
 
     def __post_init__(self) -> None:
         self.check()

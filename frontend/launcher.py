@@ -31,6 +31,7 @@ from ringserve.frontend.deployment import ModelDeployment
 from ringserve.frontend.model_source import EMBEDDED_MODEL_NAME, ModelNotFoundError, ModelSource, resolve_model
 from ringserve.frontend.restart_policy import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from ringserve.frontend.routing.disagg import model_identity
+from ringserve.frontend.text.chat_templates import read_chat_template
 from ringserve.frontend.text.tokenizer import ModelTokenizer, load_tokenizer, tokenizer_from_gguf
 
 if sys.version_info >= (3, 11):
@@ -61,6 +62,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     flag("--model", EMBEDDED_MODEL_NAME, str,
          "a .gguf file, a Hugging Face folder, or the embedded model's name (default %(default)s)")
     flag("--served-model-name", "", str, "name clients use in GenerateRequest.model (default: from --model)")
+    flag("--chat-template", "", str,
+         "a Jinja chat template file for --model's `messages` requests, used instead of the model's own (default: "
+         "the model's; for a GGUF without one, RingServe's built-in template of its architecture where there is "
+         "one, docs/models.md)")
     add_engine_arguments(p)  # --dtype ... --kv-transfer: the settings each engine replica gets
     flag("--max-waiting-requests", DEFAULT_MAX_WAITING_REQUESTS, int,
          "requests admitted but not yet scheduled by the engine before new ones get RESOURCE_EXHAUSTED; a request "
@@ -79,8 +84,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
          "fewest outstanding tokens (default %(default)s)")
     flag("--models-config", "", str,
          "a TOML file of models to serve from the start ([[models]] tables: model, name, data_parallel_size, "
-         "tensor_parallel_size, dtype, max_model_len, max_num_seqs, kv_cache_memory_gib, num_kv_blocks; optional "
-         "top-level default_model); replaces --model")
+         "tensor_parallel_size, dtype, max_model_len, max_num_seqs, kv_cache_memory_gib, num_kv_blocks, "
+         "chat_template; optional top-level default_model); replaces --model")
     p.add_argument("--model-management", action=argparse.BooleanOptionalAction,
                    default=env_default("--model-management", True, parse_bool),
                    help="let clients register, scale, unregister and set the default model at run time through "
@@ -171,6 +176,8 @@ def check_serve_arguments(args: argparse.Namespace) -> str | None:
     if kv_transfer_backend(args) != "none" and (args.models_config or args.data_parallel_size > 1):
         return ("a disaggregated server (--role prefill/decode or --kv-transfer) serves one model with one engine "
                 "replica: drop --models-config and --data-parallel-size, and run more servers behind the router")
+    if args.chat_template and args.models_config:
+        return "--chat-template is for --model; give each [[models]] table of --models-config its own chat_template"
     if args.kv_pin_timeout <= 0:
         return f"--kv-pin-timeout must be > 0 seconds (got {args.kv_pin_timeout})"
     try:
@@ -232,15 +239,16 @@ class LoadedMetadata:
 
 
 _CONFIG_KEYS = {"name", "model", "data_parallel_size", "tensor_parallel_size", "dtype", "max_model_len",
-                "max_num_seqs", "kv_cache_memory_gib", "num_kv_blocks"}  # fmt: skip
+                "max_num_seqs", "kv_cache_memory_gib", "num_kv_blocks", "chat_template"}  # fmt: skip
 
 
 def load_models_config(path: str) -> tuple[list[ModelSpec], str | None]:
     """The `--models-config` TOML file: `[[models]]` tables and an optional top-level `default_model`.
 
     Each table: `model` (a .gguf file, a Hugging Face folder or the embedded model's name; required), `name`
-    (default: from the file), and any of data_parallel_size, tensor_parallel_size, dtype, max_model_len,
-    max_num_seqs, kv_cache_memory_gib, num_kv_blocks (default: the server's flags). Errors name the entry and key.
+    (default: from the file), any of data_parallel_size, tensor_parallel_size, dtype, max_model_len,
+    max_num_seqs, kv_cache_memory_gib, num_kv_blocks (default: the server's flags), and chat_template (a Jinja file;
+    default: the model's). Errors name the entry and key.
     """
     try:
         with open(path, "rb") as file:
@@ -264,6 +272,11 @@ def load_models_config(path: str) -> tuple[list[ModelSpec], str | None]:
         if not isinstance(entry.get("model"), str):
             raise ValueError(f"{where}: `model` (a .gguf file, a Hugging Face folder or {EMBEDDED_MODEL_NAME!r}) "
                              "is required")  # fmt: skip
+        template = entry.get("chat_template")
+        if template is not None:
+            if not isinstance(template, str):
+                raise ValueError(f"{where}: chat_template must be the path of a Jinja file")
+            read_chat_template(template, f"{where}: chat_template")
         try:
             source = resolve_model(entry["model"], entry.get("name") or None)
             options = {k: v for k, v in entry.items() if k not in ("name", "model", "data_parallel_size")}
@@ -324,7 +337,7 @@ class ModelLauncher:
         metadata = self._metadata.pop(spec.path, None)
         if metadata is None:
             try:
-                metadata = await asyncio.to_thread(read_metadata, spec.path, spec.name)
+                metadata = await asyncio.to_thread(read_metadata, spec.path, spec.name, spec.chat_template)
             except (ModelNotFoundError, OSError, ValueError) as exc:
                 raise ModelError(grpc.StatusCode.INVALID_ARGUMENT, f"url: {exc}") from None
         source, tokenizer = metadata.source, metadata.tokenizer
@@ -364,9 +377,16 @@ class ModelLauncher:
                  replica.ready.num_total_blocks, replica.ready.block_size)  # fmt: skip
 
 
-def read_metadata(model: str, served_name: str | None = None) -> LoadedMetadata:
+def read_metadata(model: str, served_name: str | None = None, chat_template: str | None = None) -> LoadedMetadata:
+    """The model's metadata; `chat_template` (a Jinja file) replaces the chat template its files carry, if any."""
     source = resolve_model(model, served_name)
     architecture, context_length, tokenizer = model_metadata(source)
+    if chat_template:
+        source_text = read_chat_template(chat_template)
+        tokenizer = dataclasses.replace(tokenizer, chat_template_source=source_text, chat_template_builtin=None)
+    elif tokenizer.chat_template_builtin:
+        log.info("%s has no chat template; `messages` use RingServe's built-in %s template (--chat-template FILE "
+                 "overrides it)", source.path, tokenizer.chat_template_builtin)  # fmt: skip
     return LoadedMetadata(source, architecture, context_length, tokenizer)
 
 
@@ -376,7 +396,8 @@ def startup_models(args: argparse.Namespace) -> tuple[list[ModelSpec], str | Non
         return load_models_config(args.models_config)
     source = resolve_model(args.model, args.served_model_name or None)
     try:
-        return [ModelSpec(name=source.name, path=str(source.path), replicas=args.data_parallel_size)], None
+        return [ModelSpec(name=source.name, path=str(source.path), replicas=args.data_parallel_size,
+                          chat_template=args.chat_template or None)], None
     except ModelError as exc:
         raise ValueError(exc.message) from None
 
@@ -469,7 +490,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         security = ServerSecurity.from_args(args)  # before the model loads: a bad TLS/key setting fails fast
         specs, default_model = startup_models(args)
-        metadata = [read_metadata(spec.path, spec.name) for spec in specs]
+        metadata = [read_metadata(spec.path, spec.name, spec.chat_template) for spec in specs]
     except (ModelNotFoundError, OSError, ValueError) as exc:
         print(f"ringserve serve: {exc}", file=sys.stderr)
         return 2

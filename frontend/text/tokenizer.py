@@ -2,7 +2,9 @@
 
 A GGUF carries no tokenizer.json: the vocabulary, merges, token types and special ids live in metadata under
 llama.cpp's key names. We rebuild the same `tokenizers.Tokenizer` that transformers builds for
-`AutoTokenizer.from_pretrained(dir, gguf_file=name)`, so ids and text match it exactly.
+`AutoTokenizer.from_pretrained(dir, gguf_file=name)`, so ids and text match it exactly. A GGUF without
+`tokenizer.chat_template` gets the built-in template of its architecture where RingServe has one
+(frontend/text/chat_templates.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from ringserve.frontend.text.chat_templates import builtin_chat_template
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
@@ -103,6 +106,8 @@ class ModelTokenizer:
     unk_token: str | None = None
     pad_token: str | None = None
     chat_template_source: str | None = None
+    # The name of the built-in template in chat_template_source when the model's files carry none (GGUF only).
+    chat_template_builtin: str | None = None
     # Every id that ends generation (the tokenizer's EOS plus generation_config's, for HF folders).
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -169,7 +174,8 @@ class ModelTokenizer:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
-            raise ValueError("this model has no chat template; send `text` or `token_ids` instead of `messages`")
+            raise ValueError("this model has no chat template (its files carry none and the server was started "
+                             "without --chat-template); send `text` or `token_ids` instead of `messages`")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
@@ -238,9 +244,15 @@ def tokenizer_from_gguf(source: str | os.PathLike[str] | Any) -> ModelTokenizer:
     eos_id = meta("tokenizer.ggml.eos_token_id")
     eot_id = meta("tokenizer.ggml.eot_token_id")
     eos_ids = [i for i in dict.fromkeys((eos_id, eot_id)) if i is not None]
+    template, builtin = meta("tokenizer.chat_template"), None
+    if not template and (builtin := builtin_chat_template(meta("general.architecture"))) is not None:
+        template = builtin.source
+        end_of_turn = backend.token_to_id(builtin.end_of_turn)
+        if end_of_turn is not None and end_of_turn not in eos_ids:
+            eos_ids.append(end_of_turn)  # a chat reply ends with its turn (Gemma's files list only <eos>)
     return ModelTokenizer(backend=backend, bos_token=special["bos"], eos_token=special["eos"], unk_token=special["unk"],
-                          pad_token=special["pad"], chat_template_source=meta("tokenizer.chat_template"),
-                          eos_token_ids=eos_ids)
+                          pad_token=special["pad"], chat_template_source=template,
+                          chat_template_builtin=None if builtin is None else builtin.name, eos_token_ids=eos_ids)
 
 
 def _byte_level_bpe(

@@ -93,6 +93,8 @@ max_model_len = 1024
     ("models = 3\n", "[[models]]"),
     ("[[models]]\nmodel = '{gguf}'\ndtype = 'int3'\n", "dtype"),
     ("[[models]]\nmodel = '/no/such.gguf'\n", "no/such"),
+    ("[[models]]\nmodel = '{gguf}'\nchat_template = '/no/such.jinja'\n", "models[0]: chat_template /no/such.jinja"),
+    ("[[models]]\nmodel = '{gguf}'\nchat_template = 3\n", "models[0]: chat_template must be"),
     ("[[models\n", "TOML"),
 ])  # fmt: skip
 def test_bad_models_configs_name_the_entry_and_key(tmp_path: Path, text: str, message: str) -> None:

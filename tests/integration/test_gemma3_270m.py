@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from workers_testkit import hf_greedy
 
 NEW_TOKENS = 32
+CHAT_TOKENS = 24
+CHAT = [{"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 # Past the 512-token window of the local layers, so their masking and the paged cache's windowed reads are exercised.
 LONG_TEXT = " ".join(
@@ -105,9 +108,12 @@ def test_the_gguf_sentencepiece_tokenizer_round_trips_text(gemma_path: Path) -> 
         assert tokenizer.decode(ids) == text
     assert tokenizer.token_to_id("<start_of_turn>") == 105  # control tokens stay whole
     assert tokenizer.encode("<start_of_turn>user", add_special_tokens=False)[0] == 105
-    # This file carries no tokenizer.chat_template: `messages` are refused with the reason, never templated by guess.
-    with pytest.raises(ValueError, match="no chat template"):
-        tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+    # This file carries no tokenizer.chat_template: `messages` get RingServe's built-in Gemma template, and a reply
+    # ends at <end_of_turn> (106), which the file does not list as an end of generation.
+    assert tokenizer.chat_template_builtin == "gemma" and tokenizer.eos_token_ids == [1, 106]
+    # <bos> <start_of_turn> user \n Hi <end_of_turn> \n <start_of_turn> model \n
+    assert tokenizer.encode_chat([{"role": "user", "content": "Hi"}]) == [2, 105, 2364, 107, 10979, 106, 107, 105,
+                                                                          4368, 107]  # fmt: skip
 
 
 def test_gemma_3_270m_served_by_name_gives_transformers_greedy_tokens(gemma_path: Path, tmp_path: Path) -> None:
@@ -116,6 +122,11 @@ def test_gemma_3_270m_served_by_name_gives_transformers_greedy_tokens(gemma_path
     assert len(prompts[-1]) > 600
     reference = reference_model(gemma_path)
     expected = [hf_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    # A chat request through the built-in template: transformers' greedy reply up to the end of its turn.
+    chat_prompt = tokenizer.encode_chat(CHAT)
+    chat_reply = hf_greedy(reference, chat_prompt, CHAT_TOKENS)
+    ends = [i for i, t in enumerate(chat_reply) if t in tokenizer.eos_token_ids]
+    chat_reply = chat_reply[: ends[0] + 1] if ends else chat_reply
     del reference
     flags = ("--worker-threads", "1", "--max-model-len", "1024", "--max-num-batched-tokens", "96")
     with start_server(Path(GEMMA3_MODEL_NAME), tmp_path, *flags, ready_timeout_s=600) as server:
@@ -127,6 +138,14 @@ def test_gemma_3_270m_served_by_name_gives_transformers_greedy_tokens(gemma_path
                 sampling=pb.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
             )
             got.append([t for r in stub.Generate(request, timeout=300) for t in r.token_ids])
+        messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in CHAT])
+        chat = list(stub.Generate(pb.GenerateRequest(
+            messages=messages, sampling=pb.SamplingParams(max_tokens=CHAT_TOKENS, temperature=0.0)), timeout=300))
+        tokenized = stub.Tokenize(pb.TokenizeRequest(messages=messages), timeout=60)
         code = server.stop()
     assert code == 0, server.log()
     assert got == expected
+    assert list(tokenized.token_ids) == chat_prompt
+    assert [t for r in chat for t in r.token_ids] == chat_reply, tokenizer.decode(chat_reply)
+    stopped = chat_reply[-1] in tokenizer.eos_token_ids
+    assert chat[-1].finish_reason == (pb.FINISH_REASON_STOP if stopped else pb.FINISH_REASON_LENGTH)

@@ -1,5 +1,6 @@
 """Every architecture of the registry serves transformers' greedy tokens through the real scheduler and a ModelRunner,
-RoPE scalings equal transformers' tables, and unsupported checkpoints are refused at load naming what they ask for."""
+RoPE scalings (and partial rotary widths) equal transformers' tables, and unsupported checkpoints are refused at load
+naming what they ask for."""
 
 from __future__ import annotations
 
@@ -8,20 +9,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from ringserve.workers.loader import load_hf_model
-from ringserve.workers.model.registry import ARCHITECTURES
+from ringserve.workers.model import KVCache
+from ringserve.workers.model.fast_paths import apply_fast_paths
+from ringserve.workers.model.native_decoder import NativeDecoder
+from ringserve.workers.model.registry import ARCHITECTURES, read_decoder_config
 from ringserve.workers.model.rope import rope_frequencies
 from ringserve.workers.model_runner import ModelRunner
 from transformers import LlamaConfig as HfLlamaConfig
 from transformers import Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from workers_testkit import hf_greedy, save_tiny_hf_model, serve_in_process
 
 BLOCK = 4
 # One variant per kind of difference from llama: dense with RoPE scaling (YaRN, LongRoPE), bias, q/k norm, fused
-# checkpoint tensors, sliding windows (every layer, and mixed with global layers), experts with and without a shared
-# one.
-ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "phi3_longrope",
+# checkpoint tensors, partial rotary embeddings (with LongRoPE, as Phi-4-mini), sliding windows (every layer, and
+# mixed with global layers), experts with and without a shared one.
+ARCHITECTURE_VARIANTS = ("llama_yarn", "qwen2_attention_bias", "qwen3", "phi3", "phi3_longrope", "phi4_mini_longrope",
                          "mistral_sliding_window", "qwen2_sliding_window", "mixtral", "qwen2_moe", "qwen3_moe",
                          "gemma2", "gemma3")  # fmt: skip
 # transformers 5.x's generate() with yarn RoPE departs from its own whole-sequence forward (prompt [250, 1, 2], token
@@ -124,6 +130,50 @@ def test_longrope_takes_the_factor_set_of_the_served_context_as_transformers_doe
     assert (factor == 1.0) == (max_position == 4096)
     with pytest.raises(ValueError, match="longrope: 32 rescale factors for head_dim 128"):
         rope_frequencies(128, 10000.0, scaling, max_position)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(24)],
+                                              "long_factor": [1.0 + i for i in range(24)],
+                                              "original_max_position_embeddings": 4096}],
+                         ids=["default", "longrope"])  # fmt: skip
+def test_partial_rotary_frequencies_are_those_of_the_rotated_width_as_in_transformers(scaling: dict | None) -> None:
+    # Phi-4-mini's shape: head_dim 64 here, 0.75 of it (48 dims, 24 frequencies) rotated.
+    hf = Phi3Config(hidden_size=512, num_attention_heads=8, max_position_embeddings=131072, partial_rotary_factor=0.75,
+                    rope_scaling=None if scaling is None else {**scaling, "rope_theta": 10000.0})  # fmt: skip
+    if scaling is None:
+        want, want_factor = Phi3RotaryEmbedding.compute_default_rope_parameters(hf)
+    else:  # the long factors, which transformers takes for a sequence past the original context
+        want, want_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=131072)
+    config = read_decoder_config(json.loads(hf.to_json_string()), "config.json")
+    assert (config.head_dim, config.rotary_dim) == (64, 48)
+    got, factor = rope_frequencies(config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position)
+    torch.testing.assert_close(got, want.float(), atol=0, rtol=1e-6)
+    assert factor == pytest.approx(want_factor)
+
+
+def test_a_partial_rotary_factor_in_the_transformers_4_layout_is_read(tmp_path: Path) -> None:
+    # Phi-4-mini's own config.json: `partial_rotary_factor` at the top level, LongRoPE under `rope_scaling` ("type").
+    save_tiny_hf_model("phi4_mini_longrope", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    write_config(tmp_path, rope_parameters=None, partial_rotary_factor=rope.pop("partial_rotary_factor"),
+                 rope_theta=rope.pop("rope_theta"), rope_scaling={**rope, "type": rope.pop("rope_type")})
+    config = load_hf_model(tmp_path, torch.float32).config
+    assert (config.rotary_dim, config.rope_scaling["rope_type"]) == (12, "longrope")
+    write_config(tmp_path, partial_rotary_factor=0.7)  # 11.2 -> 11 dims: not pairs
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0.7 rotates 11 of head_dim 16"):
+        load_hf_model(tmp_path, torch.float32)
+
+
+def test_partial_rotary_models_keep_the_native_decoder_off(tmp_path: Path) -> None:
+    """The one-call decoder rotates whole heads; a partial-rotary model must decode layer by layer."""
+    supports = {}
+    for variant in ("phi3", "phi4_mini"):
+        save_tiny_hf_model(variant, tmp_path / variant)
+        model = apply_fast_paths(load_hf_model(tmp_path / variant, torch.bfloat16))
+        model.bind_kv_cache(KVCache.allocate(model.config, 8, BLOCK, torch.bfloat16, "cpu"), TorchSdpaBackend())
+        supports[variant] = NativeDecoder.supports(model)
+    assert supports == {"phi3": True, "phi4_mini": False}
 
 
 def test_the_registry_names_each_architecture_once() -> None:

@@ -103,6 +103,16 @@ VARIANTS = {
         **TINY, pad_token_id=0, eos_token_id=2, bos_token_id=1, original_max_position_embeddings=2,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                       "long_factor": [1.0, 1.4, 2.2, 3.5, 5.0, 7.5, 11.0, 16.0]})),
+    # Phi-4-mini: RoPE on the first 0.75 of each head (12 of 16 dims); then with its LongRoPE too (6 factors for the
+    # 12 rotated dims), past an original context of 2 so every position takes the long ones. Untied, unlike the real
+    # one: a tiny tied model echoes its last token, and transformers' min_new_tokens would mask that echo of EOS.
+    "phi4_mini": lambda: Phi3ForCausalLM(Phi3Config(
+        **TINY, pad_token_id=0, eos_token_id=2, bos_token_id=1, partial_rotary_factor=0.75)),
+    "phi4_mini_longrope": lambda: Phi3ForCausalLM(Phi3Config(
+        **TINY, pad_token_id=0, eos_token_id=2, bos_token_id=1, partial_rotary_factor=0.75,
+        original_max_position_embeddings=2,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.4],
+                      "long_factor": [1.0, 1.7, 3.0, 5.5, 9.0, 14.0]})),
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
         **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,

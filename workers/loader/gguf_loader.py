@@ -62,7 +62,8 @@ def read_gguf_config(reader: GGUFReader, path: str) -> tuple[Architecture, Llama
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise ValueError(f"{path}: partial rotary (rope dims {rope_dim} of head_dim {head_dim}) is not supported")
+        raise ValueError(f"{path}: partial rotary (rope dims {rope_dim} of head_dim {head_dim}) is not supported from "
+                         "GGUF files; load the model's Hugging Face safetensors folder instead")  # fmt: skip
     scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
     rope_scaling: dict[str, Any] | None = None
     if scaling_type in ("linear", "yarn"):

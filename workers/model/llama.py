@@ -2,7 +2,8 @@
 
 One config-driven model serves every architecture that is a llama with flags (workers/model/registry.py lists them):
 q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen where configured),
-RoPE scaling (workers/model/rope.py), and a mixture of experts in place of the MLP (Mixtral, Qwen2/3-MoE).
+RoPE scaling (workers/model/rope.py), partial rotary embeddings (Phi-4-mini), and a mixture of experts in place of
+the MLP (Mixtral, Qwen2/3-MoE).
 The forward takes the flat token ids and positions of every sequence in the step (no padding) and reads the
 step's layout (slot mapping, block tables, which rows produce logits) from the attention metadata.
 Parameter names follow Hugging Face's LlamaForCausalLM / Qwen2MoeForCausalLM, so the loaders map names by table.
@@ -36,6 +37,8 @@ class LlamaConfig:
     # HF-style dict with "rope_type" (workers/model/rope.py: linear, dynamic, llama3, yarn) and its parameters;
     # None = plain RoPE.
     rope_scaling: dict[str, Any] | None = None
+    # The share of each head that RoPE rotates (Phi-4-mini: 0.75): its first `rotary_dim` dims; the rest pass through.
+    partial_rotary_factor: float = 1.0
     max_position: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -54,6 +57,14 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of "
+                             f"head_dim {self.head_dim}: need an even number of dims in (0, head_dim]")  # fmt: skip
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims RoPE rotates at the start of each q and k head (transformers: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (a query sees the last `window` positions, itself included), or None."""
@@ -69,7 +80,7 @@ class LlamaConfig:
 
 
 class RotaryStep(NamedTuple):
-    """The step's positions [T] and their cos and sin [T, 1, head_dim], looked up once for every layer."""
+    """The step's positions [T] and their cos and sin [T, 1, rotary_dim], looked up once for every layer."""
 
     positions: torch.Tensor
     cos: torch.Tensor
@@ -77,7 +88,7 @@ class RotaryStep(NamedTuple):
 
 
 class RotaryEmbedding(nn.Module):
-    """HF "rotate_half" RoPE: the two halves of each head are the (real, imaginary) pairs."""
+    """HF "rotate_half" RoPE: the two halves of each head's first rotary_dim dims are the (real, imaginary) pairs."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -90,11 +101,12 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin = None
 
     def cos_sin(self, device: torch.device) -> torch.Tensor:
-        """The float32 table [2, max_position, head_dim] of every position's cos and sin."""
+        """The float32 table [2, max_position, rotary_dim] of every position's cos and sin."""
         if self._cos_sin is None or self._cos_sin.device != device:
             cfg = self.config
+            # Partial rotary: the frequencies are those of a head rotary_dim wide, as transformers computes them.
             inv_freq, attention_factor = rope_frequencies(
-                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position
+                cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position
             )
             if self.freq_factors is not None:
                 inv_freq = inv_freq / self.freq_factors.cpu()
@@ -110,8 +122,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, rope: RotaryStep) -> torch.Tensor:
-    """RoPE on [T, heads, head_dim]: x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
+    """RoPE on [T, heads, head_dim]: x * cos + rotate_half(x) * sin over the first rotary_dim dims (the width of
+    the step's cos/sin), the rest of each head passed through unchanged."""
+    dim = rope.cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((rotate(x[..., :dim], rope), x[..., dim:]), dim=-1)
+    half = dim // 2
     return x * rope.cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * rope.sin
 
 

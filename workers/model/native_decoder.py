@@ -115,6 +115,8 @@ class NativeDecoder:
             return False
         if any(cfg.window(i) is not None for i in range(cfg.num_layers)):
             return False  # its paged attention has no sliding window
+        if cfg.rotary_dim != cfg.head_dim:
+            return False  # its RoPE rotates whole heads
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if getattr(attn, "qkv_weight", None) is None or getattr(mlp, "gate_up_weight", None) is None:

@@ -40,19 +40,21 @@ def _need(cfg: dict[str, Any], key: str, source: str) -> Any:
     return value
 
 
-def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from transformers 4.x `rope_scaling` + `rope_theta` or 5.x `rope_parameters`."""
+def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, partial rotary factor) from transformers 4.x `rope_scaling` + `rope_theta` (+ a top-level
+    `partial_rotary_factor`) or 5.x `rope_parameters`."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {partial} is not supported (supported: 0 < factor <= 1)")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_SCALING_TYPES:
         supported = ", ".join(ROPE_SCALING_TYPES)
         raise ValueError(f"{source}: rope scaling {kind!r} is not supported (supported: {supported})")
-    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError(f"{source}: partial rotary embeddings are not supported (partial_rotary_factor must be 1.0)")
     if kind != "default" and "original_max_position_embeddings" in cfg:  # Phi-3 and others write it at the top
         rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
-    return theta, None if kind == "default" else {**rope, "rope_type": kind}
+    return theta, None if kind == "default" else {**rope, "rope_type": kind}, partial
 
 
 def _layer_windows(cfg: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
@@ -96,7 +98,7 @@ def read_decoder_config(cfg: dict[str, Any], source: str, **family: Any) -> Llam
     heads = int(_need(cfg, "num_attention_heads", source))
     hidden = int(_need(cfg, "hidden_size", source))
     num_layers = int(_need(cfg, "num_hidden_layers", source))
-    theta, scaling = _rope(cfg, source)
+    theta, scaling, partial_rotary_factor = _rope(cfg, source)
     eos = cfg.get("eos_token_id")
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     moe: dict[str, Any] = {}
@@ -123,6 +125,7 @@ def read_decoder_config(cfg: dict[str, Any], source: str, **family: Any) -> Llam
         rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         rope_theta=theta,
         rope_scaling=scaling,
+        partial_rotary_factor=partial_rotary_factor,
         max_position=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", bias_default))),
