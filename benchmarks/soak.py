@@ -22,7 +22,9 @@ Ctrl-C (or SIGTERM) stops the traffic early: the requests in flight finish and t
 The last line of output is one JSON object: requests, requests_completed, outcomes, errors_by_status,
 unexpected_errors (and a few unexpected_samples), kills, restarts (ringserve_engine_restarts_total),
 mean_time_to_serving_s, frontend_rss_mib / engine_rss_mib / workers_rss_mib (at the start of the measured part, after
-warm-up, and at the end, with growth_mib_per_1k_requests), open_fds, kv_blocks (total, free when idle),
+warm-up, and at the end, with growth_mib_per_1k_requests) and the same for *_anon_mib (anonymous memory only: the
+heaps a leak would grow, without the ring pages that RSS gains until each ring has wrapped once), open_fds,
+kv_blocks (total, free when idle),
 shm_segments (the server's while it serves, and those left after it stopped), processes_left, server_exit_code,
 health_latency_max_s and leaked (true when a KV block, a segment or a process outlived its use). The exit status is
 1 when an error was unexpected or something leaked.
@@ -293,22 +295,35 @@ def role_of(process: psutil.Process) -> str:
     return "engine" if ENGINE_MARK in line else "worker" if WORKER_MARK in line else "frontend"
 
 
+def anon_mib(pid: int) -> float:
+    """Resident anonymous memory (MiB): the heaps, which a leak grows. RSS also counts the pages of the rings (shared
+    memory, resident once touched: RSS creeps up until each ring has wrapped once) and of libraries."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise psutil.NoSuchProcess(pid)
+
+
 def snapshot(server: LiveServer, record: Record) -> dict[str, Any]:
-    """RSS (MiB) and open fds of the frontend, the engine and the workers (summed), with the engine's pid."""
+    """RSS and anonymous memory (MiB) and open fds of the frontend, the engine and the workers (summed), with the
+    engine's pid."""
     shot: dict[str, Any] = {"t": time.monotonic(), "requests": record.served}
-    workers: list[float] = []
+    workers: list[tuple[float, float]] = []
     for process in tree(server):
         try:
             role, rss, fds = role_of(process), process.memory_info().rss / 2**20, process.num_fds()
-        except psutil.Error:
+            anon = anon_mib(process.pid)
+        except (psutil.Error, OSError):
             continue
         record.pids.add(process.pid)
         if role == "worker":
-            workers.append(rss)
+            workers.append((rss, anon))
         elif role in ("frontend", "engine"):
-            shot.update({f"{role}_rss_mib": rss, f"{role}_fds": fds, f"{role}_pid": process.pid})
+            shot.update({f"{role}_rss_mib": rss, f"{role}_anon_mib": anon, f"{role}_fds": fds,
+                         f"{role}_pid": process.pid})
     if workers:
-        shot["workers_rss_mib"] = sum(workers)
+        shot["workers_rss_mib"] = sum(rss for rss, _ in workers)
+        shot["workers_anon_mib"] = sum(anon for _, anon in workers)
     return shot
 
 
@@ -508,6 +523,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "frontend_rss_mib": growth(record.samples, "frontend_rss_mib", None),
         "engine_rss_mib": growth(record.samples, "engine_rss_mib", "engine_pid"),
         "workers_rss_mib": growth(record.samples, "workers_rss_mib", "engine_pid"),
+        "frontend_anon_mib": growth(record.samples, "frontend_anon_mib", None),
+        "engine_anon_mib": growth(record.samples, "engine_anon_mib", "engine_pid"),
+        "workers_anon_mib": growth(record.samples, "workers_anon_mib", "engine_pid"),
         "open_fds": {"frontend": first_last(record.samples, "frontend_fds"),
                      "engine": first_last(record.samples, "engine_fds")},
         "kv_blocks": {"total": stats.total_kv_blocks, "free_idle": stats.free_kv_blocks},

@@ -31,6 +31,7 @@ def test_quick_chaos_soak_has_no_unexpected_error_and_leaks_nothing(model_path: 
     assert result["shm_segments"] == {"serving": 0, "after_stop": 0, "left": []}
     assert result["processes_left"] == [] and result["server_exit_code"] == 0
     assert result["leaked"] is False
-    for key in ("frontend_rss_mib", "engine_rss_mib", "workers_rss_mib"):
+    for key in ("frontend_rss_mib", "engine_rss_mib", "workers_rss_mib", "frontend_anon_mib", "engine_anon_mib",
+                "workers_anon_mib"):
         assert result[key]["end"] is not None, key
     assert result["open_fds"]["frontend"]["start"] > 0
