@@ -11,7 +11,8 @@ Last line: one JSON object.
   and the prompt's; the LM head, which sees one row per sequence, up to 256), milliseconds per call: `float_ms` the
   float path's F.linear / native kernel on float weights, `quant_ms` quant_ops.linear as the model calls it (the int8
   kernel below DEQUANTIZE_MIN_ROWS rows, dequantized panels and the float GEMM from there), `int8_ms` and
-  `dequant_gemm_ms` each of those two forced; `speedup` = float_ms / quant_ms. `dequantize_ms`: the weight's native
+  `dequant_gemm_ms` each of those two forced (a weight over DEQUANTIZE_MAX_VALUES, the LM head, keeps the int8
+  kernel in both); `speedup` = float_ms / quant_ms. `dequantize_ms`: the weight's native
   dequantization alone.
 """
 

@@ -195,7 +195,7 @@ TEXT = ("The river ran quietly past the old mill, where the miller's daughter sa
 
 
 @pytest.mark.skipif(not os.environ.get(GGUF_ENV), reason=f"set {GGUF_ENV} to the embedded model's .gguf file")
-def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity():
+def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity(monkeypatch):
     from ringserve.frontend.text.tokenizer import tokenizer_from_gguf
 
     path = Path(os.environ[GGUF_ENV])
@@ -239,3 +239,8 @@ def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity():
 
     want_ppl, got_ppl = perplexity(models["none"]), perplexity(models["gguf"])
     assert abs(got_ppl / want_ppl - 1) <= 0.01, f"perplexity {got_ppl:.4f} vs float32 {want_ppl:.4f}"
+    # The text is one prompt chunk, which the float GEMM on dequantized weights takes; the int8 kernel too must hold.
+    assert len(ids) >= quant_ops.DEQUANTIZE_MIN_ROWS
+    monkeypatch.setattr(quant_ops, "DEQUANTIZE_MIN_ROWS", INT8_ONLY)
+    int8_ppl = perplexity(models["gguf"])
+    assert int8_ppl != got_ppl and abs(int8_ppl / want_ppl - 1) <= 0.01, f"int8 kernel: perplexity {int8_ppl:.4f}"

@@ -188,11 +188,11 @@ def linear(
     residual: torch.Tensor | None = None,
     *,
     force_portable: bool = False,
-    dequantize_min_rows: int = DEQUANTIZE_MIN_ROWS,
+    dequantize_min_rows: int | None = None,
 ) -> torch.Tensor:
     """cpu_ops.linear for a float weight; for a QuantizedWeight, x @ W^T (+ bias) (+ residual) by the native int8
-    kernel, or from `dequantize_min_rows` input rows by the float GEMM on the dequantized weight (x float32 or
-    bfloat16 on the CPU; the output has x's dtype)."""
+    kernel, or from `dequantize_min_rows` (default DEQUANTIZE_MIN_ROWS) input rows by the float GEMM on the
+    dequantized weight (x float32 or bfloat16 on the CPU; the output has x's dtype)."""
     if not isinstance(weight, QuantizedWeight):
         return cpu_ops.linear(x, weight, bias, residual)
     if _MODULE is None:
@@ -210,7 +210,8 @@ def linear(
             if t.dtype is not x.dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"quantized linear: {name} must be {x.dtype} of shape {tuple(shape)}")
             extras[name] = t.contiguous()
-    if rows and rows >= dequantize_min_rows and n * k <= DEQUANTIZE_MAX_VALUES:
+    min_rows = DEQUANTIZE_MIN_ROWS if dequantize_min_rows is None else dequantize_min_rows
+    if rows and rows >= min_rows and n * k <= DEQUANTIZE_MAX_VALUES:
         residual2 = extras["residual"].view(rows, n) if "residual" in extras else None
         product = _float_product(x2, weight, extras.get("bias"), residual2, force_portable)
         return product.view(*x.shape[:-1], n)
