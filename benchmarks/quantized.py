@@ -7,9 +7,13 @@ Last line: one JSON object.
   of the rounds; ratio_single = their ratio.
 - prefill_1k_ms / float_prefill_1k_ms: one 1,024-token prompt prefilled in one step; ratio_prefill = float / quantized
   (above 1: the quantized path is faster).
-- kernels: per projection shape of the model (fused qkv, o, gate_up, down, lm_head), milliseconds per call for 1 row
-  and for the prefill's 1,024 rows, quantized kernel against the float path's F.linear / native kernel (where the time
-  goes).
+- kernels: per projection shape of the model (fused qkv, o, gate_up, down, lm_head) and row count (1, 16, 32, 64, 256
+  and the prompt's; the LM head, which sees one row per sequence, up to 256), milliseconds per call: `float_ms` the
+  float path's F.linear / native kernel on float weights, `quant_ms` quant_ops.linear as the model calls it (the int8
+  kernel below DEQUANTIZE_MIN_ROWS rows, dequantized panels and the float GEMM from there), `int8_ms` and
+  `dequant_gemm_ms` each of those two forced (a weight over DEQUANTIZE_MAX_VALUES, the LM head, keeps the int8
+  kernel in both); `speedup` = float_ms / quant_ms. `dequantize_ms`: the weight's native
+  dequantization alone.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ def best_ms(fn, repeats: int) -> float:
 def kernel_profile(float_model, quant_model, rows: tuple[int, ...], repeats: int) -> dict[str, dict[str, float]]:
     from ringserve.workers.model import quant_ops
 
+    int8_only = 1 << 30
+
     layer_f, layer_q = float_model.model.layers[0], quant_model.model.layers[0]
     pairs = {
         "qkv": (layer_f.self_attn.qkv_weight, layer_q.self_attn.qkv_weight),
@@ -63,11 +69,22 @@ def kernel_profile(float_model, quant_model, rows: tuple[int, ...], repeats: int
     }
     out: dict[str, dict[str, float]] = {}
     for name, (wf, wq) in pairs.items():
+        values = torch.empty(wq.shape)
+        dequantize_ms = best_ms(lambda wq=wq, values=values: quant_ops.dequantize(wq, out=values), repeats)
+        out[f"{name}_dequantize_ms"] = {"ms": round(dequantize_ms, 3)}
         for m in rows:
+            if name == "lm_head" and m > 256:
+                continue
             x = torch.randn(m, wf.shape[1], dtype=wf.dtype)
-            f = best_ms(lambda x=x, wf=wf: quant_ops.linear(x, wf), repeats)
-            q = best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq), repeats)
-            out[f"{name}_m{m}"] = {"float_ms": round(f, 3), "quant_ms": round(q, 3), "speedup": round(f / q, 2)}
+            times = {
+                "float_ms": best_ms(lambda x=x, wf=wf: quant_ops.linear(x, wf), repeats),
+                "quant_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq), repeats),
+                "int8_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq, dequantize_min_rows=int8_only), repeats),
+                "dequant_gemm_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq, dequantize_min_rows=1), repeats),
+            }
+            row: dict[str, float] = {key: round(value, 3) for key, value in times.items()}
+            row["speedup"] = round(times["float_ms"] / times["quant_ms"], 2)
+            out[f"{name}_m{m}"] = row
     return out
 
 
@@ -84,6 +101,7 @@ def main() -> None:
     gen, prompt_len = (32, 512) if args.quick else (128, 1024)
 
     from ringserve.workers.loader import load_model, parse_dtype
+    from ringserve.workers.model import quant_ops
     from ringserve.workers.model_runner import ModelRunner
 
     dtype = parse_dtype(args.dtype)
@@ -104,13 +122,15 @@ def main() -> None:
             singles[setting].append(run_single_stream(runner, prompt[:16], gen, block_size))
             prefills[setting].append(prefill_ms(runner, prompt, block_size))
         print(f"round {r}: {singles} {prefills}", file=sys.stderr)
-    profile = kernel_profile(runners["none"].model, runners["gguf"].model, (1, prompt_len), 3 if args.quick else 5)
+    profile = kernel_profile(runners["none"].model, runners["gguf"].model, (1, 16, 32, 64, 256, prompt_len),
+                             3 if args.quick else 5)  # fmt: skip
     single = {k: float(np.median(v)) for k, v in singles.items()}
     prefill = {k: float(np.median(v)) for k, v in prefills.items()}
     result = {
         "model": model_path.name,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "dequantize_min_rows": quant_ops.DEQUANTIZE_MIN_ROWS,
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "prompt_len": prompt_len,
         "single_tok_s": round(single["gguf"], 2),

@@ -230,6 +230,17 @@ void linear_quant(bool bf16, int type, std::uintptr_t x, std::uintptr_t w, std::
   }
 }
 
+void dequantize(int type, std::uintptr_t w, std::size_t w_bytes, std::uintptr_t out, std::size_t n, std::size_t k,
+                bool force_portable, int threads) {
+  namespace k_ = ringserve::kernels;
+  if (type < 0 || type > static_cast<int>(k_::QuantType::kQ8_2F)) throw py::value_error("unknown weight block type");
+  const auto ws = view<const uint8_t>(w, w_bytes);
+  const auto outs = view<float>(out, n * k);
+  py::gil_scoped_release release;
+  k_::dequantize_f32(static_cast<k_::QuantType>(type), n, k, ws, outs,
+                     force_portable ? k_::QuantPath::kPortable : k_::QuantPath::kFastest, threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -255,6 +266,10 @@ PYBIND11_MODULE(_kernels, m) {
         "y[m, n] = x[m, k] @ W^T (+ bias) (+ residual), W being n rows of quantized weight blocks (kernels/cpu_quant.h; "
         "type: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_1F, 4 Q8_2F), on contiguous float32 or bfloat16 memory given by address; "
         "the input rows are quantized per 32 values to int8. force_portable picks the portable loops for tests.");
+  m.def("dequantize", &dequantize, py::arg("type"), py::arg("w"), py::arg("w_bytes"), py::arg("out"), py::arg("n"),
+        py::arg("k"), py::arg("force_portable") = false, py::arg("threads") = 1,
+        "out[n, k] (float32) = the values of n rows of quantized weight blocks of `type` (as linear_quant), given by "
+        "address: gguf's dequantization, bit for bit. force_portable picks the portable loops for tests.");
   m.def("linear_f32", &linear_f32, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("force_portable") = false, py::arg("threads") = 1,
         py::arg("residual") = 0,

@@ -33,17 +33,6 @@ constexpr std::size_t kChunkRows = 16;  // weight rows per item handed to a thre
 // Products with at least this many weights are split over the caller's threads.
 constexpr std::size_t kSplitWeights = std::size_t{1} << 16;
 
-float read_f32(const uint8_t* p) {
-  float v = 0.0F;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-uint16_t read_u16(const uint8_t* p) {
-  uint16_t v = 0;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // ---- Activations: one block of 32 values to int8 ----
 
 template <class T>
@@ -107,14 +96,14 @@ float block_dot_portable(QuantType type, const uint8_t* b, const ActBlock& a) {
     case QuantType::kQ8_0: {
       int sum = 0;
       for (std::size_t p = 0; p < kQuantBlock; ++p) sum += static_cast<int8_t>(b[2 + p]) * a.q[p];
-      return half_to_float(read_u16(b)) * a.d * static_cast<float>(sum);
+      return half_to_float(read_block_u16(b)) * a.d * static_cast<float>(sum);
     }
     case QuantType::kQ8_2F: {
       int lo = 0;
       int hi = 0;
       for (std::size_t p = 0; p < 16; ++p) lo += static_cast<int8_t>(b[8 + p]) * a.q[p];
       for (std::size_t p = 16; p < kQuantBlock; ++p) hi += static_cast<int8_t>(b[8 + p]) * a.q[p];
-      return a.d * (read_f32(b) * static_cast<float>(lo) + read_f32(b + 4) * static_cast<float>(hi));
+      return a.d * (read_block_f32(b) * static_cast<float>(lo) + read_block_f32(b + 4) * static_cast<float>(hi));
     }
     default: break;
   }
@@ -123,16 +112,16 @@ float block_dot_portable(QuantType type, const uint8_t* b, const ActBlock& a) {
   float m = 0.0F;
   const uint8_t* qs = nullptr;
   if (type == QuantType::kQ4_0) {
-    d = half_to_float(read_u16(b));
+    d = half_to_float(read_block_u16(b));
     m = -8.0F * d;
     qs = b + 2;
   } else if (type == QuantType::kQ4_1) {
-    d = half_to_float(read_u16(b));
-    m = half_to_float(read_u16(b + 2));
+    d = half_to_float(read_block_u16(b));
+    m = half_to_float(read_block_u16(b + 2));
     qs = b + 4;
   } else {
-    d = read_f32(b);
-    m = read_f32(b + 4);
+    d = read_block_f32(b);
+    m = read_block_f32(b + 4);
     qs = b + 8;
   }
   int sum = 0;
@@ -170,7 +159,7 @@ struct WeightBlock {
   float offset;
 };
 
-__attribute__((target("avx2,fma,f16c"))) inline float half_avx2(const uint8_t* p) { return _cvtsh_ss(read_u16(p)); }
+__attribute__((target("avx2,fma,f16c"))) inline float half_avx2(const uint8_t* p) { return _cvtsh_ss(read_block_u16(p)); }
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256i nibbles(const uint8_t* qs) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -183,7 +172,7 @@ __attribute__((target("avx2,fma,f16c"))) inline WeightBlock load_block(const uin
   if constexpr (kType == QuantType::kQ8_0) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_ps(half_avx2(b)), 0.0F};
   } else if constexpr (kType == QuantType::kQ8_2F) {
-    const __m256 scale = _mm256_set_m128(_mm_set1_ps(read_f32(b + 4)), _mm_set1_ps(read_f32(b)));
+    const __m256 scale = _mm256_set_m128(_mm_set1_ps(read_block_f32(b + 4)), _mm_set1_ps(read_block_f32(b)));
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8)), scale, 0.0F};
   } else if constexpr (kType == QuantType::kQ4_0) {
     const float d = half_avx2(b);
@@ -191,7 +180,7 @@ __attribute__((target("avx2,fma,f16c"))) inline WeightBlock load_block(const uin
   } else if constexpr (kType == QuantType::kQ4_1) {
     return {nibbles(b + 4), _mm256_set1_ps(half_avx2(b)), half_avx2(b + 2)};
   } else {
-    return {nibbles(b + 8), _mm256_set1_ps(read_f32(b)), read_f32(b + 4)};
+    return {nibbles(b + 8), _mm256_set1_ps(read_block_f32(b)), read_block_f32(b + 4)};
   }
 }
 

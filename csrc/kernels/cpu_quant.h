@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 
 #include "kernels/cpu_linear.h"
@@ -47,6 +48,25 @@ void linear_quant_f32(LinearShape shape, QuantType type, std::span<const float> 
 void linear_quant_bf16(LinearShape shape, QuantType type, std::span<const bf16_bits> x, std::span<const uint8_t> w,
                        std::span<const bf16_bits> bias, std::span<bf16_bits> y, QuantPath path = QuantPath::kFastest,
                        int threads = 1, std::span<const bf16_bits> residual = {});
+
+// The float32 values of n weight rows of k / 32 blocks of `type` (w: exactly those rows' bytes), row-major into out
+// (n * k): gguf's dequantization, bit for bit (kernels/cpu_dequant.cpp). For products with many input rows, where a
+// float32 GEMM on dequantized rows beats the int8 kernel. Throws std::invalid_argument on a size mismatch; rows are
+// split over `threads` threads when there are enough.
+void dequantize_f32(QuantType type, std::size_t n, std::size_t k, std::span<const uint8_t> w, std::span<float> out,
+                    QuantPath path = QuantPath::kFastest, int threads = 1);
+
+// A block's float32 and float16 fields, read where they lie (blocks are packed, so unaligned).
+inline float read_block_f32(const uint8_t* p) {
+  float v = 0.0F;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline uint16_t read_block_u16(const uint8_t* p) {
+  uint16_t v = 0;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
 // IEEE half precision to float32 (exact; subnormals, infinities and NaN kept).
 float half_to_float(uint16_t h);

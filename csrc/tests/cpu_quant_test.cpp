@@ -1,5 +1,7 @@
 // The quantized-weight products against a float64 product of the dequantized weights, for every block type, input
-// row tile and tail, thread count and output type; the AVX2 path (where this CPU has it) against the portable one.
+// row tile and tail, thread count and output type; the AVX2 path (where this CPU has it) against the portable one;
+// and the weights' dequantization to float32 on both paths.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -189,12 +191,49 @@ TEST(avx2_matches_portable_for_every_tile_and_thread_split) {
   }
 }
 
+TEST(dequantize_gives_every_types_values_on_both_paths) {
+  if (!has_avx2_quant()) std::fprintf(stderr, "  (no AVX2 here: only the portable dequantization runs)\n");
+  for (const QuantType type : kTypes) {
+    for (const std::size_t n : {1, 17, 37}) {
+      for (const std::size_t k : {32, 96, 256}) {
+        std::mt19937 gen(static_cast<unsigned>(static_cast<int>(type) * 131 + n * 17 + k));
+        std::vector<uint8_t> w;
+        std::vector<double> want;
+        for (std::size_t b = 0; b < n * k / 32; ++b) random_block(type, gen, w, want);
+        std::vector<float> slow(n * k, 12345.0F);
+        dequantize_f32(type, n, k, w, slow, QuantPath::kPortable);
+        for (std::size_t e = 0; e < slow.size(); ++e) {
+          // float32's rounding of a product and a sum, each within 2^-24 of the larger of the block's values (the
+          // product, d * q = value - offset, is at most twice that): 3 * 2^-24 of the block's largest value.
+          double largest = 0.0;
+          for (std::size_t p = e / 32 * 32; p < e / 32 * 32 + 32; ++p) largest = std::max(largest, std::abs(want[p]));
+          if (!(std::abs(slow[e] - want[e]) <= 1.8e-7 * largest)) {
+            std::fprintf(stderr, "  type %d n=%zu k=%zu: value %zu is %g, expected %g\n", static_cast<int>(type), n, k,
+                         e, static_cast<double>(slow[e]), want[e]);
+            CHECK(false);
+            break;
+          }
+        }
+        for (const int threads : {1, 2, 3}) {
+          std::vector<float> fast(n * k, 12345.0F);
+          dequantize_f32(type, n, k, w, fast, QuantPath::kFastest, threads);
+          // The same float32 operations in the same order: the same bits.
+          CHECK(std::memcmp(fast.data(), slow.data(), fast.size() * sizeof(float)) == 0);
+        }
+      }
+    }
+  }
+}
+
 TEST(bad_sizes_are_refused) {
   std::vector<float> x(40), x32(32), y(1);
   std::vector<uint8_t> w(34);
   CHECK_THROWS(std::invalid_argument, linear_quant_f32({1, 1, 40}, QuantType::kQ8_0, x, w, {}, y));  // k % 32
   CHECK_THROWS(std::invalid_argument, linear_quant_f32({1, 1, 32}, QuantType::kQ4_0, x32, w, {}, y));  // 18 bytes
   CHECK_THROWS(std::invalid_argument, linear_quant_f32({1, 1, 32}, static_cast<QuantType>(9), x32, w, {}, y));
+  CHECK_THROWS(std::invalid_argument, dequantize_f32(QuantType::kQ8_0, 1, 32, w, y));  // out holds 1, not 32
+  CHECK_THROWS(std::invalid_argument, dequantize_f32(QuantType::kQ8_0, 1, 40, w, x));  // k % 32
+  CHECK_THROWS(std::invalid_argument, dequantize_f32(QuantType::kQ4_1, 1, 32, w, x32));  // 20 bytes, not 34
 }
 
 TEST_MAIN()

@@ -52,8 +52,12 @@ def quantized_inputs(x: np.ndarray) -> np.ndarray:
     return (np.rint(blocks * inverse) * d.astype(np.float64)).reshape(x.shape)
 
 
+INT8_ONLY = 1 << 30  # dequantize_min_rows that keeps every product on the int8 kernel
+
+
 def check_product(qtype: Q, m: int, n: int, k: int, threads: int = 1, dtype: torch.dtype = torch.float32,
-                  portable: bool = False) -> None:  # fmt: skip
+                  portable: bool = False, dequantize_min_rows: int = INT8_ONLY) -> None:  # fmt: skip
+    """The int8 kernel's product, or with dequantize_min_rows <= m the float path's, against float64 references."""
     raw = random_blocks(n, k, qtype, seed=m * 31 + n + k)
     weight = quant_ops.from_gguf(raw, qtype, n, k)
     w = quants.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
@@ -62,13 +66,17 @@ def check_product(qtype: Q, m: int, n: int, k: int, threads: int = 1, dtype: tor
     bias = torch.randn(n, generator=gen).to(dtype)
     residual = torch.randn(m, n, generator=gen).to(dtype)
     with torch_threads(threads):
-        y = quant_ops.linear(x, weight, bias, residual, force_portable=portable).double().numpy()
+        y = quant_ops.linear(x, weight, bias, residual, force_portable=portable,
+                             dequantize_min_rows=dequantize_min_rows).double().numpy()  # fmt: skip
     xd = x.double().numpy()
     extra = bias.double().numpy() + residual.double().numpy()
     magnitude = np.abs(xd) @ np.abs(w).T + np.abs(extra)
+    rel = 2e-5 if dtype is torch.float32 else 8e-3
+    if m >= dequantize_min_rows:  # the float path: only float32 sums (and bf16 outputs) differ from float64
+        np.testing.assert_array_less(np.abs(y - (xd @ w.T + extra)), rel * magnitude + 1e-6)
+        return
     # Tight: the same int8 inputs in float64, so only float32 sums (and bf16 outputs) differ.
     exact = quantized_inputs(xd) @ w.T + extra
-    rel = 2e-5 if dtype is torch.float32 else 8e-3
     np.testing.assert_array_less(np.abs(y - exact), rel * magnitude + 1e-6)
     # Against the float inputs: within half an int8 step of each block's scale times the weights' magnitudes.
     amax = np.abs(xd).reshape(m, -1, 32).max(-1)
@@ -87,6 +95,47 @@ def test_every_block_type_matches_gguf_dequantize_and_matmul(qtype, portable):
     check_product(qtype, 3, 19, 2 * k, dtype=torch.bfloat16, portable=portable)
     for threads in (2, 3, 4):
         check_product(qtype, 5, 61, k, threads=threads, portable=portable)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_gives_gguf_values_bit_for_bit(qtype, portable):
+    if not portable and not quant_ops.available():
+        pytest.skip("this CPU has no AVX2: only the portable path runs here")
+    for n, k, threads in ((37, 96, 1), (5, 512, 2), (61, 96, 3)):
+        k = max(k, 256) if qtype in (Q.Q4_K, Q.Q6_K) else k
+        raw = random_blocks(n, k, qtype, seed=n + k)
+        with torch_threads(threads):
+            got = quant_ops.dequantize(quant_ops.from_gguf(raw, qtype, n, k), force_portable=portable)
+        np.testing.assert_array_equal(got.numpy(), quants.dequantize(raw, qtype).reshape(n, k))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_many_rows_multiply_the_dequantized_weight_in_float32(qtype, monkeypatch):
+    k = 256 if qtype in (Q.Q4_K, Q.Q6_K) else 96
+    m = quant_ops.DEQUANTIZE_MIN_ROWS
+    check_product(qtype, m, 37, k, dequantize_min_rows=m)  # whole weight in one panel
+    check_product(qtype, m + 3, 37, k, dtype=torch.bfloat16, dequantize_min_rows=m)
+    check_product(qtype, 7, 37, k, dequantize_min_rows=1, portable=True)
+    check_product(qtype, m, 37, k, threads=2, dtype=torch.bfloat16, dequantize_min_rows=m)
+    monkeypatch.setattr(quant_ops, "DEQUANTIZE_MAX_VALUES", 37 * k - 1)  # a weight over the limit keeps int8
+    check_product(qtype, m, 37, k, dequantize_min_rows=INT8_ONLY)
+    with pytest.raises(AssertionError):
+        check_product(qtype, m, 37, k, dequantize_min_rows=m)  # (the float path's tighter bound fails on int8)
+
+
+def test_the_float_path_agrees_with_the_int8_kernel_on_a_prompt_chunk():
+    raw = random_blocks(40, 128, Q.Q4_1, seed=3)
+    weight = quant_ops.from_gguf(raw, Q.Q4_1, 40, 128)
+    x = torch.randn(quant_ops.DEQUANTIZE_MIN_ROWS, 128, generator=torch.Generator().manual_seed(4))
+    floats = quant_ops.linear(x, weight)
+    int8 = quant_ops.linear(x, weight, dequantize_min_rows=INT8_ONLY)
+    assert not torch.equal(floats, int8)  # the default took the float path at this many rows
+    torch.testing.assert_close(floats, x @ quant_ops.dequantize(weight).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(int8, floats, atol=0.02 * floats.abs().max().item(), rtol=0)
+    residual = torch.randn(2, 16, 40)  # a batch of prompt chunks, with a residual shaped like the output
+    chunked = quant_ops.linear(x.view(2, 16, 128), weight, residual=residual)
+    torch.testing.assert_close(chunked, floats.view(2, 16, 40) + residual)
 
 
 def test_quantized_linear_refuses_bad_inputs():
@@ -146,7 +195,7 @@ TEXT = ("The river ran quietly past the old mill, where the miller's daughter sa
 
 
 @pytest.mark.skipif(not os.environ.get(GGUF_ENV), reason=f"set {GGUF_ENV} to the embedded model's .gguf file")
-def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity():
+def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity(monkeypatch):
     from ringserve.frontend.text.tokenizer import tokenizer_from_gguf
 
     path = Path(os.environ[GGUF_ENV])
@@ -190,3 +239,8 @@ def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity():
 
     want_ppl, got_ppl = perplexity(models["none"]), perplexity(models["gguf"])
     assert abs(got_ppl / want_ppl - 1) <= 0.01, f"perplexity {got_ppl:.4f} vs float32 {want_ppl:.4f}"
+    # The text is one prompt chunk, which the float GEMM on dequantized weights takes; the int8 kernel too must hold.
+    assert len(ids) >= quant_ops.DEQUANTIZE_MIN_ROWS
+    monkeypatch.setattr(quant_ops, "DEQUANTIZE_MIN_ROWS", INT8_ONLY)
+    int8_ppl = perplexity(models["gguf"])
+    assert int8_ppl != got_ppl and abs(int8_ppl / want_ppl - 1) <= 0.01, f"int8 kernel: perplexity {int8_ppl:.4f}"

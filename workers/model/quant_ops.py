@@ -7,11 +7,17 @@ keep the file's own bytes; Q4_K and Q6_K super-blocks are repacked once at load,
 with float32 scales (`repack`). The GGUF loader builds these instead of dequantizing (`--quantization`), and
 `QuantizedLinear` (a cpu_ops.Linear without a float weight) computes with them; fast_paths fuses q/k/v and gate/up
 of one block type into one QuantizedWeight as it fuses float weights.
+
+From DEQUANTIZE_MIN_ROWS input rows (prompt chunks, large decode batches) the int8 kernel loses to a float32 GEMM, so
+`linear` dequantizes the weight natively (`_MODULE.dequantize`, gguf's values bit for bit) into a per-thread float32
+buffer and multiplies with cpu_ops.linear; the weight itself stays in blocks. Weights of more than
+DEQUANTIZE_MAX_VALUES values (a large vocabulary's LM head, which sees one row per sequence) stay on the int8 kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,14 @@ BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q4_1F: 24, Q8_2F: 40}
 _FROM_GGUF = {GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q4_0: Q4_0, GGMLQuantizationType.Q4_1: Q4_1,
               GGMLQuantizationType.Q4_K: Q4_1F, GGMLQuantizationType.Q6_K: Q8_2F}  # fmt: skip
 QUANTIZED_GGUF_TYPES = tuple(_FROM_GGUF)
+# Input rows from which `linear` dequantizes the weight and uses the float GEMM instead of the int8 kernel: the
+# crossover measured with benchmarks/quantized.py on SmolLM2's shapes (docs/serving.md#quantized-gguf-weights).
+DEQUANTIZE_MIN_ROWS = 32
+# The largest weight (in values) that path takes, bounding its per-thread buffer at 16 MiB of float32: every
+# projection of a small model; not SmolLM2's LM head (28 M values), where dequantizing in panels of rows measured no
+# faster than the int8 kernel at 32-256 rows.
+DEQUANTIZE_MAX_VALUES = 1 << 22
+_buffers = threading.local()
 
 
 def available() -> bool:
@@ -122,6 +136,51 @@ def repack_q6_k(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(rows, -1))
 
 
+def dequantize(
+    weight: QuantizedWeight, *, out: torch.Tensor | None = None, force_portable: bool = False
+) -> torch.Tensor:
+    """The weight's float32 values [rows, cols] (into `out` if given), as gguf.quants.dequantize gives them."""
+    if _MODULE is None:
+        raise RuntimeError("quantized weights need the native kernels (ringserve._kernels is not built)")
+    if out is None:
+        out = torch.empty(weight.shape, dtype=torch.float32)
+    elif out.dtype is not torch.float32 or tuple(out.shape) != weight.shape or not out.is_contiguous():
+        raise ValueError(f"dequantize: out must be a contiguous float32 tensor of shape {weight.shape}")
+    _dequantize_rows(weight, 0, weight.rows, out, force_portable)
+    return out
+
+
+def _dequantize_rows(weight: QuantizedWeight, first: int, last: int, out: torch.Tensor, force_portable: bool) -> None:
+    rows = weight.data[first:last]
+    _MODULE.dequantize(weight.kind, rows.data_ptr(), rows.numel(), out.data_ptr(), last - first, weight.cols,
+                       force_portable=force_portable, threads=torch.get_num_threads())  # fmt: skip
+
+
+def _float_buffer(values: int) -> torch.Tensor:
+    """This thread's float32 buffer for dequantized weights (kept between calls, grown as needed)."""
+    buffer: torch.Tensor | None = getattr(_buffers, "weights", None)
+    if buffer is None or buffer.numel() < values:
+        buffer = torch.empty(values, dtype=torch.float32)
+        _buffers.weights = buffer
+    return buffer[:values]
+
+
+def _float_product(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, force_portable: bool) -> torch.Tensor:  # fmt: skip
+    """x2 [rows, k] @ W^T (+ bias) (+ residual) in float32 on W dequantized, rounded once to x2's dtype."""
+    n, k = weight.shape
+    w = _float_buffer(n * k).view(n, k)
+    _dequantize_rows(weight, 0, n, w, force_portable)
+    if x2.dtype is torch.float32:
+        return cpu_ops.linear(x2, w, bias, residual)
+    out = cpu_ops.linear(x2.float(), w)
+    if bias is not None:
+        out += bias
+    if residual is not None:
+        out += residual
+    return out.to(x2.dtype)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor | QuantizedWeight,
@@ -129,9 +188,11 @@ def linear(
     residual: torch.Tensor | None = None,
     *,
     force_portable: bool = False,
+    dequantize_min_rows: int | None = None,
 ) -> torch.Tensor:
-    """cpu_ops.linear for a float weight; for a QuantizedWeight, x @ W^T (+ bias) (+ residual) by the native kernel
-    (x float32 or bfloat16 on the CPU; the output has x's dtype)."""
+    """cpu_ops.linear for a float weight; for a QuantizedWeight, x @ W^T (+ bias) (+ residual) by the native int8
+    kernel, or from `dequantize_min_rows` (default DEQUANTIZE_MIN_ROWS) input rows by the float GEMM on the
+    dequantized weight (x float32 or bfloat16 on the CPU; the output has x's dtype)."""
     if not isinstance(weight, QuantizedWeight):
         return cpu_ops.linear(x, weight, bias, residual)
     if _MODULE is None:
@@ -149,6 +210,11 @@ def linear(
             if t.dtype is not x.dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"quantized linear: {name} must be {x.dtype} of shape {tuple(shape)}")
             extras[name] = t.contiguous()
+    min_rows = DEQUANTIZE_MIN_ROWS if dequantize_min_rows is None else dequantize_min_rows
+    if rows and rows >= min_rows and n * k <= DEQUANTIZE_MAX_VALUES:
+        residual2 = extras["residual"].view(rows, n) if "residual" in extras else None
+        product = _float_product(x2, weight, extras.get("bias"), residual2, force_portable)
+        return product.view(*x.shape[:-1], n)
     out = torch.empty((rows, n), dtype=x.dtype)
     if rows:
         _MODULE.linear_quant(
