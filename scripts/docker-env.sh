@@ -35,12 +35,12 @@ up() {
   fi
   [ "$(id -u)" = 0 ] || no_engine "none is running and installing one needs root"
   command -v apt-get >/dev/null || no_engine "none is running and there is no apt-get to install docker.io with"
-  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null
+  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v mmdebstrap >/dev/null
   then
-    echo "==> installing Debian's docker.io, docker-compose, debootstrap"
+    echo "==> installing Debian's docker.io, docker-compose, mmdebstrap"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >"$state/apt.log" 2>&1 && apt-get install -y -qq --no-install-recommends \
-      docker.io docker-compose debootstrap iptables >>"$state/apt.log" 2>&1 \
+      docker.io docker-compose mmdebstrap iptables >>"$state/apt.log" 2>&1 \
       || no_engine "installing docker.io failed (see $state/apt.log)"
   fi
   echo "==> starting dockerd (log: $state/dockerd.log)"
@@ -77,6 +77,11 @@ base_image() {  # prints the image to build on: the official one when it can be 
     return
   fi
   echo "==> $python_image cannot be pulled: the stand-in $standin_base (log: $state/base.log)" >&2
+  if ! command -v mmdebstrap >/dev/null; then  # an engine that was running already, on a machine without mmdebstrap
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >"$state/apt.log" 2>&1 \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        mmdebstrap; } >>"$state/apt.log" 2>&1 || { echo "installing mmdebstrap failed (see $state/apt.log)" >&2; exit 1; }
+  fi
   t scripts/docker-base-image.sh "$standin_base" >"$state/base.log" 2>&1 \
     || { tail -n 30 "$state/base.log" >&2; exit 1; }
   echo "$standin_base"
