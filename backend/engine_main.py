@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     engine_args: EngineArgs = args.engine
+    if engine_args.async_scheduling == "on" and engine_args.num_speculative_tokens > 0:
+        # A speculative step's accepted count is known only from its result (Scheduler::can_plan_ahead).
+        log.info("async scheduling: with speculative decoding each step is planned after the previous step's result")
     die_with_parent()
     parent_pid = os.getppid()
 

@@ -113,7 +113,7 @@ def run(folder: Path, async_scheduling: bool, streams: int, prompt_len: int, gen
         writer = TimedWriter(_core.RingWriter(_core.ShmRing.attach(names["res"])), phases)
         reader = TimedReader(_core.RingReader(_core.ShmRing.attach(names["step"])), phases)
         assert writer.write(_core.encode_worker_ready(0, runner.num_kv_blocks), 10.0)
-        worker_main.serve_steps(_core, reader, writer, runner, 0, lambda: not stop.is_set())
+        worker_main.serve_steps(_core, reader, writer, runner, lambda: not stop.is_set())
 
     threads = [threading.Thread(target=work, daemon=True), threading.Thread(target=engine.run, daemon=True)]
     for t in threads:

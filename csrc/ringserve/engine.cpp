@@ -332,7 +332,7 @@ void Engine::run() {
         } catch (const std::runtime_error& e) {
           throw WorkerFailure(std::string("worker broke the step protocol: ") + e.what());
         }
-        outputs_step_id_ = scheduler_->num_steps();
+        outputs_step_id_ = result.step_id;  // not num_steps(): a step planned ahead may have been sent since
         last_step_time_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                  std::chrono::steady_clock::now() - step_start).count();
         scheduler_->observe_step_time(last_step_time_ns_);  // the decode-latency guard's cost model

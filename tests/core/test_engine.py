@@ -12,6 +12,7 @@ import os
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ class FakeWorker(threading.Thread):
         self.step_delay_s = step_delay_s
         self.prefill_token_delay_s = prefill_token_delay_s  # a step's time also grows with its prompt tokens
         self.plans: list[_core.StepPlan] = []
+        self.sampled: dict[int, list[int]] = {}  # step id -> the tokens its result carried
         self.slots: dict[int, SlotState] = {}
         self.errors: list[str] = []
         self.saw_shutdown = threading.Event()
@@ -75,6 +77,7 @@ class FakeWorker(threading.Thread):
             if self.step_delay_s or self.prefill_token_delay_s:
                 prefill_tokens = sum(n for n in command.sched_len.tolist() if n > 1)
                 time.sleep(self.step_delay_s + self.prefill_token_delay_s * prefill_tokens)
+            self.sampled[command.step_id] = tokens
             result = _core.encode_step_result(
                 command.step_id,
                 np.array(slots, np.int32),
@@ -145,6 +148,7 @@ class Frontend:
         self.engine_thread = threading.Thread(target=self._run_engine, daemon=True)
         self.log: dict[int, RequestLog] = {}
         self.other_events: list[object] = []
+        self.step_tokens: list[tuple[int, list[int]]] = []  # (StepEvents.step_id, its outputs' new tokens)
 
     def _run_engine(self) -> None:
         try:
@@ -176,6 +180,7 @@ class Frontend:
         assert record is not None, "no event from the engine"
         event = _core.decode_engine_event(record)
         if isinstance(event, _core.StepEvents):
+            self.step_tokens.append((event.step_id, [t for out in event.outputs for t in out.new_token_ids]))
             for out in event.outputs:
                 log = self.log.setdefault(out.request_id, RequestLog())
                 assert log.finish is None, "output after the final output"
@@ -287,6 +292,11 @@ def test_continuous_batching_with_stop_rules_and_chunked_prefill(frontend_factor
         new_slots = {n.slot for n in p.new_requests}
         positions = [i for i, s in enumerate(p.sched_slots.tolist()) if s in new_slots]
         assert positions == list(range(len(p.sched_slots) - len(positions), len(p.sched_slots)))
+
+    # Each StepEvents names the step whose result carried its tokens, also when the next step was already sent (a
+    # result may carry more: the rows of requests that finished in the step before are dropped).
+    for step_id, tokens in f.step_tokens:
+        assert not Counter(tokens) - Counter(f.worker.sampled[step_id]), f"StepEvents of step {step_id}: {tokens}"
 
     first = f.log[1].outputs[0]
     assert first.num_prompt_tokens == 40 and first.num_cached_tokens == 0
@@ -506,7 +516,7 @@ def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> Non
 
 
 def test_serve_passes_async_scheduling_to_the_engine_config(tmp_path: Path) -> None:
-    for flags, want in (([], False), (["--async-scheduling", "off"], False), (["--async-scheduling", "on"], True)):
+    for flags, want in (([], True), (["--async-scheduling", "off"], False), (["--async-scheduling", "on"], True)):
         assert engine_main.engine_config(engine_process_args(flags, tmp_path).engine).async_scheduling is want
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--async-scheduling", "maybe"])

@@ -5,6 +5,7 @@ abort, with every block back in the pool at the end."""
 
 from __future__ import annotations
 
+import runpy
 from collections import deque
 from pathlib import Path
 
@@ -99,3 +100,21 @@ def test_greedy_and_seeded_outputs_are_the_same_with_async_scheduling(folder: Pa
     del sync_tokens[ABORTED]  # where the abort lands in its stream differs
     assert sync_tokens == async_tokens
     assert _core.FinishReason.STOP in sync_finish.values() and _core.FinishReason.LENGTH in sync_finish.values()
+
+
+def test_the_benchmark_drives_the_engine_and_a_worker_both_ways(tmp_path: Path) -> None:
+    """benchmarks/async_scheduling.py's run() (its warm-up size): the engine loop and the worker's step loop together,
+    so that the benchmark keeps up with the APIs it calls."""
+    from ringserve.frontend.model_source import ModelNotFoundError, embedded_model_path
+
+    try:
+        embedded_model_path()  # random_model.py writes its tokenizer
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "async_scheduling.py"),
+                           run_name="async_scheduling_benchmark")  # fmt: skip
+    bench["write_model"](tmp_path / "toy", "toy")
+    for async_scheduling in (False, True):
+        result = bench["run"](tmp_path / "toy", async_scheduling, 2, 16, 8)  # asserts every token arrived
+        assert result["steps"] >= 8 and result["tok_s"] > 0
+        assert {"worker_wait", "input_prep", "model", "sampling", "result"} <= set(result["us_per_step"])
