@@ -112,7 +112,7 @@ class EngineArgs:
         "%(default)s = on CUDA with triton_paged attention and one worker; off = eager, like vLLM's --enforce-eager)",
         choices=("auto", "off"))  # fmt: skip
     async_scheduling: str = _setting(
-        "on", "on: plan each step while the workers compute the one before, so scheduling and result handling leave "
+        "off", "on: plan each step while the workers compute the one before, so scheduling and result handling leave "
         "the step's critical path; outputs are the same (speculative steps and steps that could preempt are planned "
         "after the result, as with off; default %(default)s)", choices=("on", "off"))  # fmt: skip
     enable_prefix_caching: bool = _setting(True, "share the KV blocks of equal prompt prefixes (default on)")

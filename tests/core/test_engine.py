@@ -516,7 +516,7 @@ def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> Non
 
 
 def test_serve_passes_async_scheduling_to_the_engine_config(tmp_path: Path) -> None:
-    for flags, want in (([], True), (["--async-scheduling", "off"], False), (["--async-scheduling", "on"], True)):
+    for flags, want in (([], False), (["--async-scheduling", "off"], False), (["--async-scheduling", "on"], True)):
         assert engine_main.engine_config(engine_process_args(flags, tmp_path).engine).async_scheduling is want
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--async-scheduling", "maybe"])
