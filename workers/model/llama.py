@@ -57,7 +57,8 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+        partial = self.partial_rotary_factor != 1.0  # a full rotation's width is the head's, whatever it is
+        if partial and (not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2):
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of "
                              f"head_dim {self.head_dim}: need an even number of dims in (0, head_dim]")  # fmt: skip
 
