@@ -122,6 +122,9 @@ def test_token_sizes_and_where_pieces_apply(tmp_path: Path) -> None:
         model = load_hf_model(tmp_path / "llama", torch.float32)
         runner = ModelRunner(model, block_size=4, num_kv_blocks=8, cuda_graphs=mode)  # type: ignore[arg-type]
         assert runner.pieces is None and runner.graphs is None and runner.kv_cache.num_blocks == 8
+    with pytest.raises(ValueError, match="capture_graphs=False"):  # static buffers: say which graphs
+        ModelRunner(load_hf_model(tmp_path / "llama", torch.float32), block_size=4, num_kv_blocks=8,
+                    cuda_graphs="auto", capture_graphs=False)  # fmt: skip
 
 
 @needs_cuda
