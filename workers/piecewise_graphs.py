@@ -58,8 +58,8 @@ def piecewise_token_sizes(max_tokens: int) -> list[int]:
 
 @dataclass
 class _Cut:
-    """One layer's attention call between two pieces: q, k, v are the piece before's outputs (static addresses once
-    captured), `out` the static buffer the piece after reads."""
+    """One layer's attention call between two pieces: q, k, v are the static buffers the piece before writes, `out`
+    the one the piece after reads (views of the step's padded size)."""
 
     backend: AttentionBackend
     q: torch.Tensor
