@@ -13,11 +13,12 @@ Sections (each is timed and guarded: a failure is recorded under "errors" and th
   Llama-3.1-8B: hidden 4096, 32 layers, 32/8 heads, intermediate 14336, vocab 128256), bfloat16, driven through
   ModelRunner with engine-shaped step plans (as benchmarks/throughput.py does on CPU):
   offline_tok_s (N prompts x P tokens, G greedy outputs each, prefill under a 2048-token budget, then one decode
-  batch) with the triton_paged backend and piecewise graphs (the default), decode graphs only (`_decode_graphs`),
-  eagerly (`_eager`) and, as the baseline measured in the same run, with torch_sdpa;
-  mixed_step_ms: steps of D decodes beside a C-token prompt chunk (chunked prefill, as under steady arrivals) in
-  each graph mode, mixed_step_speedup_vs_eager, and mixed_tokens_match_eager (the share of those steps' greedy
-  tokens equal to the eager run's: bf16 random weights, so near ties may differ; the CUDA tests check float32);
+  batch) with the triton_paged backend and piecewise graphs (the default), eagerly (`_eager`) and, as the baseline
+  measured in the same run, with torch_sdpa;
+  mixed_step_ms: steps of D decodes beside a C-token prompt chunk (chunked prefill, as under steady arrivals) with
+  piecewise graphs, decode graphs only (`_decode_graphs`) and eagerly, mixed_step_speedup_vs_eager and
+  _vs_decode_graphs, and mixed_tokens_match_eager (the share of those steps' greedy tokens equal to the eager run's:
+  bf16 random weights, so near ties may differ; the CUDA tests check float32);
   hf_offline_tok_s, transformers `generate` on the same prompts (one static batch, same shape and dtype, random
   weights), and offline_speedup_vs_hf; single_stream_tok_s; bandwidth_bound_tok_s = copy bandwidth / weight
   bytes one decode step streams (every weight once; an untied input embedding is only gathered, so it is left
@@ -334,9 +335,9 @@ def streamed_weight_bytes(model: Any) -> int:
 def bench_model(
     shape: str, counts: Counts, device: torch.device, dtype: torch.dtype, backends: list[str], bandwidth: float | None
 ) -> dict[str, Any]:
-    """backends[0] is measured three times, with piecewise graphs (and decode graphs for decode-only steps: the
-    default on CUDA), with decode graphs only (`_decode_graphs`) and eagerly (`_eager`); every other backend, the
-    baseline, once."""
+    """backends[0] is measured with piecewise graphs (and decode graphs for decode-only steps: the default on CUDA)
+    and eagerly (`_eager`), and its mixed steps also with decode graphs only (`_decode_graphs`); every other
+    backend, the baseline, once."""
     from ringserve.workers.model_runner import ModelRunner
 
     figures: dict[str, Any] = {"shape": shape}
@@ -375,14 +376,18 @@ def bench_model(
             progress(f"{shape} [{label}]: warm-up (kernel compilation)")
             offline_tok_s(runner, prompts[:2, : min(16, c.prompt_len)], 3)  # compiles the prefill and decode kernels
             single_stream_tok_s(runner, prompts[0, : min(16, c.prompt_len)], 3)  # batch 1: the split-K decode kernel
-            progress(f"{shape} [{label}]: offline {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
-            figures[f"offline_tok_s{suffix}"] = round(offline_tok_s(runner, prompts, c.output_len), 1)
+            whole_run = suffix != "_decode_graphs"  # decode graphs alone differ from piecewise in mixed steps only
+            if whole_run:
+                progress(f"{shape} [{label}]: offline {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
+                figures[f"offline_tok_s{suffix}"] = round(offline_tok_s(runner, prompts, c.output_len), 1)
             if backend == backends[0]:
-                progress(f"{shape} [{label}]: single stream, {c.single_stream_len} tokens")
-                tok_s = single_stream_tok_s(runner, prompts[0], c.single_stream_len)
-                figures[f"single_stream_tok_s{suffix}"] = round(tok_s, 1)
-                figures["attention_backend"] = backend
+                if whole_run:
+                    progress(f"{shape} [{label}]: single stream, {c.single_stream_len} tokens")
+                    tok_s = single_stream_tok_s(runner, prompts[0], c.single_stream_len)
+                    figures[f"single_stream_tok_s{suffix}"] = round(tok_s, 1)
+                    figures["attention_backend"] = backend
                 progress(f"{shape} [{label}]: mixed steps, {c.mixed[0]} decodes + a {c.mixed[1]}-token chunk")
+                mixed_steps(runner, prompts, (*c.mixed[:2], 1), np.random.default_rng(2))  # warm-up: these shapes
                 ms, mixed_tokens[suffix] = mixed_steps(runner, prompts, c.mixed, np.random.default_rng(1))
                 figures[f"mixed_step_ms{suffix}"] = round(ms, 3)
             figures.setdefault("cuda_graphs", {})[label] = {
