@@ -1,12 +1,14 @@
 """More than eight ranks in one engine on a Ray cluster on this host (ray.cluster_utils.Cluster): a head node of
-eight CPUs and a node of one, nine one-CPU bundles packed (eight on the engine's node, one on the other). The
+eight CPUs and a node of one, nine one-CPU bundles packed (eight on the engine's node, the head: Ray connects a
+driver to the head where several nodes share its host; one on the other). The
 engine's node's eight ranks and the other node's relay would be nine readers of the engine's step ring, one more
 than a ring has, so the engine's node gets a relay too and every rank reads its node's ring. A tiny nine-layer
-llama in nine pipeline stages decodes the tokens of one local rank. About 2-3 minutes here (nine workers and their
-actors start on two cores), so, like test_ray_executor.py, skipped without Ray."""
+llama in nine pipeline stages decodes the tokens of one local rank. 82 s here at load 7 (nine workers and their
+actors start on two cores); like test_ray_executor.py, skipped without Ray."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import psutil
 import pytest
 import torch
 from server_harness import start_server
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM as HfLlamaForCausalLM
 from workers_testkit import TINY, save_word_tokenizer
