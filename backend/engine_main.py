@@ -19,7 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from ringserve import _core
-from ringserve.backend.process import die_with_parent, stop_child, worker_environment
+from ringserve.backend.process import die_with_parent, stop_children, worker_environment
 from ringserve.formats.engine_args import EngineArgs, started_process_engine_args
 from ringserve.formats.segments import RESULT_RING_BYTES, STEP_RING_BYTES, new_segment_name
 
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from ringserve.backend.ray_executor import RayExecutor
 
 log = logging.getLogger("ringserve.engine")
+
+RANK_EXIT_WAIT_S = 10.0  # for the ranks to exit on WorkerShutdown after a Shutdown, before SIGTERM (then SIGKILL)
+RANK_STOP_GRACE_S = 2.0  # the same after the engine failed: a rank may be stuck, the rest waiting on it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +74,7 @@ def engine_config(args: EngineArgs) -> _core.EngineConfig:
     config.max_step_slowdown = float(args.max_step_slowdown)
     config.priority_aging_ms = args.priority_aging_ms
     config.async_scheduling = args.async_scheduling == "on"
+    config.step_timeout_s = args.step_timeout
     # The engine reserves lookahead slots: a chain's length, or every node of a draft tree.
     tree = args.draft_tree() if args.num_speculative_tokens > 0 else None
     config.num_speculative_tokens = tree.num_nodes if tree is not None else args.num_speculative_tokens
@@ -143,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     finally:
-        for w in workers:
-            code = stop_child(w, timeout_s=10.0)
+        # After a Shutdown the ranks exit on the WorkerShutdown that followed it; after a failure one may be stuck
+        # (--step-timeout) and the others waiting on it, so they get a short grace before the signals.
+        grace_s = RANK_STOP_GRACE_S if failure else RANK_EXIT_WAIT_S
+        for w, code in zip(workers, stop_children(workers, grace_s), strict=True):
             if code not in (0, -signal.SIGTERM):
                 log.warning("worker pid %d exited with %d", w.pid, code)
         if executor is not None:
-            executor.stop()
+            executor.stop(grace_s)
         step_ring.unlink()  # the loop removed the names once the workers attached; this covers a failed start
         result_ring.unlink()
         if os.getppid() != parent_pid:  # the frontend died (we got its death signal): clean up after it

@@ -87,16 +87,26 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 def stop_child(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     """Wait for a child that was asked to stop; escalate to SIGTERM, then SIGKILL. Returns its exit code."""
+    return stop_children([proc], timeout_s)[0]
+
+
+def stop_children(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
+    """stop_child for several children at once: each step waits for all of them together, so a child that is stuck
+    costs `timeout_s` per step once, not once per child. Returns their exit codes."""
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
-        if sig is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            if sig == signal.SIGTERM:
-                proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) acts on SIGTERM only once continued
+        for proc in procs:
+            if sig is not None and proc.poll() is None:
+                proc.send_signal(sig)
+                if sig == signal.SIGTERM:
+                    proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) acts on SIGTERM only once continued
+        deadline = time.monotonic() + timeout_s
         try:
-            return proc.wait(timeout=timeout_s)
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            break
         except subprocess.TimeoutExpired:
             continue
-    return proc.wait()
+    return [proc.wait() for proc in procs]
 
 
 async def wait_for_exit(proc: subprocess.Popen[bytes]) -> int:

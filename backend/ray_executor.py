@@ -5,8 +5,9 @@ placement group of one bundle per rank (a GPU and a CPU where the cluster has GP
 bundle, a `RankHost` actor that runs the rank as the same worker command the local executor starts
 (`python -m ringserve.workers.worker_main`), as its child. Ranks on the engine's node read the engine's step ring
 directly. Each other node gets one `NodeRelay` actor with that node's own rings and one TCP stream to an engine-side
-relay process (backend/step_relay.py), which carries the ring records unchanged. Ray's calls carry only strings and
-integers. torch.distributed rendezvouses at rank 0's node address and a port free there. Details:
+relay process (backend/step_relay.py), which carries the ring records unchanged; so does the engine's node where its
+ranks and the other nodes' relays would be more readers than the engine's ring has (`split_by_reader`). Ray's calls
+carry only strings and integers. torch.distributed rendezvouses at rank 0's node address and a port free there. Details:
 docs/distributed.md.
 """
 
@@ -18,12 +19,13 @@ import secrets
 import socket
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.backend.process import stop_child, worker_environment
 from ringserve.backend.step_relay import TOKEN_BYTES, TOKEN_ENV, NodeRelay
-from ringserve.formats.engine_args import EngineArgs
+from ringserve.formats.engine_args import MAX_LOCAL_WORKERS, EngineArgs
 
 log = logging.getLogger("ringserve.ray_executor")
 
@@ -129,9 +131,12 @@ class RayExecutor:
         bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         self.rank_nodes = [str(bundle_nodes[r]) for r in range(self.world)]
         self.engine_node = ray.get_runtime_context().get_node_id()
-        self.local_ranks = [r for r in range(self.world) if self.rank_nodes[r] == self.engine_node]
-        for node in dict.fromkeys(n for n in self.rank_nodes if n != self.engine_node):
-            ranks = [r for r in range(self.world) if self.rank_nodes[r] == node]
+        if (problem := step_ring_problem(self.rank_nodes)) is not None:
+            self.stop()
+            raise RuntimeError(f"--distributed-executor ray: the cluster at {address} placed the {self.world} ranks "
+                               f"so that {problem}")  # fmt: skip
+        self.local_ranks, relayed = split_by_reader(self.rank_nodes, self.engine_node)
+        for node, ranks in relayed.items():
             self.remote.append(RemoteNode(node, ranks, len(self.local_ranks) + len(self.remote)))
 
     @property
@@ -218,6 +223,35 @@ class RayExecutor:
         self.hosts, self.remote = [], []
         ray.util.remove_placement_group(self.pg)
         ray.shutdown()
+
+
+def split_by_reader(rank_nodes: list[str], engine_node: str) -> tuple[list[int], dict[str, list[int]]]:
+    """Who reads the engine's step ring: the ranks on the engine's node each directly, and one relay per other node,
+    which feeds that node's ranks (rank r is on node rank_nodes[r]). Where that would be more readers than a ring
+    has (MAX_LOCAL_WORKERS), the engine's node gets a relay too (over loopback TCP), so the engine's ring has one
+    reader per node. Returns the direct readers' ranks and, per relayed node, its ranks."""
+    nodes: dict[str, list[int]] = {}
+    for rank, node in enumerate(rank_nodes):
+        nodes.setdefault(node, []).append(rank)
+    local = nodes.pop(engine_node, [])
+    if len(local) + len(nodes) <= MAX_LOCAL_WORKERS:
+        return local, nodes
+    return [], ({engine_node: local} if local else {}) | nodes
+
+
+def step_ring_problem(rank_nodes: list[str]) -> str | None:
+    """Why a placement (each rank's node) needs more readers of a step ring than one has (MAX_LOCAL_WORKERS), or
+    None. With a relay per node (split_by_reader) the engine's ring has a reader per node that holds ranks, and each
+    node's ring one per rank there."""
+    per_node = Counter(rank_nodes)
+    if len(per_node) > MAX_LOCAL_WORKERS:
+        return (f"{len(per_node)} nodes hold ranks; the engine's step ring has a reader per node and at most "
+                f"{MAX_LOCAL_WORKERS} (docs/distributed.md)")  # fmt: skip
+    count, node = max((count, node) for node, count in per_node.items())
+    if count > MAX_LOCAL_WORKERS:
+        return (f"node {node} holds {count} ranks; a node's step ring has a reader per rank and at most "
+                f"{MAX_LOCAL_WORKERS} (docs/distributed.md)")  # fmt: skip
+    return None
 
 
 def check_reachable(address: str) -> None:

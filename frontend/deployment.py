@@ -133,6 +133,8 @@ def restart_reason(message: str) -> str:
     """The `reason` label of ringserve_engine_restarts_total for a failure message (a few fixed values)."""
     if message.startswith("load failed"):
         return "load_failed"
+    if "--step-timeout" in message:  # the engine's step watchdog: a rank alive but stuck
+        return "step_timeout"
     if "worker" in message:
         return "worker_died"
     if "engine process" in message:

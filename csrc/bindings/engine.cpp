@@ -57,7 +57,8 @@ void bind_engine(py::module_& m) {
       .def_readwrite("spec_min_acceptance", &EngineConfig::spec_min_acceptance)
       .def_readwrite("spec_backoff_steps", &EngineConfig::spec_backoff_steps)
       .def_readwrite("max_step_slowdown", &EngineConfig::max_step_slowdown)
-      .def_readwrite("async_scheduling", &EngineConfig::async_scheduling);
+      .def_readwrite("async_scheduling", &EngineConfig::async_scheduling)
+      .def_readwrite("step_timeout_s", &EngineConfig::step_timeout_s);
 
   // The scheduler on its own, for property tests with a fake worker in Python (not part of the serving path).
   py::class_<Scheduler>(m, "Scheduler")

@@ -3,6 +3,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <variant>
 
@@ -37,6 +38,9 @@ Engine::Engine(EngineConfig config, const std::string& request_ring, const std::
   if (config_.block_size <= 0 || config_.max_num_seqs <= 0 || config_.max_num_batched_tokens <= 0 ||
       config_.num_blocks < 0 || config_.max_model_len < 0) {
     throw std::invalid_argument("EngineConfig: block_size, max_num_seqs and max_num_batched_tokens must be > 0");
+  }
+  if (!(config_.step_timeout_s >= 0 && std::isfinite(config_.step_timeout_s))) {
+    throw std::invalid_argument("EngineConfig: step_timeout_s must be >= 0 seconds (0 = no limit)");
   }
   // A segment's name is only the rendezvous. The frontend mapped these rings when it created them and the engine
   // has now attached, so nothing needs the names any more: without them, the memory goes back to the system when
@@ -211,6 +215,12 @@ bool Engine::wait_for_requests() {
 }
 
 bool Engine::await_result(StepResult& result) {
+  // The step watchdog. housekeeping() sees a rank that died; a rank that runs but never finishes the step (a
+  // deadlock, SIGSTOP, a collective waiting on a peer that is stuck) only shows as a result that does not come.
+  // The clock starts here, after the plan went out and the previous step's events were emitted, so a slow frontend
+  // does not count against the workers.
+  const auto waiting_since = std::chrono::steady_clock::now();
+  const auto limit = std::chrono::duration<double>(config_.step_timeout_s);
   while (true) {
     if (results_.read(in_buffer_, kPollInterval, &stop_)) {
       try {
@@ -224,6 +234,12 @@ bool Engine::await_result(StepResult& result) {
     }
     if (stopping()) return false;
     housekeeping(false);
+    if (config_.step_timeout_s > 0 && std::chrono::steady_clock::now() - waiting_since > limit) {
+      char seconds[32];
+      std::snprintf(seconds, sizeof seconds, "%g", config_.step_timeout_s);
+      throw WorkerFailure(std::string("no step result within --step-timeout ") + seconds +
+                          " s: a rank is alive but stuck (deadlocked, stopped, or waiting on a peer that is)");
+    }
   }
 }
 

@@ -35,7 +35,7 @@ class Engine {
 
   // Waits for the workers' WorkerReady (unless config.num_blocks > 0), emits EngineReady, then runs the step loop
   // until a Shutdown record arrives or stop() is called; always sends WorkerShutdown before returning.
-  // Throws WorkerFailure after emitting EngineFailed when a worker dies or fails.
+  // Throws WorkerFailure after emitting EngineFailed when a worker dies or fails, or a step outlasts step_timeout_s.
   void run();
   // Thread- and async-signal-safe: an atomic store and futex wakes.
   void stop() noexcept;
@@ -49,7 +49,7 @@ class Engine {
   bool handle_request(const ByteBuffer& record);  // false on Shutdown
   bool drain_requests();                          // false on Shutdown or stop
   bool wait_for_requests();                       // idle: sleeps on the request ring; false on Shutdown or stop
-  bool await_result(StepResult& result);          // false on stop
+  bool await_result(StepResult& result);          // false on stop; WorkerFailure past step_timeout_s
   void check_result_ring_while_idle();
   void housekeeping(bool force);                  // worker liveness + interrupt check, rate limited
   [[noreturn]] void worker_died(pid_t pid);       // prefers rank 0's WorkerFailed reason, if one is on its way
@@ -65,8 +65,8 @@ class Engine {
   void send_worker_shutdown() noexcept;
   bool stopping() const { return stop_.load(std::memory_order_acquire); }
   bool write_step_record(const ByteBuffer& record);  // waits for space; false on stop
-  void emit_kv_pins();
-  bool send_plan();  // the last schedule()'s KvPulls and StepPlan; false on stop                               // KvPinned events of finished prefill-only requests
+  void emit_kv_pins();  // KvPinned events of finished prefill-only requests
+  bool send_plan();     // the last schedule()'s KvPulls and StepPlan; false on stop
 
   EngineConfig config_;
   std::vector<pid_t> worker_pids_;

@@ -39,6 +39,11 @@ struct EngineConfig {
   // read it as soon as they finish, counting the running step's tokens as computed and its sampled tokens as pending
   // (the workers fill those in from what they sampled). Never with speculation, and never a step that could preempt.
   bool async_scheduling = false;
+  // Step watchdog (the engine loop, not the scheduler): a step whose result has not come back this many seconds
+  // after the engine began waiting for it fails the engine as a dead rank would (0 = wait for ever). Liveness checks
+  // cannot see a rank that is alive but stuck (deadlocked, stopped, waiting on a peer that is); this can. The wait
+  // for WorkerReady (loading, warm-up, graph capture) is not a step and has no such limit.
+  double step_timeout_s = 0.0;
 };
 
 // Throws std::invalid_argument naming the first setting out of range (num_blocks must be known by now), and fills in

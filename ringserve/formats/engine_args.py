@@ -35,6 +35,11 @@ CUDA_GRAPH_MODES = ("auto", "off", "decode", "piecewise")  # workers/model_runne
 # Local worker processes (TP x PP) of one engine: each reads the step ring, which takes at most this many readers
 # (kMaxRingReaders in csrc/ringserve/shm_ring.h, exported as _core.MAX_RING_READERS; a test keeps them equal).
 MAX_LOCAL_WORKERS = 8
+# Ray ranks of one engine: each node's step ring has a reader per rank there and the engine's ring at most one per
+# node (a relay), so at most 8 nodes of 8 ranks each; backend/ray_executor.py checks the placement Ray gives.
+MAX_RAY_RANKS = MAX_LOCAL_WORKERS * MAX_LOCAL_WORKERS
+# Seconds a step's result may take (--step-timeout): vLLM's execute-model timeout.
+DEFAULT_STEP_TIMEOUT_S = 300.0
 # CPUs that --worker-threads 0 leaves to the frontend and the engine loop (both wake every step): a worker thread
 # sharing its core with them is descheduled in the middle of a step's kernels, and the step waits for it.
 CPUS_LEFT_TO_FRONTEND_AND_ENGINE = 1
@@ -118,6 +123,12 @@ class EngineArgs:
         "off", "on: plan each step while the workers compute the one before, so scheduling and result handling leave "
         "the step's critical path; outputs are the same (speculative steps and steps that could preempt are planned "
         "after the result, as with off; default %(default)s)", choices=("on", "off"))  # fmt: skip
+    step_timeout: float = _setting(
+        DEFAULT_STEP_TIMEOUT_S, "seconds the engine waits for a step's result; past that a rank counts as stuck "
+        "(alive but deadlocked, stopped, or waiting on a peer): the step's requests end UNAVAILABLE and the replica "
+        "is restarted as for a dead worker. A step is at most --max-num-batched-tokens tokens, so raise it only "
+        "where one such step can take minutes; loading the model is not a step (default %(default)s; 0 = no "
+        "limit)")  # fmt: skip
     enable_prefix_caching: bool = _setting(True, "share the KV blocks of equal prompt prefixes (default on)")
     num_kv_blocks: int = _setting(0, "KV cache size in blocks (default: from --kv-cache-memory-gib)")
     kv_cache_memory_gib: float = _setting(1.0, "KV cache memory budget per worker in GiB (default %(default)s)")
@@ -158,10 +169,8 @@ class EngineArgs:
             return f"--tensor-parallel-size must be at least 1 (got {self.tensor_parallel_size})"
         if self.pipeline_parallel_size < 1:
             return f"--pipeline-parallel-size must be at least 1 (got {self.pipeline_parallel_size})"
-        if self.world_size > MAX_LOCAL_WORKERS:
-            return (f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
-                    f"{self.pipeline_parallel_size} = {self.world_size} worker processes; one engine starts at most "
-                    f"{MAX_LOCAL_WORKERS}")  # fmt: skip
+        if (problem := self._rank_count_problem()) is not None:
+            return problem
         if self.pipeline_parallel_size > 1 and self.num_speculative_tokens > 0:
             return "--pipeline-parallel-size > 1 does not support speculative decoding (--num-speculative-tokens 0)"
         if self.pipeline_parallel_size > 1 and self.kv_transfer in ("shm", "nixl"):
@@ -199,10 +208,30 @@ class EngineArgs:
             return "--distributed-executor ray needs Ray, which is not installed here: pip install 'ringserve[ray]'"
         if self.ray_placement_timeout <= 0:
             return f"--ray-placement-timeout must be > 0 seconds (got {self.ray_placement_timeout})"
+        if not 0 <= self.step_timeout < float("inf"):
+            return f"--step-timeout must be >= 0 seconds (0 = no limit; got {self.step_timeout})"
         if self.worker_threads < 0:
             return f"--worker-threads must be >= 0 (0 = automatic; got {self.worker_threads})"
         if self.max_model_len < 0 or self.num_kv_blocks < 0 or self.kv_cache_memory_gib <= 0:
             return "--max-model-len and --num-kv-blocks must be >= 0 and --kv-cache-memory-gib > 0"
+        return None
+
+    def _rank_count_problem(self) -> str | None:
+        """Too many ranks for the step rings' readers (MAX_LOCAL_WORKERS each), whatever the placement."""
+        ranks = (f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                 f"{self.pipeline_parallel_size} = {self.world_size} worker processes")  # fmt: skip
+        if self.distributed_executor == "mp" and self.world_size > MAX_LOCAL_WORKERS:
+            return (f"{ranks}; one engine starts at most {MAX_LOCAL_WORKERS} on its host (each reads its step ring; "
+                    "--distributed-executor ray places more on several nodes)")  # fmt: skip
+        if self.distributed_executor == "mp":
+            return None
+        if self.world_size > MAX_RAY_RANKS:
+            return (f"{ranks}; one engine has at most {MAX_RAY_RANKS} Ray ranks ({MAX_LOCAL_WORKERS} nodes of "
+                    f"{MAX_LOCAL_WORKERS}: a step ring has at most {MAX_LOCAL_WORKERS} readers)")  # fmt: skip
+        if self.placement_strategy == "STRICT_SPREAD" and self.world_size > MAX_LOCAL_WORKERS:
+            return (f"{ranks} with --placement-strategy STRICT_SPREAD: one rank per node, and the engine's step ring "
+                    f"has a reader per node, at most {MAX_LOCAL_WORKERS}; PACK or SPREAD put several ranks on a "
+                    "node")  # fmt: skip
         return None
 
     @property

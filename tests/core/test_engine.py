@@ -23,7 +23,7 @@ import pytest
 from core_testkit import segment_name
 from ringserve import _core
 from ringserve.backend import engine_main, engine_process
-from ringserve.formats.engine_args import DEFAULT_MAX_STEP_SLOWDOWN
+from ringserve.formats.engine_args import DEFAULT_MAX_STEP_SLOWDOWN, DEFAULT_STEP_TIMEOUT_S
 from ringserve.frontend import launcher
 from ringserve.frontend.model_source import ModelSource
 
@@ -58,8 +58,10 @@ class FakeWorker(threading.Thread):
         self.errors: list[str] = []
         self.saw_shutdown = threading.Event()
         self.quit = threading.Event()
+        self.ready_delay_s = 0.0  # how long it "loads" before WorkerReady
 
     def run(self) -> None:
+        time.sleep(self.ready_delay_s)
         assert self.writer.write(_core.encode_worker_ready(0, self.num_kv_blocks), 10.0)
         while not self.quit.is_set():
             record = self.reader.read(0.05)
@@ -493,6 +495,53 @@ def test_a_dead_rank_waits_briefly_for_rank_0_to_say_why(frontend_factory: Front
     f.engine_thread.join(10)
 
 
+def engine_failure(f: Frontend) -> _core.EngineFailed:
+    while not any(isinstance(e, _core.EngineFailed) for e in f.other_events):
+        f.next_event()
+    return next(e for e in f.other_events if isinstance(e, _core.EngineFailed))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_whose_result_never_comes_fails_the_engine_naming_the_step_timeout(
+    frontend_factory: FrontendFactory, async_scheduling: bool
+) -> None:
+    # A rank that is alive but stuck: its pid stays alive (this process), it just never answers.
+    f = frontend_factory(worker_pids=[os.getpid()], step_timeout_s=0.5, async_scheduling=async_scheduling)
+    f.start()
+    f.add(1, [5, 6, 7], max_tokens=3)
+    f.wait_finished([1])
+    f.worker.quit.set()
+    f.worker.join(5)
+    f.add(2, [5, 6, 7], max_tokens=3)
+    failed = engine_failure(f)
+    assert failed.message.startswith("no step result within --step-timeout 0.5 s: a rank is alive but stuck")
+    f.engine_thread.join(10)
+    assert isinstance(f.run_error, RuntimeError) and "--step-timeout" in str(f.run_error)
+
+
+def test_steps_and_a_slow_load_within_the_step_timeout_do_not_trip_it(frontend_factory: FrontendFactory) -> None:
+    # Every step takes 0.1 s and a request's twelve steps together over the 1 s limit: the limit is per step.
+    # Loading (the wait for WorkerReady) is not a step: it takes longer than the limit here.
+    f = frontend_factory(delay=0.1, step_timeout_s=1.0)
+    f.worker.ready_delay_s = 1.5
+    f.start()
+    f.add(1, [5, 6, 7], max_tokens=12)
+    f.wait_finished([1])
+    assert f.log[1].tokens == list(range(8, 20))
+    assert not [e for e in f.other_events if isinstance(e, _core.EngineFailed)]
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_the_engine_refuses_a_step_timeout_out_of_range(seconds: float) -> None:
+    rings = [_core.ShmRing.create(segment_name(role), RING_BYTES) for role in ("req", "evt", "step", "res")]
+    try:
+        with pytest.raises(ValueError, match="step_timeout_s must be >= 0"):
+            _core.Engine(make_config(step_timeout_s=seconds), *(r.name for r in rings), [])
+    finally:
+        for ring in rings:
+            ring.unlink()
+
+
 def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     launcher.add_serve_arguments(parser)
@@ -513,6 +562,13 @@ def test_serve_passes_priority_aging_to_the_engine_config(tmp_path: Path) -> Non
         assert launcher.check_serve_arguments(parser.parse_args(flags)) is None
         assert engine_main.engine_config(engine_process_args(flags, tmp_path).engine).priority_aging_ms == want
     assert "--priority-aging-ms" in launcher.check_serve_arguments(parser.parse_args(["--priority-aging-ms", "-1"]))
+
+
+def test_serve_passes_the_step_timeout_to_the_engine_config(tmp_path: Path) -> None:
+    parser = serve_parser()
+    for flags, want in (([], DEFAULT_STEP_TIMEOUT_S), (["--step-timeout", "2.5"], 2.5), (["--step-timeout", "0"], 0)):
+        assert engine_main.engine_config(engine_process_args(flags, tmp_path).engine).step_timeout_s == want
+    assert "--step-timeout must be >= 0" in launcher.check_serve_arguments(parser.parse_args(["--step-timeout", "-1"]))
 
 
 def test_serve_passes_async_scheduling_to_the_engine_config(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from ringserve import _core
-from ringserve.backend.process import stop_child
+from ringserve.backend.process import stop_child, stop_children
 from ringserve.backend.step_relay import (
     TOKEN_BYTES,
     TOKEN_ENV,
@@ -149,6 +149,17 @@ def test_a_stopped_rank_is_ended_by_sigterm_when_its_replica_stops() -> None:
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     rank.send_signal(signal.SIGSTOP)
     assert stop_child(rank, timeout_s=2.0) == -signal.SIGTERM
+
+
+def test_the_ranks_of_a_failed_engine_are_stopped_together() -> None:
+    """stop_children: one that exits by itself, one stopped, one that ignores SIGTERM; each ends the right way."""
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"
+    ranks = [subprocess.Popen(["true"]), subprocess.Popen(["sleep", "600"]),
+             subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE)]  # fmt: skip
+    assert ranks[2].stdout is not None and ranks[2].stdout.readline()  # its handler is set
+    ranks[1].send_signal(signal.SIGSTOP)
+    assert stop_children(ranks, timeout_s=0.5) == [0, -signal.SIGTERM, -signal.SIGKILL]
+    ranks[2].stdout.close()
 
 
 def test_a_silent_node_ends_the_engine_side_relay_within_the_heartbeat_timeout() -> None:

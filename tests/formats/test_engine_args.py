@@ -83,6 +83,9 @@ def test_json_that_does_not_fit_is_refused_naming_the_key(text: str, message: st
     ({"tensor_parallel_size": 3, "pipeline_parallel_size": 3},
      "--tensor-parallel-size 3 x --pipeline-parallel-size 3 = 9 worker processes; one engine starts at most 8"),
     ({"pipeline_parallel_size": 2, "num_speculative_tokens": 2}, "--pipeline-parallel-size > 1 does not support spec"),
+    ({"step_timeout": -1.0}, "--step-timeout must be >= 0 seconds (0 = no limit; got -1.0)"),
+    ({"step_timeout": float("inf")}, "--step-timeout must be >= 0 seconds"),
+    ({"step_timeout": float("nan")}, "--step-timeout must be >= 0 seconds"),
     ({"pipeline_parallel_size": 2, "kv_transfer": "shm"}, "--pipeline-parallel-size > 1 does not support --kv-trans"),
 ])  # fmt: skip
 def test_a_setting_that_cannot_work_is_refused_naming_its_flag(changes: dict[str, object], message: str) -> None:
@@ -121,3 +124,29 @@ def test_the_ray_executor_is_refused_where_ray_is_not_installed(monkeypatch: pyt
     assert EngineArgs(distributed_executor="mp").distributed_executor == "mp"
     with pytest.raises(ValueError, match="--placement-strategy 'BOTH'"):
         EngineArgs(placement_strategy="BOTH")
+
+
+def pretend_ray_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "ray" else real(name, *a))
+
+
+def test_ray_ranks_go_past_eight_up_to_eight_nodes_of_eight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a step ring's readers bound the ranks: 8 on one host (mp); with Ray a reader per node and per rank on a
+    node, so 64 (backend/ray_executor.py checks the placement itself)."""
+    pretend_ray_is_installed(monkeypatch)
+    for tp, pp in ((4, 4), (8, 2), (8, 8), (1, 16)):
+        args = EngineArgs(distributed_executor="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        assert args.world_size == tp * pp
+    with pytest.raises(ValueError, match=r"= 9 worker processes; one engine starts at most 8 on its host .*"
+                                         "--distributed-executor ray places more on several nodes"):  # fmt: skip
+        EngineArgs(tensor_parallel_size=3, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 13 x --pipeline-parallel-size 5 = 65 worker "
+                                         r"processes; one engine has at most 64 Ray ranks \(8 nodes of 8"):  # fmt: skip
+        EngineArgs(distributed_executor="ray", tensor_parallel_size=13, pipeline_parallel_size=5)
+    assert EngineArgs(distributed_executor="ray", placement_strategy="STRICT_SPREAD", tensor_parallel_size=8)
+    strict = "= 9 worker processes with --placement-strategy STRICT_SPREAD: one rank per node, and the engine's step"
+    with pytest.raises(ValueError, match=f"{strict} ring has a reader per node, at most 8"):
+        EngineArgs(distributed_executor="ray", placement_strategy="STRICT_SPREAD", tensor_parallel_size=9)

@@ -4,7 +4,8 @@ ring and the other gets the records over the TCP relay. TP=2 decodes the TP=1 gr
 rank's actor, or stopping its worker (SIGSTOP: the heartbeat's case), ends the stream UNAVAILABLE within seconds, the
 model comes back, and nothing is left behind (actors, placement groups, processes, /dev/shm). Two data-parallel
 replicas each place their rank on the cluster; killing one engine leaves nothing either. A placement the cluster
-cannot satisfy fails the server's start with the reason; a replica whose restart cannot be placed (its third node is
+cannot satisfy fails the server's start with the reason, and so does one that puts more ranks on a node than its
+step ring has readers; a replica whose restart cannot be placed (its third node is
 gone) is retried, then FAILED with the reason. Pipeline stages across the nodes (a tiny llama TP=2 x PP=2, each
 stage's two ranks packed on one node; the embedded model PP=2, one stage per node) decode the one-rank tokens.
 Skipped without Ray (pip install 'ringserve[ray]')."""
@@ -209,6 +210,28 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_the_start_with_the_reason(
                      f"127.0.0.1:{closed}", ready_timeout_s=120)  # fmt: skip
     assert f"engine failed: --distributed-executor ray: no Ray cluster at 127.0.0.1:{closed}: cannot connect" \
         in str(failed.value)
+
+
+def test_more_ranks_on_a_node_than_its_step_ring_has_readers_fail_the_start_naming_the_limit(
+    cluster: Cluster, llama_3_layers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nine ranks packed on one node (STRICT_PACK, a nine-CPU node): its ring would need nine readers. The engine
+    fails its start with the count and the limit, before any rank starts."""
+    before = segments()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    big = cluster.add_node(num_cpus=9, object_store_memory=80 * 1024 * 1024)
+    cluster.wait_for_nodes()
+    flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_PACK", "--tensor-parallel-size", "9",
+             "--ray-placement-timeout", "30")  # fmt: skip
+    try:
+        with pytest.raises(AssertionError, match="server exited with 1 while starting") as failed:
+            start_server(llama_3_layers, tmp_path, *FLAGS, *flags, ready_timeout_s=120)
+        assert "engine failed: --distributed-executor ray: the cluster at" in str(failed.value)
+        assert "placed the 9 ranks so that node " in str(failed.value)
+        assert "holds 9 ranks; a node's step ring has a reader per rank and at most 8" in str(failed.value)
+    finally:
+        cluster.remove_node(big)
+    assert_nothing_left(cluster, 0, before)
 
 
 def test_a_replica_whose_restart_cannot_be_placed_is_retried_then_failed_with_the_reason(

@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.v1 import generation_pb2 as pb
 from server_harness import RunningServer, compile_torchserve_stubs, free_port, start_server
+from test_leak_free_death import segments_of
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 CLIENT = Path(__file__).parent / "torchserve_client" / "ts_manage.py"
@@ -139,6 +140,44 @@ def test_a_killed_rank_of_three_is_restarted(model_path: Path, tmp_path: Path) -
                  if "worker_main" in " ".join(p.cmdline())]  # fmt: skip
         assert len(ranks) == 3
         assert server.stop() == 0
+
+
+def test_a_stopped_worker_fails_its_steps_after_the_step_timeout_and_is_restarted(model_path: Path,
+                                                                                  tmp_path: Path) -> None:  # fmt: skip
+    """SIGSTOP keeps a worker alive, so no liveness check sees it, but its steps never finish: after --step-timeout
+    the streams end UNAVAILABLE naming the timeout, the replica restarts (reason step_timeout), and none of the old
+    replica's processes or segments is left."""
+    metrics_port = free_port()
+    flags = ("--step-timeout", "4", "--metrics-port", str(metrics_port))
+    with start_server(model_path, tmp_path, *FLAGS, *flags) as server:
+        model = server.stub().GetModelInfo(pb.ModelInfoRequest(), timeout=10).model
+        streams = open_streams(server, 2)
+        old_replica = {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
+        worker = victim(server, "ringserve.workers.worker_main")
+        worker.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        for thread, errors in streams:
+            thread.join(timeout=60)
+            assert not thread.is_alive() and errors, "a stream did not end after its worker stopped"
+            assert errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors[0]
+            assert "no step result within --step-timeout 4 s: a rank is alive but stuck" in errors[0].details()
+        ended_s = time.monotonic() - stopped_at
+        wait_health(server, SERVING, 240)
+        print(f"\n[self-healing] SIGSTOP of the worker: streams UNAVAILABLE after {ended_s:.2f} s (--step-timeout 4), "
+              f"SERVING again after {time.monotonic() - stopped_at:.2f} s")  # fmt: skip
+        assert restarts_metric(metrics_port, model, "step_timeout") == 1.0
+        assert [t for r in server.stub().Generate(fresh_request(), timeout=120) for t in r.token_ids]
+        left = [p for p in old_replica if running(p)]
+        assert not left, f"processes of the replica that failed are still running: {left}"
+        assert not segments_of(old_replica)
+        assert server.stop() == 0
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def describe(stubs: Path, server: RunningServer, model: str) -> dict[str, object]:

@@ -85,6 +85,7 @@ class EngineConfig:
     spec_max_batch: int
     spec_min_acceptance: float
     stats_interval_ms: int
+    step_timeout_s: float
 
 class EngineFailed:
     def __init__(self, **kwargs) -> None: ...
