@@ -16,6 +16,7 @@ import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -131,3 +132,18 @@ def test_the_dockerfiles_leave_versions_to_the_constraints_file() -> None:
             for word in words:
                 if "==" in word and not word.startswith("torch=="):
                     pytest.fail(f"{path.name} pins {word} itself: put the version in docker/constraints.txt")
+
+
+def test_this_environment_runs_the_pinned_versions() -> None:
+    """scripts/setup.sh installs with docker/constraints.txt, so the tests run what the images run: every pinned
+    package in the images' closure that is installed here has the pinned version (torch's local build tag aside)."""
+    pinned = pins()
+    drift = []
+    for name in closure(roots()):
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # closure() reads every package's metadata, so only a --no-deps one can be missing
+        if name in pinned and Version(installed).public != Version(pinned[name]).public:
+            drift.append(f"{name} {installed} (pinned: {pinned[name]})")
+    assert not drift, f"installed here but not at docker/constraints.txt's version (rerun scripts/setup.sh): {drift}"
