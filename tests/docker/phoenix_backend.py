@@ -21,11 +21,26 @@ from docker_harness import free_port
 START_TIMEOUT_S = 300  # its first start creates the database (migrations) on a loaded two-core machine
 
 
-@dataclass(frozen=True)
+@dataclass
 class Phoenix:
     http_port: int  # the UI and the REST API (also OTLP/HTTP at /v1/traces)
     grpc_port: int  # OTLP/gRPC, where the servers export
     log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def wait_ready(self) -> None:
+        """Until the REST API answers (the OTLP receiver starts with it)."""
+        assert self.process is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            exited = self.process.poll()
+            assert exited is None, f"phoenix serve exited with {exited}\n{self.log_tail()}"
+            try:
+                self.get("/v1/projects")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, f"Phoenix not up in {START_TIMEOUT_S}s\n{self.log_tail()}"
+                time.sleep(1)
 
     def get(self, path: str, **params: str | int) -> dict:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -47,8 +62,9 @@ class Phoenix:
 
 @contextlib.contextmanager
 def phoenix_backend(venv: Path, workdir: Path) -> Iterator[Phoenix]:
-    """`phoenix serve` on free ports, listening on every interface (containers reach it as host.docker.internal),
-    its database in `workdir`; stopped (SIGTERM, then SIGKILL) when the block ends."""
+    """`phoenix serve` started on free ports, listening on every interface (containers reach it as
+    host.docker.internal), its database in `workdir`; not waited for (`wait_ready`: it takes tens of seconds, which
+    the caller can overlap); stopped (SIGTERM, then SIGKILL) when the block ends."""
     phoenix = Phoenix(http_port=free_port(), grpc_port=free_port(), log=workdir / "phoenix.log")
     env = {**os.environ, "PHOENIX_HOST": "0.0.0.0", "PHOENIX_PORT": str(phoenix.http_port),
            "PHOENIX_GRPC_PORT": str(phoenix.grpc_port), "PHOENIX_WORKING_DIR": str(workdir),
@@ -56,16 +72,8 @@ def phoenix_backend(venv: Path, workdir: Path) -> Iterator[Phoenix]:
     with phoenix.log.open("wb") as log:
         process = subprocess.Popen([str(venv / "bin" / "phoenix"), "serve"], env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    phoenix.process = process
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, f"phoenix serve exited with {process.returncode}\n{phoenix.log_tail()}"
-            try:
-                phoenix.get("/v1/projects")
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline, f"Phoenix not up in {START_TIMEOUT_S}s\n{phoenix.log_tail()}"
-                time.sleep(1)
         yield phoenix
     finally:
         process.terminate()

@@ -54,6 +54,7 @@ def test_observability_profile_exports_the_span_tree_and_prometheus_scrapes(
         RINGSERVE_KV_CACHE_MEMORY_GIB="0.25", **image,
     ) as project:  # fmt: skip
         wait_healthy(project.container("ringserve-observed"))
+        phoenix.wait_ready()  # started before compose, so that the two start together
         prom = project.container("prometheus")
         with grpc.insecure_channel(f"127.0.0.1:{project.ports['GRPC']}") as channel:
             request = pb.GenerateRequest(text="The capital of France is", sampling=pb.SamplingParams(
