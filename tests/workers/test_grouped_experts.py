@@ -60,3 +60,10 @@ def test_expert_parameters_become_views_of_the_stacked_weights() -> None:
     with torch.no_grad():  # a write through the stacked tensor is what the expert's parameter holds
         block.experts_gate_up[5, 32:] += 1.0
     assert torch.equal(block.experts[5].up_proj.weight, before["experts.5.up_proj.weight"] + 1.0)
+
+
+def test_experts_with_forward_hooks_keep_the_plain_loop() -> None:
+    # A hook on an expert's projection would be skipped by the grouped GEMMs, so such a block is left alone.
+    block = moe_block(2, 0, True)
+    block.experts[3].down_proj.register_forward_hook(lambda module, args, out: out * 2)
+    assert not GroupedExpertsMoe.applies(block)
