@@ -45,8 +45,9 @@ def resolve_dtype(choice: str) -> str:
 
 def decode_graphs_expected(args: EngineArgs) -> bool:
     """The workers will replay decode steps as CUDA graphs (workers/cuda_graphs.py and ModelRunner: an NVIDIA GPU,
-    --cuda-graphs auto, the Triton paged attention, one rank, no speculation, a KV cache of the worker's own)."""
-    return (nvidia_gpu_present() and args.cuda_graphs == "auto" and args.attention_backend in ("auto", "triton_paged")
+    --cuda-graphs other than off, the Triton paged attention, one rank, no speculation, a KV cache of the worker's
+    own)."""
+    return (nvidia_gpu_present() and args.cuda_graphs != "off" and args.attention_backend in ("auto", "triton_paged")
             and importlib.util.find_spec("triton") is not None and args.world_size == 1
             and args.num_speculative_tokens == 0 and args.kv_transfer in ("none", "auto"))  # fmt: skip
 

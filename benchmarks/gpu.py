@@ -13,7 +13,12 @@ Sections (each is timed and guarded: a failure is recorded under "errors" and th
   Llama-3.1-8B: hidden 4096, 32 layers, 32/8 heads, intermediate 14336, vocab 128256), bfloat16, driven through
   ModelRunner with engine-shaped step plans (as benchmarks/throughput.py does on CPU):
   offline_tok_s (N prompts x P tokens, G greedy outputs each, prefill under a 2048-token budget, then one decode
-  batch) with the triton_paged backend and, as the baseline measured in the same run, with torch_sdpa;
+  batch) with the triton_paged backend and piecewise graphs (the default), eagerly (`_eager`) and, as the baseline
+  measured in the same run, with torch_sdpa;
+  mixed_step_ms: steps of D decodes beside a C-token prompt chunk (chunked prefill, as under steady arrivals) with
+  piecewise graphs, decode graphs only (`_decode_graphs`) and eagerly, mixed_step_speedup_vs_eager and
+  _vs_decode_graphs, and mixed_tokens_match_eager (the share of those steps' greedy tokens equal to the eager run's:
+  bf16 random weights, so near ties may differ; the CUDA tests check float32);
   hf_offline_tok_s, transformers `generate` on the same prompts (one static batch, same shape and dtype, random
   weights), and offline_speedup_vs_hf; single_stream_tok_s; bandwidth_bound_tok_s = copy bandwidth / weight
   bytes one decode step streams (every weight once; an untied input embedding is only gathered, so it is left
@@ -78,12 +83,13 @@ class Counts:
     prefill_cases: list[tuple[int, int]]  # (new tokens, context after them)
     attention_iters: int
     test_timeout_s: int
+    mixed: tuple[int, int, int] = (32, 256, 8)  # mixed steps: decodes, prompt chunk tokens, steps
 
 
 FULL = Counts(256, 128, 128, 128, [(1, 1024), (1, 8192), (32, 2048), (128, 1024), (256, 2048)],
               [(2048, 2048), (512, 4096)], 20, 240)  # fmt: skip
 QUICK = Counts(64, 64, 32, 32, [(1, 4096), (64, 1024)], [(1024, 1024)], 10, 180)
-DRY = Counts(4, 8, 3, 3, [(2, 40)], [(12, 30)], 1, 120)
+DRY = Counts(4, 8, 3, 3, [(2, 40)], [(12, 30)], 1, 120, mixed=(2, 8, 2))
 
 
 @dataclass
@@ -152,9 +158,9 @@ def cuda_test_targets() -> list[str]:
     """The test files holding CUDA tests whose imports this machine has (a GPU image may lack `gguf`)."""
     targets = ["tests/workers/test_triton_paged_attention.py", "tests/workers/test_sampler.py"]
     if importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("transformers") is not None:
-        targets.append("tests/workers/test_model_runner.py")
+        targets += ["tests/workers/test_model_runner.py", "tests/workers/test_piecewise_graphs.py"]
     else:
-        progress("tests/workers/test_model_runner.py left out: gguf or transformers is not installed")
+        progress("test_model_runner.py and test_piecewise_graphs.py left out: gguf or transformers is not installed")
     return targets
 
 
@@ -225,6 +231,43 @@ def single_stream_tok_s(runner: Any, prompt: np.ndarray, output_len: int) -> flo
 # ---- sections -------------------------------------------------------------------------------------------------
 
 
+def mixed_steps(runner: Any, prompts: np.ndarray, mixed: tuple[int, int, int], rng: np.random.Generator
+                ) -> tuple[float, list[int]]:
+    """Milliseconds per step, and the greedy tokens, of `steps` steps in which `decodes` sequences (the first rows of
+    `prompts`, prefilled first) each decode one token beside a `chunk`-token slice of one long prompt."""
+    from ringserve.workers.model_runner import NewRequest, StepPlan
+
+    decodes, chunk, steps = mixed
+    p, bs = prompts.shape[1], runner.block_size
+    each = -(-(p + steps + 1) // bs)
+    slots = np.arange(decodes)
+    requests = [NewRequest(i, prompts[i].astype(np.int32), np.arange(i * each, (i + 1) * each, dtype=np.int32),
+                           temperature=0.0) for i in range(decodes)]  # fmt: skip
+    runner.execute(schedule(0, slots, np.zeros(decodes), np.full(decodes, p), new_requests=requests))
+    long_prompt = rng.integers(10, runner.config.vocab_size, chunk * steps).astype(np.int32)
+    long_blocks = np.arange(decodes * each, decodes * each + -(-(chunk * steps) // bs), dtype=np.int32)
+    long_request = NewRequest(decodes, long_prompt, long_blocks, temperature=0.0)
+    tokens: list[int] = []
+    synchronize(runner.device)
+    start = time.perf_counter()
+    for k in range(steps):
+        plan = StepPlan(1 + k, sched_slots=np.append(slots, decodes).astype(np.int32),
+                        sched_start=np.append(np.full(decodes, p + k), k * chunk).astype(np.int32),
+                        sched_len=np.append(np.ones(decodes), chunk).astype(np.int32),
+                        sched_sample=np.append(np.ones(decodes, bool), k == steps - 1),
+                        new_requests=[long_request] if k == 0 else [])  # fmt: skip
+        tokens += runner.execute(plan).token_ids.tolist()
+    synchronize(runner.device)
+    elapsed = time.perf_counter() - start
+    runner.execute(finish(1 + steps, np.arange(decodes + 1)))
+    return 1000 * elapsed / steps, tokens
+
+
+def mixed_blocks(prompt_len: int, mixed: tuple[int, int, int], block_size: int = 16) -> int:
+    decodes, chunk, steps = mixed
+    return decodes * -(-(prompt_len + steps + 1) // block_size) + -(-(chunk * steps) // block_size)
+
+
 def run_cuda_tests(targets: list[str], timeout_s: int) -> dict[str, Any]:
     """pytest on the CUDA tests in a subprocess; its summary line and, on failure, the tail of its output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels, not the interpreter
@@ -292,8 +335,9 @@ def streamed_weight_bytes(model: Any) -> int:
 def bench_model(
     shape: str, counts: Counts, device: torch.device, dtype: torch.dtype, backends: list[str], bandwidth: float | None
 ) -> dict[str, Any]:
-    """backends[0] is measured twice, with CUDA graphs of decode steps (ModelRunner's default) and eagerly
-    (`_eager`); every other backend, the baseline, once."""
+    """backends[0] is measured with piecewise graphs (and decode graphs for decode-only steps: the default on CUDA)
+    and eagerly (`_eager`), and its mixed steps also with decode graphs only (`_decode_graphs`); every other
+    backend, the baseline, once."""
     from ringserve.workers.model_runner import ModelRunner
 
     figures: dict[str, Any] = {"shape": shape}
@@ -306,31 +350,50 @@ def bench_model(
     c = counts
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, model.config.vocab_size, size=(c.num_prompts, c.prompt_len))
-    blocks = c.num_prompts * -(-(c.prompt_len + c.output_len) // 16) + 16
-    variants = [(backends[0], "auto", ""), (backends[0], "off", "_eager")] + [(b, "off", f"_{b}") for b in backends[1:]]
+    blocks = max(c.num_prompts * -(-(c.prompt_len + c.output_len) // 16), mixed_blocks(c.prompt_len, c.mixed)) + 16
+    # On a GPU the graphs are captured; the dry run takes their static buffers and cuts eagerly instead (decode
+    # graphs' static buffers need the triton_paged backend).
+    capture = device.type == "cuda"
+    first = [(backends[0], "piecewise", ""), (backends[0], "decode", "_decode_graphs"), (backends[0], "off", "_eager")]
+    if not capture and backends[0] != "triton_paged":
+        first.pop(1)
+    variants = first + [(b, "off", f"_{b}") for b in backends[1:]]
+    mixed_tokens: dict[str, list[int]] = {}
     for backend, graphs, suffix in variants:
         runner = None
-        label = backend + ("_eager" if suffix == "_eager" else "")
+        label = backend + (suffix if backend == backends[0] else "")
         try:  # the baseline still gets measured when the first backend fails
             # ModelRunner binds its KV cache and backend to the model's layers, so the runners take turns.
             start = time.perf_counter()
             runner = ModelRunner(model, block_size=16, num_kv_blocks=blocks, device=device, attention_backend=backend,
-                                 cuda_graphs=graphs)  # fmt: skip
+                                 cuda_graphs=graphs, capture_graphs=capture or graphs == "off")  # fmt: skip
             synchronize(device)
-            if runner.graphs is not None and runner.graphs.capture_graphs:
-                figures["graph_capture_s"] = round(time.perf_counter() - start, 2)
+            if graphs == "piecewise" and runner.pieces is not None:
+                figures["graph_capture_s"] = round(time.perf_counter() - start, 2)  # decode graphs and pieces
+                figures["piecewise_token_sizes"] = runner.pieces.sizes
+            if runner.graphs is not None:
                 figures["graph_batch_sizes"] = runner.graphs.sizes
             progress(f"{shape} [{label}]: warm-up (kernel compilation)")
             offline_tok_s(runner, prompts[:2, : min(16, c.prompt_len)], 3)  # compiles the prefill and decode kernels
             single_stream_tok_s(runner, prompts[0, : min(16, c.prompt_len)], 3)  # batch 1: the split-K decode kernel
-            progress(f"{shape} [{label}]: offline {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
-            figures[f"offline_tok_s{suffix}"] = round(offline_tok_s(runner, prompts, c.output_len), 1)
+            whole_run = suffix != "_decode_graphs"  # decode graphs alone differ from piecewise in mixed steps only
+            if whole_run:
+                progress(f"{shape} [{label}]: offline {c.num_prompts} x {c.prompt_len} -> {c.output_len}")
+                figures[f"offline_tok_s{suffix}"] = round(offline_tok_s(runner, prompts, c.output_len), 1)
             if backend == backends[0]:
-                progress(f"{shape} [{label}]: single stream, {c.single_stream_len} tokens")
-                tok_s = single_stream_tok_s(runner, prompts[0], c.single_stream_len)
-                figures[f"single_stream_tok_s{suffix}"] = round(tok_s, 1)
-                figures["attention_backend"] = backend
-            figures.setdefault("cuda_graphs", {})[label] = runner.graphs is not None and runner.graphs.capture_graphs
+                if whole_run:
+                    progress(f"{shape} [{label}]: single stream, {c.single_stream_len} tokens")
+                    tok_s = single_stream_tok_s(runner, prompts[0], c.single_stream_len)
+                    figures[f"single_stream_tok_s{suffix}"] = round(tok_s, 1)
+                    figures["attention_backend"] = backend
+                progress(f"{shape} [{label}]: mixed steps, {c.mixed[0]} decodes + a {c.mixed[1]}-token chunk")
+                mixed_steps(runner, prompts, (*c.mixed[:2], 1), np.random.default_rng(2))  # warm-up: these shapes
+                ms, mixed_tokens[suffix] = mixed_steps(runner, prompts, c.mixed, np.random.default_rng(1))
+                figures[f"mixed_step_ms{suffix}"] = round(ms, 3)
+            figures.setdefault("cuda_graphs", {})[label] = {
+                "decode": runner.graphs is not None and runner.graphs.capture_graphs,
+                "piecewise": runner.pieces is not None and runner.pieces.capture_graphs,
+            }
         except Exception as exc:
             figures.setdefault("errors", {})[label] = f"{type(exc).__name__}: {exc}"[:2000]
             progress(f"{shape} [{label}]: FAILED\n{traceback.format_exc()}")
@@ -356,7 +419,13 @@ def bench_model(
             figures["single_stream_vs_bound"] = round(figures["single_stream_tok_s"] / bound, 3)
     ratios = [(f"offline_speedup_vs_{b}", "offline_tok_s", f"offline_tok_s_{b}") for b in backends[1:]]
     ratios += [("offline_speedup_vs_eager", "offline_tok_s", "offline_tok_s_eager"),
-               ("single_stream_speedup_vs_eager", "single_stream_tok_s", "single_stream_tok_s_eager")]  # fmt: skip
+               ("single_stream_speedup_vs_eager", "single_stream_tok_s", "single_stream_tok_s_eager"),
+               ("mixed_step_speedup_vs_eager", "mixed_step_ms_eager", "mixed_step_ms"),
+               ("mixed_step_speedup_vs_decode_graphs", "mixed_step_ms_decode_graphs", "mixed_step_ms")]  # fmt: skip
+    if "" in mixed_tokens and "_eager" in mixed_tokens:
+        got, want = mixed_tokens[""], mixed_tokens["_eager"]
+        same = sum(a == b for a, b in zip(got, want, strict=False))
+        figures["mixed_tokens_match_eager"] = round(same / max(len(want), 1), 4)
     for key, measured, baseline in ratios:
         if measured in figures and baseline in figures:
             figures[key] = round(figures[measured] / figures[baseline], 3)

@@ -172,8 +172,8 @@ def contention_rounds(runner, prompts: np.ndarray, args, block_size: int) -> dic
     offline_ratios = [b[0] / q[0] for q, b in zip(quiet, busy, strict=True)]
     single_ratios = [b[1] / q[1] for q, b in zip(quiet, busy, strict=True)]
     return {
-        "contention_ratio_offline": round(float(np.median(offline_ratios)), 3),
-        "contention_ratio_single": round(float(np.median(single_ratios)), 3),
+        "contention_ratio_offline": round(float(np.median(offline_ratios)), 3) if quiet else None,
+        "contention_ratio_single": round(float(np.median(single_ratios)), 3) if quiet else None,
         "contention_quiet_tok_s": [[round(o, 2), round(s, 2)] for o, s in quiet],
         "contention_busy_tok_s": [[round(o, 2), round(s, 2)] for o, s in busy],
     }
@@ -192,7 +192,7 @@ def main() -> None:
     p.add_argument("--offline-rounds", type=int, default=None,
                    help="offline + transformers rounds (default 3, quick 1)")
     p.add_argument("--contention-rounds", type=int, default=None,
-                   help="rounds without and with a busy process beside the worker (default 3, quick 1)")
+                   help="rounds without and with a busy process beside the worker (default 3, quick 1; 0 skips them)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: what a worker picks, ringserve.formats.engine_args)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens; finishes in well under a minute")
@@ -202,9 +202,12 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.num_prompts, args.output_len, args.single_stream_len = 8, 16, 16
-    args.rounds = args.rounds or (2 if args.quick else 5)
-    args.offline_rounds = args.offline_rounds or (1 if args.quick else 3)
-    args.contention_rounds = args.contention_rounds or (1 if args.quick else 3)
+    defaults = {"rounds": (2, 5), "offline_rounds": (1, 3), "contention_rounds": (1, 3)}
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.rounds < 1 or args.offline_rounds < 1 or args.contention_rounds < 0:
+        p.error("--rounds and --offline-rounds must be at least 1, --contention-rounds at least 0")
     torch.set_num_threads(args.threads or default_worker_threads(len(os.sched_getaffinity(0)), 1))
 
     from ringserve.workers.loader import load_model, parse_dtype

@@ -8,6 +8,9 @@
 #                                   `ringserve serve --help` runs and torch, ringserve._core and NCCL's library load;
 #                                   not part of the test suite (several GB of CUDA wheels): tests/docker/ run it with
 #                                   RINGSERVE_DOCKER_CUDA=1
+#   scripts/docker-env.sh phoenix   a virtual environment with Arize Phoenix, the OTLP trace backend the observability
+#                                   test sends the server's traces to (versions: tests/docker/phoenix-constraints.txt);
+#                                   kept under the cache folder, made again only when that file changes; prints its path
 #   scripts/docker-env.sh down      stops what `up` started (containers it left are stopped by dockerd)
 # Where Docker Hub is unreachable, `build` makes a stand-in for the python base image (scripts/docker-base-image.sh)
 # and, where download.pytorch.org is unreachable, serves the torch CPU wheel that pip finds here to the build from a
@@ -243,10 +246,26 @@ assert nccl.ncclGetVersion(ctypes.byref(version)) == 0
 print(f"    torch {torch.__version__} (CUDA {torch.version.cuda}), NCCL {version.value} from {libs[0]}")'
 }
 
+phoenix() {  # no engine needed: Phoenix runs on the host, where the containers reach it as host.docker.internal
+  local venv=$cache/phoenix pins=tests/docker/phoenix-constraints.txt start=$SECONDS
+  if ! cmp -s "$pins" "$venv/constraints.txt" || [ ! -x "$venv/bin/phoenix" ]; then
+    echo "==> installing Arize Phoenix into $venv (log: $state/phoenix-install.log)" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins" arize-phoenix \
+      >"$state/phoenix-install.log" 2>&1 || { tail -n 20 "$state/phoenix-install.log" >&2; rm -rf "$venv"; exit 1; }
+    cp "$pins" "$venv/constraints.txt"  # last: marks the environment complete
+    echo "    [$((SECONDS - start))s] $("$venv/bin/python" -m pip list --format=freeze 2>/dev/null \
+      | grep -i '^arize-phoenix==')" >&2
+  fi
+  echo "$venv"
+}
+
 case "${1:-}" in
   up) up ;;
   build) build ;;
   build-cuda) build_cuda ;;
+  phoenix) phoenix ;;
   down) down ;;
-  *) echo "usage: $0 up|build|build-cuda|down" >&2; exit 2 ;;
+  *) echo "usage: $0 up|build|build-cuda|phoenix|down" >&2; exit 2 ;;
 esac

@@ -8,9 +8,9 @@ scripts/setup.sh --test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-# The Docker tests' engine and images (scripts/docker-env.sh) are got ready in the background while the other tests
-# run: much of a cold image build waits on the network and the disk rather than the CPU. tests/docker/ run last and
-# wait for it (RINGSERVE_DOCKER_PREPARED: the file that receives its exit status), then find every layer built.
+# The Docker tests' engine, images and trace backend (scripts/docker-env.sh) are got ready in the background while the
+# other tests run: much of a cold image build waits on the network and the disk rather than the CPU. tests/docker/ run
+# last and wait for it (RINGSERVE_DOCKER_PREPARED: the file that receives its exit status), then find every layer built.
 docker_state=${RINGSERVE_DOCKER_STATE:-/tmp/ringserve-docker}
 docker_prep=
 docker_finish() {
@@ -25,7 +25,9 @@ if [ "${RINGSERVE_DOCKER_TESTS:-1}" != 0 ] && [ $# = 0 ]; then
   export RINGSERVE_DOCKER_PREPARED="$docker_state/prepared.status"
   rm -f "$RINGSERVE_DOCKER_PREPARED"
   # its own process group (setsid), so that docker_finish can stop all of it
-  setsid bash -c 'status=0; { scripts/docker-env.sh up && scripts/docker-env.sh build; } || status=$?
+  # Arize Phoenix (the observability test's trace backend, on the host) installs alongside: it needs no engine.
+  setsid bash -c 'status=0; scripts/docker-env.sh phoenix & phoenix=$!
+    { scripts/docker-env.sh up && scripts/docker-env.sh build; } || status=$?; wait "$phoenix" || status=$?
     echo "$status" > "$0.tmp" && mv "$0.tmp" "$0"' "$RINGSERVE_DOCKER_PREPARED" >"$docker_state/prepare.log" 2>&1 &
   docker_prep=$!
   trap docker_finish EXIT

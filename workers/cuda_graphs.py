@@ -13,7 +13,8 @@ that one slot, and its logits are dropped. The paged decode kernel's split count
 context the model allows; a split past a shorter context's end is empty and exits at once.
 
 Only plain decode steps take a graph: one new token per sequence, no speculative drafts, the triton_paged backend,
-no tensor parallelism (its all-reduce hooks stay eager), and batches up to `max_batch`. Everything else runs eagerly.
+no tensor parallelism (its all-reduce hooks stay eager), and batches up to `max_batch`. Other steps replay piecewise
+graphs (workers/piecewise_graphs.py) with --cuda-graphs piecewise (auto on CUDA), else run eagerly.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ from typing import Literal
 
 import numpy as np
 import torch
+from ringserve.formats.engine_args import CUDA_GRAPH_MODES
 from ringserve.workers.attention.metadata import AttentionMetadata, attention_metadata_scope
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
-# "auto": graphs on CUDA where the step qualifies; "off": always eager; "static": the graphs' static buffers and
-# padding, run eagerly without capture (any device; what the CPU tests check the padding and buffers with).
-GraphMode = Literal["auto", "off", "static"]
-GRAPH_MODES: tuple[GraphMode, ...] = ("auto", "off", "static")
+# --cuda-graphs (ringserve/formats/engine_args.py): "decode", these graphs; "piecewise", these and
+# workers/piecewise_graphs.py for every other step; "auto", piecewise on CUDA; "off", always eager.
+GraphMode = Literal["auto", "off", "decode", "piecewise"]
+GRAPH_MODES = CUDA_GRAPH_MODES
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:

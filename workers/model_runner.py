@@ -21,6 +21,7 @@ from ringserve.workers.input_batch import InputBatch
 from ringserve.workers.kv_pull import compute_prompt_kv, run_kv_pulls
 from ringserve.workers.model import KVCache, LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.fast_paths import apply_fast_paths
+from ringserve.workers.piecewise_graphs import PiecewiseGraphs
 from ringserve.workers.pipeline import SampledTokens, split_micro_batches
 from ringserve.workers.sampler import Sampler
 from ringserve.workers.speculative import Proposer
@@ -110,7 +111,9 @@ class ModelRunner:
         kv_cache: KVCache | None = None,
         kv_connector: Any = None,
         cuda_graphs: GraphMode = "auto",
+        capture_graphs: bool = True,  # False: the graphs' static buffers, padding and cuts run eagerly (any device)
         max_graph_batch: int = 256,
+        max_graph_tokens: int = 2048,
         sampled_tokens: SampledTokens | None = None,  # a pipeline stage's: the model is its layers only
     ) -> None:
         apply_fast_paths(model)  # inference only from here on: fused projections, native CPU kernels, huge pages
@@ -128,11 +131,11 @@ class ModelRunner:
             num_kv_blocks = kv_blocks_for_memory(self.config, block_size, kv_dtype, kv_cache_memory_gib)
         self.num_kv_blocks = num_kv_blocks
         backend = get_attention_backend(attention_backend, self.device)
-        graph_mode = self._graph_mode(cuda_graphs, backend, kv_cache)
+        decode_graphs, pieces = self._graph_modes(cuda_graphs, capture_graphs, backend, kv_cache)
         # A given cache (e.g. views into a KV connector's shared region) must match num_kv_blocks and block_size.
         # Decode graphs get one more block, which no request owns: their padding rows write and read it.
         self.kv_cache = kv_cache or KVCache.allocate(
-            self.config, num_kv_blocks + (graph_mode != "off"), block_size, kv_dtype, self.device
+            self.config, num_kv_blocks + int(decode_graphs), block_size, kv_dtype, self.device
         )
         self.kv_connector = kv_connector  # workers/kv_connector.KvConnector, for KvPull records (disaggregation)
         self.kv_pulls: list[Any] = []  # KvPulls to run before the next plan
@@ -141,35 +144,53 @@ class ModelRunner:
         self.batch = InputBatch(block_size, num_kv_blocks, self.config.max_position, self.device)
         self.proposer = proposer  # None: lookahead in a plan is ignored (no drafts, one token per slot)
         self.graphs: DecodeGraphs | None = None
-        if graph_mode != "off":
+        self.pieces: PiecewiseGraphs | None = None
+        if decode_graphs:
             self.graphs = DecodeGraphs(
                 model, block_size=block_size, scratch_block=num_kv_blocks, max_position=self.config.max_position,
-                max_batch=max_graph_batch, device=self.device, capture=graph_mode == "auto",
+                max_batch=max_graph_batch, device=self.device, capture=capture_graphs,
             )  # fmt: skip
             try:
                 self.graphs.capture()
             except Exception:  # a model or driver that cannot be captured still serves, eagerly
                 log.exception("capturing CUDA graphs of decode steps failed; decode steps run eagerly")
                 self.graphs = None
+        if pieces:
+            self.pieces = PiecewiseGraphs(model, max_tokens=max_graph_tokens, device=self.device,
+                                          capture=capture_graphs)  # fmt: skip
+            try:
+                self.pieces.capture()
+            except Exception:
+                log.exception("capturing piecewise CUDA graphs failed; steps they would replay run eagerly")
+                self.pieces = None
 
-    def _graph_mode(self, requested: GraphMode, backend: Any, kv_cache: KVCache | None) -> GraphMode:
-        """With "auto", graphs only where they apply: CUDA, the triton_paged backend (its decode kernel reads
-        lengths and tables on the device; gather + SDPA plans on the host), no forward hooks (tensor parallelism's
-        all-reduce), a cache of our own (the scratch block), no mixture of experts (its routing picks the experts
-        to run on the host)."""
+    def _graph_modes(
+        self, requested: GraphMode, capture: bool, backend: Any, kv_cache: KVCache | None
+    ) -> tuple[bool, bool]:
+        """(decode graphs, piecewise graphs). Both need no forward hooks (tensor parallelism's all-reduce) or
+        pipeline stage, and no mixture of experts (its routing picks the experts on the host); decode graphs also
+        need the triton_paged backend (its decode kernel reads lengths and tables on the device; gather + SDPA
+        plans on the host) and a cache of our own (the scratch block). Piecewise graphs run attention eagerly, so
+        any backend and cache serve. Captured graphs need CUDA: elsewhere every step runs eagerly. With
+        `capture=False` (the static buffers run eagerly, for tests) a mode that cannot apply is an error."""
         if requested not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs={requested!r}: must be one of {', '.join(GRAPH_MODES)}")
         if requested == "off":
-            return "off"
+            return False, False
         hooks = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules()) or self.pipeline is not None
-        experts = self.config.num_experts > 0
-        eligible = backend.name == "triton_paged" and not hooks and kv_cache is None and not experts
-        if requested == "static":
-            if not eligible:
-                raise ValueError("static decode buffers need the triton_paged backend, no tensor parallelism, no "
-                                 "mixture of experts and a KV cache of the runner's own")  # fmt: skip
-            return "static"
-        return "auto" if eligible and self.device.type == "cuda" else "off"
+        plain = not hooks and self.config.num_experts == 0
+        decode_ok = plain and backend.name == "triton_paged" and kv_cache is None
+        want_pieces = requested in ("auto", "piecewise")
+        if not capture:
+            if requested == "auto" or (requested == "decode" and not decode_ok) or (want_pieces and not plain):
+                raise ValueError(f"static graph buffers (capture_graphs=False) for cuda_graphs={requested!r} need "
+                                 "cuda_graphs='decode' or 'piecewise', no tensor parallelism, pipeline stage or "
+                                 "mixture of experts, and for decode graphs the triton_paged backend and a KV cache "
+                                 "of the runner's own")  # fmt: skip
+            return decode_ok, want_pieces
+        if self.device.type != "cuda":
+            return False, False
+        return decode_ok, want_pieces and plain
 
     def tokens_of(self, slot: int) -> list[int]:
         """Every token the slot holds (prompt, outputs and sampled tokens)."""
@@ -212,9 +233,13 @@ class ModelRunner:
             sampled_slots = slots[sample]
         else:
             step = self.batch.prepare(slots, starts, lens, sample)
+            pieces = self.pieces if self.proposer is None else None
             with torch.inference_mode(), attention_metadata_scope(step.metadata):
                 # The sampler widens to float32 itself where it needs to (exactly), so plain steps skip that copy.
-                logits = self.model(step.input_ids, step.positions, float_logits=False)
+                if pieces is not None and len(step.input_ids) <= pieces.max_tokens:
+                    logits = self.model.logits(pieces.run(step.input_ids, step.positions), float_logits=False)
+                else:
+                    logits = self.model(step.input_ids, step.positions, float_logits=False)
             if self.proposer is not None:
                 self.proposer.observe_step(step.input_ids, step.positions, step.metadata)
             sampled_slots = step.sampled_slots

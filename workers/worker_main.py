@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_connector=connector,
             cuda_graphs=engine.cuda_graphs,
             max_graph_batch=engine.max_num_seqs,  # graphs only as large as a step can be
+            max_graph_tokens=engine.max_num_batched_tokens,
             sampled_tokens=None if stage is None else SampledTokens(stage, groups.pipeline, device),
         )
         speculation = engine.num_speculative_tokens > 0  # the engine then plans lookahead

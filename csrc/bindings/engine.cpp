@@ -30,6 +30,13 @@ class InterruptCheckScope {
   std::atomic<bool> interrupted_{false};
 };
 
+// Scheduler::schedule and Scheduler::schedule_ahead for Python: the plan, or None when there is nothing to run.
+template <bool (Scheduler::*kPlan)(StepPlan&, int64_t)>
+py::object plan_or_none(Scheduler& s, int64_t now_ns) {
+  StepPlan plan;
+  return (s.*kPlan)(plan, now_ns) ? step_plan_to_python(std::move(plan)) : py::none();
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
@@ -75,20 +82,8 @@ void bind_engine(py::module_& m) {
              return pins;
            })
       .def("abort_request", &Scheduler::abort_request, py::arg("request_id"))
-      .def(
-          "schedule",
-          [](Scheduler& s, int64_t now_ns) -> py::object {
-            StepPlan plan;
-            return s.schedule(plan, now_ns) ? step_plan_to_python(std::move(plan)) : py::none();
-          },
-          py::arg("now_ns") = 0)
-      .def(
-          "schedule_ahead",
-          [](Scheduler& s, int64_t now_ns) -> py::object {
-            StepPlan plan;
-            return s.schedule_ahead(plan, now_ns) ? step_plan_to_python(std::move(plan)) : py::none();
-          },
-          py::arg("now_ns") = 0)
+      .def("schedule", &plan_or_none<&Scheduler::schedule>, py::arg("now_ns") = 0)
+      .def("schedule_ahead", &plan_or_none<&Scheduler::schedule_ahead>, py::arg("now_ns") = 0)
       .def_property_readonly("num_steps_in_flight", &Scheduler::num_steps_in_flight)
       .def("update", &Scheduler::update, py::arg("result"), py::arg("now_ns") = 0)
       .def("take_outputs",

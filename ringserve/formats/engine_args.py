@@ -31,6 +31,7 @@ DISTRIBUTED_EXECUTORS = ("mp", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 QUANTIZATIONS = ("auto", "none", "gguf")  # workers/model/quant_ops.py resolves auto
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
+CUDA_GRAPH_MODES = ("auto", "off", "decode", "piecewise")  # workers/model_runner.py resolves auto
 # Local worker processes (TP x PP) of one engine: each reads the step ring, which takes at most this many readers
 # (kMaxRingReaders in csrc/ringserve/shm_ring.h, exported as _core.MAX_RING_READERS; a test keeps them equal).
 MAX_LOCAL_WORKERS = 8
@@ -113,9 +114,11 @@ class EngineArgs:
         "auto", "workers' attention kernels (default %(default)s = triton_paged on CUDA when triton is installed, "
         "torch_sdpa on CPU)", choices=ATTENTION_BACKENDS)  # fmt: skip
     cuda_graphs: str = _setting(
-        "auto", "decode steps as CUDA graphs captured at start, for batches up to --max-num-seqs (default "
-        "%(default)s = on CUDA with triton_paged attention and one worker; off = eager, like vLLM's --enforce-eager)",
-        choices=("auto", "off"))  # fmt: skip
+        "auto", "CUDA graphs captured at start: decode = decode-only steps as one graph each, for batches up to "
+        "--max-num-seqs (triton_paged attention); piecewise = those, and every other step up to "
+        "--max-num-batched-tokens replayed in pieces with attention run eagerly between them (docs/gpu.md); off = "
+        "eager, like vLLM's --enforce-eager; default %(default)s = piecewise on CUDA with one worker, eager on CPU",
+        choices=CUDA_GRAPH_MODES)  # fmt: skip
     async_scheduling: str = _setting(
         "off", "on: plan each step while the workers compute the one before, so scheduling and result handling leave "
         "the step's critical path; outputs are the same (speculative steps and steps that could preempt are planned "

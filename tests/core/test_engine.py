@@ -598,9 +598,10 @@ def test_serve_passes_the_decode_latency_guard_to_the_engine_config(tmp_path: Pa
             args = engine_process_args(flags, tmp_path)
         assert engine_main.engine_config(args.engine).max_step_slowdown == want
     # auto: the default, except where the workers replay decode steps as CUDA graphs (an NVIDIA GPU, one rank,
-    # the Triton backend, --cuda-graphs auto): there the guard is off.
+    # the Triton backend, --cuda-graphs other than off): there the guard is off.
     engine = launcher.serve_engine_args(parser.parse_args([]))
     for gpu, extra, want in ((False, {}, DEFAULT_MAX_STEP_SLOWDOWN), (True, {}, 0.0),
+                             (True, {"cuda_graphs": "decode"}, 0.0), (True, {"cuda_graphs": "piecewise"}, 0.0),
                              (True, {"cuda_graphs": "off"}, DEFAULT_MAX_STEP_SLOWDOWN),
                              (True, {"tensor_parallel_size": 2}, DEFAULT_MAX_STEP_SLOWDOWN),
                              (True, {"attention_backend": "torch_sdpa"}, DEFAULT_MAX_STEP_SLOWDOWN),

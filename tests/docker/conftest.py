@@ -59,3 +59,12 @@ def cpu_image(docker_engine: None) -> str:
     assert build.returncode == 0, f"scripts/docker-env.sh build exited with {build.returncode}\n{build.stdout}\n" \
         f"{build.stderr}"  # fmt: skip
     return IMAGE
+
+
+@pytest.fixture(scope="session")
+def phoenix_venv(docker_engine: None) -> Path:
+    """The virtual environment with Arize Phoenix (`scripts/docker-env.sh phoenix`, which scripts/test.sh also starts in
+    the background): made once per machine and kept in the cache folder."""
+    made = subprocess.run([str(ENV_SCRIPT), "phoenix"], capture_output=True, text=True, timeout=1800)
+    assert made.returncode == 0, f"scripts/docker-env.sh phoenix exited with {made.returncode}\n{made.stderr}"
+    return Path(made.stdout.strip().splitlines()[-1])

@@ -6,9 +6,13 @@ evaluated for the CPU image: CPython 3.11 on Linux x86_64."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
 import sys
+import urllib.error
+import urllib.request
 from importlib import metadata
 from pathlib import Path
 
@@ -16,6 +20,7 @@ import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,13 +43,13 @@ IMAGE_ENV = {
 VALUE_OPTIONS = {"-c", "-r", "--constraint", "--requirement", "--extra-index-url", "--index-url", "--wheel-dir"}
 
 
-def pins() -> dict[str, str]:
+def pins(file: str = "constraints.txt") -> dict[str, str]:
     pinned: dict[str, str] = {}
-    for line in (ROOT / "docker" / "constraints.txt").read_text().splitlines():
+    for line in (ROOT / "docker" / file).read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             name, sep, version = line.partition("==")
-            assert sep and version, f"docker/constraints.txt: {line!r} is not an exact pin (name==version)"
+            assert sep and version, f"docker/{file}: {line!r} is not an exact pin (name==version)"
             pinned[canonicalize_name(name)] = version
     return pinned
 
@@ -131,3 +136,48 @@ def test_the_dockerfiles_leave_versions_to_the_constraints_file() -> None:
             for word in words:
                 if "==" in word and not word.startswith("torch=="):
                     pytest.fail(f"{path.name} pins {word} itself: put the version in docker/constraints.txt")
+
+
+def test_this_environment_runs_the_pinned_versions() -> None:
+    """scripts/setup.sh installs with docker/constraints.txt, so the tests run what the images run: every pinned
+    package in the images' closure that is installed here has the pinned version (torch's local build tag aside)."""
+    pinned = pins()
+    drift = []
+    for name in closure(roots()):
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # closure() reads every package's metadata, so only a --no-deps one can be missing
+        if name in pinned and Version(installed).public != Version(pinned[name]).public:
+            drift.append(f"{name} {installed} (pinned: {pinned[name]})")
+    assert not drift, f"installed here but not at docker/constraints.txt's version (rerun scripts/setup.sh): {drift}"
+
+
+def test_every_package_the_cuda_image_installs_is_pinned(tmp_path: Path) -> None:
+    """The CUDA image's torch build brings CUDA libraries and Triton that this (CPU) environment does not hold, so their
+    metadata comes from PyPI: pip resolves what Dockerfile.cuda's runtime stage installs (PyPI's torch, its CUDA 13.0
+    build, for Ubuntu 24.04's CPython 3.12) with both constraint files, and every package it picks must be pinned."""
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/nvidia-nccl-cu13/", timeout=15).close()
+    except (urllib.error.URLError, OSError) as error:
+        pytest.skip(f"PyPI is unreachable ({error}): the CUDA image's packages cannot be resolved")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    platforms = [arg for minor in range(17, 40) for arg in ("--platform", f"manylinux_2_{minor}_x86_64")]
+    report = tmp_path / "report.json"
+    resolved = subprocess.run(
+        [sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--report", str(report), "--only-binary=:all:", "--target", str(tmp_path / "target"),
+         "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none",
+         *platforms, "--platform", "manylinux2014_x86_64", "--platform", "linux_x86_64",
+         "-c", str(ROOT / "docker" / "constraints.txt"), "-c", str(ROOT / "docker" / "constraints-cuda.txt"),
+         "torch==2.13.0", "nixl-cu12", *pyproject["project"]["dependencies"]],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resolved.returncode == 0, f"the pins do not resolve for the CUDA image:\n{resolved.stderr[-3000:]}"
+    pinned = {**pins(), **pins("constraints-cuda.txt")}
+    picked = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+              for item in json.loads(report.read_text())["install"]}  # fmt: skip
+    assert "nvidia-nccl-cu13" in picked and "triton" in picked, sorted(picked)  # torch's CUDA build, not a CPU one
+    unpinned = sorted(f"{name}=={version}" for name, version in picked.items() if name not in pinned)
+    assert not unpinned, f"the CUDA image installs these without a pin in docker/constraints-cuda.txt: {unpinned}"
+    assert all(Version(picked[name]) == Version(pinned[name]) for name in picked)

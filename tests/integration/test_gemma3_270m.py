@@ -17,7 +17,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from ringserve.frontend.model_source import GEMMA3_MODEL_NAME, gemma3_model_path
-from ringserve.frontend.text.tokenizer import tokenizer_from_gguf
+from ringserve.frontend.text.tokenizer import ModelTokenizer, tokenizer_from_gguf
 from ringserve.v1 import generation_pb2 as pb
 from server_harness import start_server
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -100,8 +100,13 @@ def gemma_path() -> Path:
     return gemma3_model_path()
 
 
-def test_the_gguf_sentencepiece_tokenizer_round_trips_text(gemma_path: Path) -> None:
-    tokenizer = tokenizer_from_gguf(gemma_path)
+@pytest.fixture(scope="module")
+def tokenizer(gemma_path: Path) -> ModelTokenizer:
+    """Built once per module: reading the 262k-token SentencePiece vocabulary takes seconds (more under load)."""
+    return tokenizer_from_gguf(gemma_path)
+
+
+def test_the_gguf_sentencepiece_tokenizer_round_trips_text(tokenizer: ModelTokenizer) -> None:
     for text in [*TEXTS, "naïve café — 東京 \t tabs\n\nnew lines  two spaces"]:
         ids = tokenizer.encode(text)
         assert ids[0] == tokenizer.bos_token_id
@@ -116,8 +121,9 @@ def test_the_gguf_sentencepiece_tokenizer_round_trips_text(gemma_path: Path) -> 
                                                                           4368, 107]  # fmt: skip
 
 
-def test_gemma_3_270m_served_by_name_gives_transformers_greedy_tokens(gemma_path: Path, tmp_path: Path) -> None:
-    tokenizer = tokenizer_from_gguf(gemma_path)
+def test_gemma_3_270m_served_by_name_gives_transformers_greedy_tokens(
+    gemma_path: Path, tokenizer: ModelTokenizer, tmp_path: Path
+) -> None:
     prompts = [tokenizer.encode(t) for t in [*TEXTS, LONG_TEXT]]
     assert len(prompts[-1]) > 600
     reference = reference_model(gemma_path)

@@ -23,14 +23,20 @@ from ringserve.workers.model.registry import read_decoder_config
 from ringserve.workers.model_runner import ModelRunner
 from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM as HfLlamaForCausalLM
-from workers_testkit import TINY, NewRequest, bind_cache, forward_packed, hf_logits, ids, plan
+from workers_testkit import (
+    TINY,
+    NewRequest,
+    add_decoder_metadata,
+    bind_cache,
+    finish_gguf,
+    forward_packed,
+    hf_logits,
+    ids,
+    llama_cpp_permute,
+    plan,
+)
 
 BLOCK = 4
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What convert_hf_to_gguf.py does to llama Q/K rows for ggml's interleaved RoPE."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def k_quant_bytes(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
@@ -60,14 +66,7 @@ def write_gguf(
     cfg = hf.config
     types, raw = types or {}, raw or {}
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_decoder_metadata(writer, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -94,10 +93,7 @@ def write_gguf(
             writer.add_tensor(name, w.astype(np.float16))
         else:
             writer.add_tensor(name, quants.quantize(w, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def decoder_config(hf: torch.nn.Module) -> LlamaConfig:

@@ -32,6 +32,8 @@ def test_dry_run_fills_every_section_and_ends_with_one_json_line(tmp_path):
     assert report["bandwidth_gb_s"] > 0
     toy = report["models"]["toy"]
     assert toy["offline_tok_s"] > 0 and toy["single_stream_tok_s"] > 0 and toy["bandwidth_bound_tok_s"] > 0
+    # Mixed steps through the graphs' static buffers and cuts (run eagerly here) give the eager tokens (float32).
+    assert toy["mixed_step_ms"] > 0 and toy["mixed_step_ms_eager"] > 0 and toy["mixed_tokens_match_eager"] == 1.0
     if importlib.util.find_spec("triton") is not None:  # as on the GPU: triton_paged, then the baseline
         assert toy["attention_backend"] == "triton_paged"
         assert toy["offline_tok_s_torch_sdpa"] > 0 and toy["offline_speedup_vs_torch_sdpa"] > 0

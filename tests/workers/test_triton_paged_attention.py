@@ -324,7 +324,7 @@ def test_static_decode_buffers_give_the_eager_tokens_and_write_only_the_scratch_
     model = tiny_llama()
     kwargs = dict(block_size=8, num_kv_blocks=8, attention_backend="triton_paged")
     eager = ModelRunner(copy.deepcopy(model), cuda_graphs="off", **kwargs)
-    static = ModelRunner(model, cuda_graphs="static", max_graph_batch=16, **kwargs)
+    static = ModelRunner(model, cuda_graphs="decode", capture_graphs=False, max_graph_batch=16, **kwargs)
     assert static.graphs is not None and static.graphs.sizes == [1, 2, 4, 8, 16] and static.graphs.scratch_block == 8
     assert static.kv_cache.num_blocks == 9 and static.num_kv_blocks == 8  # the engine still sees 8
     want = graph_scenario(eager)
@@ -348,12 +348,12 @@ def test_graph_sizes_and_where_graphs_apply():
     with pytest.raises(ValueError, match="max_batch"):
         graph_batch_sizes(0)
     model = tiny_llama()
-    # "auto" on CPU, or with gather + SDPA, is eager: no graphs, no scratch block.
+    # "auto" on CPU is eager: no graphs, no scratch block.
     runner = ModelRunner(copy.deepcopy(model), block_size=8, num_kv_blocks=8, attention_backend="torch_sdpa")
-    assert runner.graphs is None and runner.kv_cache.num_blocks == 8
+    assert runner.graphs is None and runner.pieces is None and runner.kv_cache.num_blocks == 8
     with pytest.raises(ValueError, match="triton_paged"):
         ModelRunner(copy.deepcopy(model), block_size=8, num_kv_blocks=8, attention_backend="torch_sdpa",
-                    cuda_graphs="static")  # fmt: skip
+                    cuda_graphs="decode", capture_graphs=False)  # fmt: skip
     with pytest.raises(ValueError, match="cuda_graphs='always'"):
         ModelRunner(copy.deepcopy(model), block_size=8, num_kv_blocks=8, cuda_graphs="always")  # type: ignore[arg-type]
 
@@ -569,7 +569,7 @@ def test_cuda_graphs_replay_the_eager_tokens(max_position):
     model.config.max_position = max_position
     kwargs = dict(block_size=8, num_kv_blocks=8, device="cuda", attention_backend="triton_paged")
     eager = ModelRunner(copy.deepcopy(model), cuda_graphs="off", **kwargs)
-    graphs = ModelRunner(model, cuda_graphs="auto", max_graph_batch=16, **kwargs)
+    graphs = ModelRunner(model, cuda_graphs="decode", max_graph_batch=16, **kwargs)
     assert eager.graphs is None and graphs.graphs is not None and graphs.graphs.capture_graphs
     assert sorted(graphs.graphs._graphs) == [1, 2, 4, 8, 16]
     assert graph_scenario(graphs, rounds=4) == graph_scenario(eager, rounds=4)
@@ -584,7 +584,7 @@ def test_cuda_graphs_serve_a_batch_that_grows_and_shrinks_past_sixteen():
     model = tiny_llama(head_dim=64, device="cuda")
     kwargs = dict(block_size=16, num_kv_blocks=64, device="cuda", attention_backend="triton_paged")
     runners = [ModelRunner(copy.deepcopy(model), cuda_graphs="off", **kwargs),
-               ModelRunner(model, cuda_graphs="auto", max_graph_batch=32, **kwargs)]  # fmt: skip
+               ModelRunner(model, cuda_graphs="decode", max_graph_batch=32, **kwargs)]  # fmt: skip
     outputs: list[list[list[int]]] = [[], []]
     for r, runner in enumerate(runners):
         lengths = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,6 +121,9 @@ VARIANTS = {
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
         **TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[0])),  # layer 0 dense, layer 1 sparse
+    # Every layer sparse, as llama.cpp's qwen3moe (which has no dense layers) expects.
+    "qwen3_moe_all_sparse": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
     # Gemma: windows of 8; small soft-caps (Gemma 2) so the tanh bends the scores; Gemma 3's global layer with linear
     # RoPE scaling and base 1e6, its local ones with base 10000; query_pre_attn_scalar unlike head_dim.
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(
@@ -161,6 +165,30 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text('{"eos_token": "t2", "bos_token": "t1"}')
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What convert_hf_to_gguf.py does to llama Q/K rows for ggml's interleaved RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_decoder_metadata(writer: Any, cfg: Any) -> None:
+    """The hyperparameters llama.cpp's converter writes for every decoder (TextModel.set_gguf_parameters)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def finish_gguf(writer: Any) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:

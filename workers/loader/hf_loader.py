@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
-from ringserve.workers.loader.weight_names import expand_names
+from ringserve.workers.loader.weight_names import expand_names, fused_parts
 from ringserve.workers.loader.weight_sink import WeightSink, build_empty_model
 from ringserve.workers.model import LlamaConfig, LlamaForCausalLM
 from ringserve.workers.model.registry import Architecture, hf_architecture
@@ -26,22 +26,6 @@ def read_hf_config(folder: Path) -> tuple[Architecture, LlamaConfig]:
     raw = json.loads((folder / "config.json").read_text())
     arch = hf_architecture(raw, source)
     return arch, arch.read_config(raw, source)
-
-
-def fused_parts(name: str, config: LlamaConfig, fused_names: tuple[str, ...]) -> list[tuple[str, int]]:
-    """A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) -> (our parameter, rows) in checkpoint order;
-    [] for any other name."""
-    prefix, _, last = name.rpartition(".")
-    prefix, _, fused = prefix.rpartition(".")
-    if last != "weight" or fused not in fused_names:
-        return []
-    if fused == "qkv_proj":
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        return [(f"{prefix}.q_proj.weight", q), (f"{prefix}.k_proj.weight", kv), (f"{prefix}.v_proj.weight", kv)]
-    if fused == "gate_up_proj":
-        width = config.intermediate_size
-        return [(f"{prefix}.gate_proj.weight", width), (f"{prefix}.up_proj.weight", width)]
-    return []
 
 
 def our_name(key: str, arch: Architecture) -> str:

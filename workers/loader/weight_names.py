@@ -2,7 +2,9 @@
 
 Our module tree follows HF's LlamaForCausalLM (and Qwen2MoeForCausalLM for experts), so the HF column is the
 identity; it stays explicit so an architecture with other HF names only adds renames (workers/model/registry.py).
-`{i}` is the layer index, `{j}` an expert's. GGUF None: that weight has no per-tensor GGUF name we load.
+`{i}` is the layer index, `{j}` an expert's. llama.cpp stacks a layer's experts into one 3-D tensor per projection
+(`ffn_gate_exps` [experts, rows, cols]): its GGUF name has no `{j}`, and the loader splits it into the experts.
+Fused checkpoint tensors (Phi-3's qkv and gate/up, in both formats) are split by rows with `fused_parts`.
 """
 
 from __future__ import annotations
@@ -59,11 +61,15 @@ GEMMA_NORM_NAMES = tuple(
                        ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"))
 )  # fmt: skip
 MOE_NAMES = (
-    _same("model.layers.{i}.mlp.gate.weight", None),
-    *(_same(f"model.layers.{{i}}.mlp.experts.{{j}}.{p}_proj.weight", None) for p in ("gate", "up", "down")),
-    *(_same(f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight", None) for p in ("gate", "up", "down")),
-    _same("model.layers.{i}.mlp.shared_expert_gate.weight", None),
-)
+    _same("model.layers.{i}.mlp.gate.weight", "blk.{i}.ffn_gate_inp.weight"),  # the router
+    *(_same(f"model.layers.{{i}}.mlp.experts.{{j}}.{p}_proj.weight", f"blk.{{i}}.ffn_{p}_exps.weight")
+      for p in ("gate", "up", "down")),
+    *(_same(f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight", f"blk.{{i}}.ffn_{p}_shexp.weight")
+      for p in ("gate", "up", "down")),
+    _same("model.layers.{i}.mlp.shared_expert_gate.weight", "blk.{i}.ffn_gate_inp_shexp.weight"),
+)  # fmt: skip
+# GGUF's fused tensors, named as the HF ones `fused_parts` splits (for the architectures that fuse them: Phi-3).
+GGUF_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def expand_names(config: LlamaConfig, source: str) -> dict[str, str]:
@@ -72,7 +78,11 @@ def expand_names(config: LlamaConfig, source: str) -> dict[str, str]:
 
     def add(entry: WeightName, **index: int) -> None:
         theirs = getattr(entry, source)
-        if theirs is not None:
+        if theirs is None:
+            return
+        if "{j}" in entry.ours and "{j}" not in theirs:  # stacked experts: ours keeps `{j}` for the loader's split
+            mapping[theirs.format(**index)] = entry.ours.format(i=index["i"], j="{j}")
+        else:
             mapping[theirs.format(**index)] = entry.ours.format(**index)
 
     for entry in GLOBAL_NAMES:
@@ -92,3 +102,29 @@ def expand_names(config: LlamaConfig, source: str) -> dict[str, str]:
             for j in range(config.num_experts if "{j}" in entry.ours else 1):
                 add(entry, i=i, j=j)
     return mapping
+
+
+def fused_parts(name: str, config: LlamaConfig, fused_names: tuple[str, ...]) -> list[tuple[str, int]]:
+    """A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) -> (our parameter, rows) in checkpoint order;
+    [] for any other name."""
+    prefix, _, last = name.rpartition(".")
+    prefix, _, fused = prefix.rpartition(".")
+    if last != "weight" or fused not in fused_names:
+        return []
+    if fused == "qkv_proj":
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [(f"{prefix}.q_proj.weight", q), (f"{prefix}.k_proj.weight", kv), (f"{prefix}.v_proj.weight", kv)]
+    if fused == "gate_up_proj":
+        width = config.intermediate_size
+        return [(f"{prefix}.gate_proj.weight", width), (f"{prefix}.up_proj.weight", width)]
+    return []
+
+
+def gguf_fused_name(gguf_name: str, fused_names: tuple[str, ...]) -> str | None:
+    """`blk.{i}.attn_qkv.weight` (and Phi-3's `ffn_up`, gate and up stacked) -> the HF name `fused_parts` splits,
+    where the architecture fuses it; else None."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in GGUF_FUSED_NAMES:
+        return None
+    hf = GGUF_FUSED_NAMES[parts[2]]
+    return f"model.layers.{parts[1]}.{hf}.weight" if hf.rpartition(".")[2] in fused_names else None

@@ -9,11 +9,13 @@ parallelism), so workers/model/llama.py stays the reference they are tested agai
   each falls back to PyTorch for tensors it does not take), and the residual adds folded into the O and down
   projections' one rounding;
 - weights on transparent huge pages (workers/model/hugepages.py);
-- decode steps in bf16 by the one-call native decoder (workers/model/native_decoder.py) where it applies.
-Fusion and the one-call decoder are llama's: layers with q/k norms (Qwen3) or experts (Mixtral, Qwen-MoE) keep their
-plain forward, and a model with sliding-window layers never takes the one-call decoder (`fusable`,
-`NativeDecoder.supports`); the native projections and norms apply to every architecture (Gemma, workers/model/gemma.py,
-takes only the native projections: its norms, MLP and model classes are its own).
+- decode steps in bf16 by the one-call native decoder (workers/model/native_decoder.py) where it applies;
+- a mixture of experts' float experts stacked and run as two grouped GEMMs over the tokens sorted by expert
+  (`GroupedExpertsMoe`): no host sync, one GEMM per projection instead of one per chosen expert.
+Fusion and the one-call decoder are llama's: layers with q/k norms (Qwen3) or experts (Mixtral, Qwen-MoE; their
+experts grouped as above) keep their plain forward, and a model with sliding-window layers never takes the one-call
+decoder (`fusable`, `NativeDecoder.supports`); the native projections and norms apply to every architecture (Gemma,
+workers/model/gemma.py, takes only the native projections: its norms, MLP and model classes are its own).
 
 Each fast module is a subclass of the plain one that overrides `forward`; `_become` swaps a module's class in place
 (as torch.nn.utils.parametrize does), so its parameters, state_dict names, forward hooks (tensor parallelism's
@@ -35,6 +37,7 @@ from ringserve.workers.model.llama import (
     LlamaMLP,
     RMSNorm,
     RotaryStep,
+    SparseMoeBlock,
     rotate,
 )
 from ringserve.workers.model.native_decoder import NativeDecodingLlama
@@ -51,6 +54,8 @@ def apply_fast_paths(model: LlamaForCausalLM) -> LlamaForCausalLM:
         elif type(module) is RMSNorm:
             _become(module, NativeRMSNorm)
     for layer in model.model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock) and GroupedExpertsMoe.applies(layer.mlp):
+            GroupedExpertsMoe.fuse(layer.mlp)
         if not fusable(layer):
             continue
         _become(layer, FusedDecoderLayer)
@@ -141,6 +146,63 @@ class FusedMLP(LlamaMLP):
         return _project(self.down_proj, F.silu(gate) * up, residual)
 
 
+class GroupedExpertsMoe(SparseMoeBlock):
+    """Every expert's gate|up rows stacked into one [experts, 2 x width, hidden] tensor and its down rows into one
+    [experts, hidden, width] (the experts' parameters become views of them); the tokens' (token, expert) pairs sorted
+    by expert, then each projection is one grouped GEMM (F.grouped_mm, an offset per expert). Unlike the plain loop
+    there is no host sync (its `.unique().tolist()`), so a step with experts can be captured in a CUDA graph."""
+
+    experts_gate_up: torch.Tensor
+    experts_down: torch.Tensor
+
+    @staticmethod
+    def applies(moe: SparseMoeBlock) -> bool:
+        """Float experts without hooks (quantized ones keep the loop), and F.grouped_mm on their device and dtype
+        (CUDA takes bf16 from sm90; rows must be 16-byte multiples), tried once on small tensors of their shape."""
+        linears = [p for expert in moe.experts for p in (expert.gate_proj, expert.up_proj, expert.down_proj)]
+        if any(isinstance(m, quant_ops.QuantizedLinear) or m._forward_hooks or m.bias is not None for m in linears):
+            return False
+        if len({(m.weight.dtype, m.weight.device) for m in linears}) != 1:
+            return False
+        weight = moe.experts[0].gate_proj.weight  # [width, hidden]
+        ends = torch.tensor([1, 2], dtype=torch.int32, device=weight.device)
+        try:  # rows as wide as the hidden size and as the experts' width, on the weights' device and dtype
+            for cols in weight.shape:
+                F.grouped_mm(weight.new_zeros(2, cols), weight.new_zeros(2, 8, cols).transpose(1, 2), offs=ends)
+        except (RuntimeError, NotImplementedError, ValueError):
+            return False
+        return True
+
+    @classmethod
+    @torch.no_grad()
+    def fuse(cls, moe: SparseMoeBlock) -> GroupedExpertsMoe:
+        _become(moe, cls)
+        assert isinstance(moe, GroupedExpertsMoe)
+        moe.experts_gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in moe.experts])
+        moe.experts_down = torch.stack([e.down_proj.weight for e in moe.experts])
+        width = moe.experts_gate_up.shape[1] // 2
+        for j, expert in enumerate(moe.experts):
+            expert.gate_proj.weight = nn.Parameter(moe.experts_gate_up[j, :width], requires_grad=False)
+            expert.up_proj.weight = nn.Parameter(moe.experts_gate_up[j, width:], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(moe.experts_down[j], requires_grad=False)
+        return moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.shape[0]:
+            return super().forward(x)
+        weights, chosen = self.route(x)
+        experts = chosen.reshape(-1)  # the T x k (token, expert) pairs, token-major
+        order = torch.argsort(experts, stable=True)  # grouped by expert, tokens ascending within each
+        rows = order // self.top_k  # each sorted pair's token
+        bounds = torch.arange(1, self.experts_gate_up.shape[0] + 1, device=x.device, dtype=experts.dtype)
+        ends = torch.searchsorted(experts[order], bounds).to(torch.int32)  # where each expert's pairs end
+        gate, up = F.grouped_mm(x[rows], self.experts_gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        down = F.grouped_mm(F.silu(gate) * up, self.experts_down.transpose(1, 2), offs=ends)
+        # index_add_ adds each token's experts in ascending expert order, as the plain loop does.
+        out = torch.zeros_like(x).index_add_(0, rows, down * weights.reshape(-1)[order, None])
+        return self.add_shared_expert(x, out)
+
+
 class FusedDecoderLayer(LlamaDecoderLayer):
     """The residual adds go into the O and down projections (one rounding in the native kernel)."""
 
@@ -207,7 +269,8 @@ def _place_weights_on_huge_pages(model: LlamaForCausalLM) -> None:
     params = list(model.parameters())
     fused = [(module, name) for layer in model.model.layers
              for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "qkv_bias"),
-                                  (layer.mlp, "gate_up_weight"))
+                                  (layer.mlp, "gate_up_weight"), (layer.mlp, "experts_gate_up"),
+                                  (layer.mlp, "experts_down"))
              if isinstance(getattr(module, name, None), torch.Tensor)]  # fmt: skip
 
     def rebind(i: int, tensor: torch.Tensor) -> None:

@@ -215,19 +215,28 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] (in x's dtype)."""
         probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in chosen.unique().tolist():  # only the experts some token chose
-            rows, slot = torch.where(chosen == e)
-            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        return weights.to(x.dtype), chosen
+
+    def add_shared_expert(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        # One small matmul per chosen expert, and a host sync to list them: the readable reference. The fast path
+        # (workers/model/fast_paths.py, GroupedExpertsMoe) runs every expert in two grouped GEMMs without a sync.
+        for e in chosen.unique().tolist():  # only the experts some token chose
+            rows, slot = torch.where(chosen == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        return self.add_shared_expert(x, out)
 
 
 class LlamaDecoderLayer(nn.Module):

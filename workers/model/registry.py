@@ -31,6 +31,8 @@ class Architecture:
     # Fused checkpoint tensors split into our parameters by rows (Phi-3's qkv_proj and gate_up_proj).
     fused: tuple[str, ...] = ()
     gguf_permuted_qk: bool = False  # llama.cpp's converter permutes Q/K rows for its interleaved RoPE
+    # llama.cpp renormalises the top-k routing weights per architecture, not from the file (Qwen2-MoE: no).
+    gguf_norm_topk_prob: bool = True
 
 
 def _need(cfg: dict[str, Any], key: str, source: str) -> Any:
@@ -191,15 +193,17 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("mistral", ("MistralForCausalLM",), ("mistral",), _family()),
     Architecture("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _family(attention_bias=True), gguf_name="qwen2"),
     Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _family(qk_norm=True), gguf_name="qwen3"),
-    Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), _family(), fused=("qkv_proj", "gate_up_proj")),
+    Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), _family(), gguf_name="phi3",
+                 fused=("qkv_proj", "gate_up_proj")),
     Architecture("mixtral", ("MixtralForCausalLM",), ("mixtral",), _family(), hf_renames=_MIXTRAL_RENAMES),
     Architecture("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",),
-                 _family(attention_bias=True, norm_topk_prob=False)),
+                 _family(attention_bias=True, norm_topk_prob=False), gguf_name="qwen2moe", gguf_norm_topk_prob=False),
     Architecture("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), lambda c, s: read_gemma_config(c, s, 2),
                  GemmaForCausalLM, gguf_name="gemma2"),
     Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), lambda c, s: read_gemma_config(c, s, 3),
                  GemmaForCausalLM, gguf_name="gemma3"),
-    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), _family(qk_norm=True, norm_topk_prob=False)),
+    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), _family(qk_norm=True, norm_topk_prob=False),
+                 gguf_name="qwen3moe"),
 )  # fmt: skip
 
 
