@@ -167,10 +167,12 @@ class RayExecutor:
         env = {k: v for k, v in worker_environment(dict(os.environ)).items() if k.startswith(_PASSED_ENV)}
         env |= {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
         starts = []
+        ranks_on_node = Counter(self.rank_nodes)  # they share the node's CPUs (--worker-threads 0)
         for rank, host in enumerate(self.hosts):
             step, reader, result = rings[rank]
             worker_args = ["--rank", str(rank), "--step-ring", step, "--step-reader", str(reader),
-                           "--result-ring", result, "--engine-args", self.args.to_json()]  # fmt: skip
+                           "--result-ring", result, "--ranks-on-host", str(ranks_on_node[self.rank_nodes[rank]]),
+                           "--engine-args", self.args.to_json()]  # fmt: skip
             starts.append(host.start.remote(worker_args, env))
         worker_pids = self._get(starts, "starting the ranks' workers")
         pids = list(worker_pids)

@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-reader", type=int, default=None,
                    help="this worker's reader slot of the step ring (default: its rank)")  # fmt: skip
     p.add_argument("--result-ring", required=True, help="shared-memory name of the result ring (result rank -> engine)")
+    p.add_argument("--ranks-on-host", type=int, default=None,
+                   help="ranks sharing this host's CPUs, for --worker-threads 0 (default: all: the engine started them "
+                        "here)")  # fmt: skip
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the engine) is gone")
     p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
     p.add_argument("--engine-args", required=True, help="the EngineArgs JSON (ringserve/formats/engine_args.py)")
@@ -50,7 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.rank < args.engine.world_size:
         p.error(f"--rank {args.rank} is outside [0, {args.engine.world_size}) (--tensor-parallel-size "
                 f"{args.engine.tensor_parallel_size} x --pipeline-parallel-size {args.engine.pipeline_parallel_size})")
+    if args.ranks_on_host is not None and not 1 <= args.ranks_on_host <= args.engine.world_size:
+        p.error(f"--ranks-on-host {args.ranks_on_host} is outside [1, {args.engine.world_size}]")
     return args
+
+
+def worker_threads(args: argparse.Namespace) -> int:
+    """--worker-threads, or for 0 this host's usable CPUs shared among the ranks on it (default_worker_threads)."""
+    ranks_here = args.ranks_on_host or args.engine.world_size
+    return args.engine.worker_threads or default_worker_threads(len(os.sched_getaffinity(0)), ranks_here)
 
 
 def die_with_parent(parent_pid: int | None) -> None:
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     connector = None
     try:
-        threads = engine.worker_threads or default_worker_threads(len(os.sched_getaffinity(0)), world_size)
+        threads = worker_threads(args)
         torch.set_num_threads(threads)
         device = worker_device(args.device, args.rank)
         groups = init_distributed(args.rank, world_size, device, pipeline_parallel_size=layout.pipeline_parallel_size)

@@ -632,6 +632,23 @@ def test_serve_passes_worker_threads_down_to_the_workers(tmp_path: Path) -> None
     assert "--worker-threads" in launcher.check_serve_arguments(serve_parser().parse_args(["--worker-threads", "-2"]))
 
 
+def test_a_rank_shares_its_hosts_cpus_only_with_the_ranks_on_that_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--worker-threads 0 divides the usable CPUs (less one) among the ranks on the host: every rank with the local
+    executor, those on its node with Ray (its executor passes --ranks-on-host)."""
+    from ringserve.workers import worker_main
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    engine = engine_process_args(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "4"], tmp_path).engine
+    command = engine_main.worker_command(engine, 5, "/s", "/r")
+    rank = command[command.index("--rank"):]
+    assert worker_main.worker_threads(worker_main.parse_args(rank)) == 1  # (16 - 1) // 8
+    assert worker_main.worker_threads(worker_main.parse_args([*rank, "--ranks-on-host", "2"])) == 7
+    with pytest.raises(SystemExit):
+        worker_main.parse_args([*rank, "--ranks-on-host", "9"])
+
+
 def test_serve_passes_a_draft_tree_to_the_engine_and_workers(tmp_path: Path) -> None:
     from ringserve.workers.worker_main import parse_args as worker_args
 

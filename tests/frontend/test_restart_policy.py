@@ -57,3 +57,5 @@ def test_restart_reasons_are_a_few_labels() -> None:
     assert restart_reason("the engine process of replica 0 died (signal 9)") == "engine_died"
     assert restart_reason("load failed: the engine exited with code 1 while loading the model") == "load_failed"
     assert restart_reason("malformed record") == "engine_failed"
+    stuck = "no step result within --step-timeout 300 s: a rank is alive but stuck (deadlocked, stopped, or waiting"
+    assert restart_reason(stuck + " on a peer that is)") == "step_timeout"
