@@ -30,10 +30,18 @@ struct EpilogueOf {
 };
 
 constexpr std::size_t kChunkRows = 16;  // weight rows per item handed to a thread
-// How far ahead of its reads a matrix-vector product prefetches each weight row: with one input row every weight byte
-// is used once, and the hardware prefetchers alone left a core at a third of its streaming bandwidth (256 measured
-// best of 0, 256, 512 and 1,024 on SmolLM2's LM head and projections, AVX2 EPYC).
-constexpr std::size_t kPrefetchBytes = 256;
+// A matrix-vector product (one input row) uses every weight byte once, and the hardware prefetchers alone left a core
+// at a third of its streaming bandwidth: while a tile of kRows adjacent weight rows is computed, the next tile's bytes
+// are prefetched, an equal share per block, so they arrive one tile ahead.
+template <std::size_t kRows>
+__attribute__((target("avx2,fma,f16c"))) inline void prefetch_next_tile(const uint8_t* w, std::size_t j0,
+                                                                        std::size_t row_bytes,
+                                                                        std::size_t block_bytes, std::size_t b) {
+  const uint8_t* next = w + (j0 + kRows) * row_bytes + b * kRows * block_bytes;
+  for (std::size_t at = 0; at < kRows * block_bytes + 64; at += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T0);
+  }
+}
 // Products with at least this many weights are split over the caller's threads.
 constexpr std::size_t kSplitWeights = std::size_t{1} << 16;
 
@@ -228,10 +236,9 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(LinearShape s, std::size
   for (std::size_t b = 0; b < blocks; ++b) {
     WeightBlock wb[kRows];
     __m256i wu[kRows];
+    if constexpr (kInputs == 1) prefetch_next_tile<kRows>(w, j0, blocks * block_bytes, block_bytes, b);
     for (std::size_t r = 0; r < kRows; ++r) {
-      const uint8_t* block = w + ((j0 + r) * blocks + b) * block_bytes;
-      if constexpr (kInputs == 1) _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
-      wb[r] = load_block<kType>(block);
+      wb[r] = load_block<kType>(w + ((j0 + r) * blocks + b) * block_bytes);
       wu[r] = is_signed(kType) ? _mm256_sign_epi8(wb[r].q, wb[r].q) : wb[r].q;
     }
     for (std::size_t i = 0; i < kInputs; ++i) {
@@ -273,13 +280,10 @@ __attribute__((target("avx2,fma,f16c"))) void pairs_avx2(LinearShape s, std::siz
     for (std::size_t p = 0; p < kPairs; ++p) acc[i][p] = offsets[i][p] = _mm256_setzero_ps();
   }
   for (std::size_t b = 0; b < blocks; ++b) {
+    if constexpr (kInputs == 1) prefetch_next_tile<2 * kPairs>(w, j0, row_bytes, block_bytes, b);
     for (std::size_t p = 0; p < kPairs; ++p) {
       const uint8_t* b0 = w + (j0 + 2 * p) * row_bytes + b * block_bytes;
       const uint8_t* b1 = b0 + row_bytes;
-      if constexpr (kInputs == 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(b0 + kPrefetchBytes), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b1 + kPrefetchBytes), _MM_HINT_T0);
-      }
       const __m256i q = _mm256_inserti128_si256(
           _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kNibbles))),
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kNibbles)), 1);

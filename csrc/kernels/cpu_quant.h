@@ -9,9 +9,9 @@
 // code's result on both paths, bit for bit.
 //
 // Decode rows (a few inputs) read each weight block once for every input row; for a single input row the 4-bit
-// formats put two weight rows' nibbles in one register, so each maddubs covers two rows, and the weights are
-// prefetched ahead of the reads. Prompt chunks walk chunks of 16 weight rows that stay in L1 while every input row
-// passes them. Threads take chunks of weight rows as they free up.
+// formats put two weight rows' nibbles in one register, so each maddubs covers two rows, and the next tile of weight
+// rows is prefetched while one is computed. Prompt chunks walk chunks of 16 weight rows that stay in L1 while every
+// input row passes them. Threads take chunks of weight rows as they free up.
 #pragma once
 
 #include <cstddef>
