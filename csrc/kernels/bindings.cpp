@@ -161,39 +161,59 @@ void argmax_logprob(bool bf16, std::uintptr_t logits, std::uintptr_t ids, std::u
 }
 
 // A decoder's borrowed memory by address: per layer [input_norm, qkv_weight, qkv_bias (0 = none), o_weight,
-// post_norm, gate_up_weight, down_weight, k_cache, v_cache]; the Python side keeps the tensors alive.
-std::unique_ptr<ringserve::kernels::DecoderBf16> make_decoder(
+// post_norm, gate_up_weight, down_weight, k_cache, v_cache]; the Python side keeps the tensors alive. quant_types, when
+// given, has per layer the block type (kernels/cpu_quant.h QuantType) of [qkv, o, gate_up, down], -1 for a dense one.
+template <class T>
+std::unique_ptr<ringserve::kernels::Decoder<T>> make_decoder(
     std::size_t hidden, std::size_t num_heads, std::size_t num_kv_heads, std::size_t head_dim,
     std::size_t intermediate, std::size_t num_blocks, std::size_t block_size, std::size_t max_position, float rms_eps,
-    float attention_scale, const std::vector<std::vector<std::uintptr_t>>& layers, std::uintptr_t final_norm) {
+    float attention_scale, const std::vector<std::vector<std::uintptr_t>>& layers, std::uintptr_t final_norm,
+    const std::vector<std::vector<int>>& quant_types) {
   namespace k = ringserve::kernels;
   const k::DecoderDims d{hidden,     num_heads,    num_kv_heads, head_dim, intermediate,
                          num_blocks, block_size,   max_position, rms_eps,  attention_scale};
   const std::size_t qkv = d.qkv_features();
-  std::vector<k::DecoderLayerBf16> spans;
-  spans.reserve(layers.size());
-  for (const auto& a : layers) {
-    if (a.size() != 9) throw py::value_error("each decoder layer needs 9 addresses");
-    spans.push_back({view<const bf16_bits>(a[0], hidden), view<const bf16_bits>(a[1], qkv * hidden),
-                     a[2] == 0 ? std::span<const bf16_bits>{} : view<const bf16_bits>(a[2], qkv),
-                     view<const bf16_bits>(a[3], hidden * num_heads * head_dim), view<const bf16_bits>(a[4], hidden),
-                     view<const bf16_bits>(a[5], 2 * intermediate * hidden),
-                     view<const bf16_bits>(a[6], hidden * intermediate), view<bf16_bits>(a[7], d.cache_values()),
-                     view<bf16_bits>(a[8], d.cache_values())});
+  if (!quant_types.empty() && quant_types.size() != layers.size()) {
+    throw py::value_error("quant_types needs one entry per decoder layer");
   }
-  return std::make_unique<k::DecoderBf16>(d, std::move(spans), view<const bf16_bits>(final_norm, hidden));
+  // A projection [n, k] at `address`: dense values, or n rows of k / 32 blocks of the layer's type for it.
+  const auto projection = [](std::uintptr_t address, int type, std::size_t n, std::size_t k) {
+    if (type < 0) return k::Projection<T>::of_dense(view<const T>(address, n * k));
+    if (type > static_cast<int>(k::QuantType::kQ8_2F)) throw py::value_error("unknown weight block type");
+    if (k % k::kQuantBlock != 0) throw py::value_error("quantized projections need widths that are multiples of 32");
+    const auto qtype = static_cast<k::QuantType>(type);
+    const std::size_t bytes = n * (k / k::kQuantBlock) * k::quant_block_bytes(qtype);
+    return k::Projection<T>::of_blocks(qtype, view<const uint8_t>(address, bytes));
+  };
+  std::vector<k::DecoderLayer<T>> spans;
+  spans.reserve(layers.size());
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const auto& a = layers[i];
+    if (a.size() != 9) throw py::value_error("each decoder layer needs 9 addresses");
+    const std::vector<int> dense(4, -1);
+    const std::vector<int>& types = quant_types.empty() ? dense : quant_types[i];
+    if (types.size() != 4) throw py::value_error("each layer's quant_types needs 4 entries");
+    spans.push_back({view<const T>(a[0], hidden), projection(a[1], types[0], qkv, hidden),
+                     a[2] == 0 ? std::span<const T>{} : view<const T>(a[2], qkv),
+                     projection(a[3], types[1], hidden, num_heads * head_dim), view<const T>(a[4], hidden),
+                     projection(a[5], types[2], 2 * intermediate, hidden),
+                     projection(a[6], types[3], hidden, intermediate), view<T>(a[7], d.cache_values()),
+                     view<T>(a[8], d.cache_values())});
+  }
+  return std::make_unique<k::Decoder<T>>(d, std::move(spans), view<const T>(final_norm, hidden));
 }
 
-void decoder_decode(ringserve::kernels::DecoderBf16& decoder, std::uintptr_t hidden, std::uintptr_t normed,
+template <class T>
+void decoder_decode(ringserve::kernels::Decoder<T>& decoder, std::uintptr_t hidden, std::uintptr_t normed,
                     std::uintptr_t positions, std::uintptr_t slots, std::uintptr_t cos_sin,
                     std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t cu_seqlens_q,
                     std::size_t rows, std::size_t num_seqs, std::size_t table_stride, int threads) {
   const auto& d = decoder.dims();
-  const ringserve::kernels::DecodeStepBf16 step{
+  const ringserve::kernels::DecodeStep<T> step{
       rows,
       num_seqs,
-      view<bf16_bits>(hidden, rows * d.hidden),
-      view<bf16_bits>(normed, rows * d.hidden),
+      view<T>(hidden, rows * d.hidden),
+      view<T>(normed, rows * d.hidden),
       view<const int64_t>(positions, rows),
       view<const int64_t>(slots, rows),
       view<const float>(cos_sin, 2 * d.max_position * d.head_dim),
@@ -203,6 +223,26 @@ void decoder_decode(ringserve::kernels::DecoderBf16& decoder, std::uintptr_t hid
       table_stride};
   py::gil_scoped_release release;
   decoder.decode(step, threads);
+}
+
+// DecoderBf16 and DecoderF32: one Python class per storage type.
+template <class T>
+void bind_decoder(py::module_& m, const char* name, const char* doc) {
+  using D = ringserve::kernels::Decoder<T>;
+  py::class_<D>(m, name, py::module_local(), doc)
+      .def(py::init(&make_decoder<T>), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("max_position"), py::arg("rms_eps"), py::arg("attention_scale"), py::arg("layers"),
+           py::arg("final_norm"), py::arg("quant_types") = std::vector<std::vector<int>>{})
+      .def_property_readonly("num_layers", &D::num_layers)
+      .def("decode", &decoder_decode<T>, py::arg("hidden"), py::arg("normed"), py::arg("positions"), py::arg("slots"),
+           py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("rows"),
+           py::arg("num_seqs"), py::arg("table_stride"), py::arg("threads") = 1,
+           "One step of `rows` new tokens of `num_seqs` sequences (decode rows and prefill chunks): hidden "
+           "[rows, hidden] holds the embeddings in and the last layer's output out, normed gets its final "
+           "RMSNorm; positions and slots are int64 [rows], cos_sin the float32 RoPE table, block_tables int32 "
+           "[num_seqs, table_stride], seq_lens int32 [num_seqs], cu_seqlens_q int32 [num_seqs + 1]. Raises "
+           "ValueError on anything out of range, before writing.");
 }
 
 // The weight blocks' byte count is checked against m, n, k and the type by the kernel.
@@ -316,20 +356,10 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("rows"), py::arg("vocab"), py::arg("threads") = 1,
         "Greedy tokens of logits [rows, vocab] (contiguous float32 or bfloat16 memory given by address): writes the "
         "first index of each row's maximum to ids (int64 [rows]) and its log-softmax value to logprobs (float32).");
-  py::class_<ringserve::kernels::DecoderBf16>(m, "DecoderBf16", py::module_local(),
-                                               "A llama decoder's layers and final norm for decode steps, as one call "
-                                               "(bfloat16; weights and KV caches borrowed by address).")
-      .def(py::init(&make_decoder), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("intermediate"), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("max_position"), py::arg("rms_eps"), py::arg("attention_scale"), py::arg("layers"),
-           py::arg("final_norm"))
-      .def_property_readonly("num_layers", &ringserve::kernels::DecoderBf16::num_layers)
-      .def("decode", &decoder_decode, py::arg("hidden"), py::arg("normed"), py::arg("positions"), py::arg("slots"),
-           py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("rows"),
-           py::arg("num_seqs"), py::arg("table_stride"), py::arg("threads") = 1,
-           "One step of `rows` new tokens of `num_seqs` sequences (decode rows and prefill chunks): hidden "
-           "[rows, hidden] (bf16) holds the embeddings in and the last layer's output out, normed gets its final "
-           "RMSNorm; positions and slots are int64 [rows], cos_sin the float32 RoPE table, block_tables int32 "
-           "[num_seqs, table_stride], seq_lens int32 [num_seqs], cu_seqlens_q int32 [num_seqs + 1]. Raises "
-           "ValueError on anything out of range, before writing.");
+  bind_decoder<bf16_bits>(m, "DecoderBf16",
+                          "A llama decoder's layers and final norm for decode steps, as one call (bfloat16 activations "
+                          "and KV caches; dense bfloat16 or quantized projections; weights and caches borrowed by "
+                          "address).");
+  bind_decoder<float>(m, "DecoderF32",
+                      "DecoderBf16 for float32 activations and KV caches (dense float32 or quantized projections).");
 }

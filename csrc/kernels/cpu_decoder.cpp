@@ -1,6 +1,7 @@
 #include "kernels/cpu_decoder.h"
 
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/cpu_elementwise.h"
@@ -10,7 +11,7 @@ namespace ringserve::kernels {
 
 namespace {
 
-constexpr const char* kOp = "decoder_bf16";
+constexpr const char* kOp = "decoder";
 
 void check(bool ok, const std::string& what) { require(ok, kOp, what); }
 
@@ -24,10 +25,85 @@ std::span<T> first(std::vector<T>& v, std::size_t n) {
   return std::span<T>(v).first(n);
 }
 
+void check_projection(const std::string& layer, const char* what, bool dense, std::size_t values, std::size_t bytes,
+                      QuantType type, std::size_t n, std::size_t k) {
+  if (dense) {
+    check_size(layer, what, values, n * k);
+    return;
+  }
+  check(k % kQuantBlock == 0, layer + what + ": quantized blocks need a width that is a multiple of 32");
+  const std::size_t want = n * (k / kQuantBlock) * quant_block_bytes(type);
+  check(bytes == want, layer + what + " holds " + std::to_string(bytes) + " bytes of blocks, expected " +
+                           std::to_string(want));
+}
+
+template <class T>
+void check_projection(const std::string& layer, const char* what, const Projection<T>& w, std::size_t n,
+                      std::size_t k) {
+  check_projection(layer, what, !w.quantized(), w.dense.size(), w.blocks.size(), w.type, n, k);
+}
+
+// The kernels for one storage type: y = x @ w^T (+ bias) (+ residual), and the small per-layer operations.
+template <class T>
+void project(LinearShape s, std::span<const T> x, const Projection<T>& w, std::span<const T> bias, std::span<T> y,
+             int threads, std::span<const T> residual = {}) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16_bits>;
+  if (w.quantized()) {
+    if constexpr (kBf16) {
+      linear_quant_bf16(s, w.type, x, w.blocks, bias, y, QuantPath::kFastest, threads, residual);
+    } else {
+      linear_quant_f32(s, w.type, x, w.blocks, bias, y, QuantPath::kFastest, threads, residual);
+    }
+  } else if constexpr (kBf16) {
+    linear_bf16(s, x, w.dense, bias, y, LinearPath::kFastest, threads, residual);
+  } else {
+    linear_f32(s, x, w.dense, bias, y, LinearPath::kFastest, threads, residual);
+  }
+}
+
+template <class T>
+void rms_norm(std::size_t rows, std::size_t dim, std::span<const T> x, std::span<const T> w, std::span<T> out,
+              float eps, int threads) {
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    rms_norm_bf16(rows, dim, x, w, out, eps, threads);
+  } else {
+    rms_norm_f32(rows, dim, x, w, out, eps, threads);
+  }
+}
+
+template <class T>
+void rotate(const RopeShape& shape, std::span<T> x, std::span<const int64_t> positions, std::span<const float> cos,
+            std::span<const float> sin, int threads) {
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    rope_bf16(shape, x, positions, cos, sin, threads);
+  } else {
+    rope_f32(shape, x, positions, cos, sin, threads);
+  }
+}
+
+template <class T>
+void silu_mul(std::size_t rows, std::size_t dim, std::span<const T> gate_up, std::span<T> out, int threads) {
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    silu_mul_bf16(rows, dim, gate_up, out, threads);
+  } else {
+    silu_mul_f32(rows, dim, gate_up, out, threads);
+  }
+}
+
+template <class T>
+void paged_attention(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span<const T> q,
+                     std::span<const T> k, std::span<const T> v, std::span<T> out, float scale, int threads) {
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    paged_attention_bf16(shape, index, q, k, v, out, scale, threads);
+  } else {
+    paged_attention_f32(shape, index, q, k, v, out, scale, threads);
+  }
+}
+
 }  // namespace
 
-DecoderBf16::DecoderBf16(const DecoderDims& dims, std::vector<DecoderLayerBf16> layers,
-                         std::span<const bf16_bits> final_norm)
+template <class T>
+Decoder<T>::Decoder(const DecoderDims& dims, std::vector<DecoderLayer<T>> layers, std::span<const T> final_norm)
     : dims_(dims), layers_(std::move(layers)), final_norm_(final_norm) {
   const DecoderDims& d = dims_;
   check(d.hidden > 0 && d.num_heads > 0 && d.num_kv_heads > 0 && d.head_dim > 0 && d.intermediate > 0,
@@ -38,22 +114,23 @@ DecoderBf16::DecoderBf16(const DecoderDims& dims, std::vector<DecoderLayerBf16> 
   const std::size_t qkv = d.qkv_features();
   const std::size_t attention = d.num_heads * d.head_dim;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
-    const DecoderLayerBf16& l = layers_[i];
+    const DecoderLayer<T>& l = layers_[i];
     const std::string name = "layer " + std::to_string(i) + " ";
     check_size(name, "input_norm", l.input_norm.size(), d.hidden);
-    check_size(name, "qkv_weight", l.qkv_weight.size(), qkv * d.hidden);
+    check_projection(name, "qkv_weight", l.qkv_weight, qkv, d.hidden);
     if (!l.qkv_bias.empty()) check_size(name, "qkv_bias", l.qkv_bias.size(), qkv);
-    check_size(name, "o_weight", l.o_weight.size(), d.hidden * attention);
+    check_projection(name, "o_weight", l.o_weight, d.hidden, attention);
     check_size(name, "post_norm", l.post_norm.size(), d.hidden);
-    check_size(name, "gate_up_weight", l.gate_up_weight.size(), 2 * d.intermediate * d.hidden);
-    check_size(name, "down_weight", l.down_weight.size(), d.hidden * d.intermediate);
+    check_projection(name, "gate_up_weight", l.gate_up_weight, 2 * d.intermediate, d.hidden);
+    check_projection(name, "down_weight", l.down_weight, d.hidden, d.intermediate);
     check_size(name, "k_cache", l.k_cache.size(), d.cache_values());
     check_size(name, "v_cache", l.v_cache.size(), d.cache_values());
   }
   check_size("", "final_norm", final_norm_.size(), d.hidden);
 }
 
-void DecoderBf16::check_step(const DecodeStepBf16& step) const {
+template <class T>
+void Decoder<T>::check_step(const DecodeStep<T>& step) const {
   const DecoderDims& d = dims_;
   const std::size_t rows = step.rows;
   check_size("", "hidden", step.hidden.size(), rows * d.hidden);
@@ -78,7 +155,8 @@ void DecoderBf16::check_step(const DecodeStepBf16& step) const {
   }
 }
 
-void DecoderBf16::grow_scratch(std::size_t rows, std::size_t num_seqs) {
+template <class T>
+void Decoder<T>::grow_scratch(std::size_t rows, std::size_t num_seqs) {
   const DecoderDims& d = dims_;
   if (sequence_ids_.size() < num_seqs) {
     sequence_ids_.resize(num_seqs);
@@ -92,7 +170,8 @@ void DecoderBf16::grow_scratch(std::size_t rows, std::size_t num_seqs) {
   activated_.resize(rows * d.intermediate);
 }
 
-void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
+template <class T>
+void Decoder<T>::decode(const DecodeStep<T>& step, int threads) {
   check_step(step);
   const std::size_t rows = step.rows;
   if (rows == 0) return;
@@ -103,44 +182,46 @@ void DecoderBf16::decode(const DecodeStepBf16& step, int threads) {
   const std::size_t kv_n = d.num_kv_heads * d.head_dim;
   const std::size_t table = d.max_position * d.head_dim;
 
-  const std::span<bf16_bits> x = step.hidden;
-  const std::span<bf16_bits> normed = first(normed_, rows * d.hidden);
-  const std::span<bf16_bits> qkv = first(qkv_, rows * qkv_n);
-  const std::span<bf16_bits> attention = first(attention_, rows * attention_n);
-  const std::span<bf16_bits> gate_up = first(gate_up_, rows * 2 * d.intermediate);
-  const std::span<bf16_bits> activated = first(activated_, rows * d.intermediate);
+  const std::span<T> x = step.hidden;
+  const std::span<T> normed = first(normed_, rows * d.hidden);
+  const std::span<T> qkv = first(qkv_, rows * qkv_n);
+  const std::span<T> attention = first(attention_, rows * attention_n);
+  const std::span<T> gate_up = first(gate_up_, rows * 2 * d.intermediate);
+  const std::span<T> activated = first(activated_, rows * d.intermediate);
 
   const RopeShape rope{rows, qkv_n, d.num_heads + d.num_kv_heads, d.head_dim, d.max_position};
-  const std::span<const bf16_bits> all_qkv = qkv;
+  const std::span<const T> all_qkv = qkv;
   // Keys and values sit inside each fused QKV row: after the query heads, then after the key heads.
-  const KvWriteShape kv_write{rows, kv_n * sizeof(bf16_bits), qkv_n * sizeof(bf16_bits), qkv_n * sizeof(bf16_bits)};
+  const KvWriteShape kv_write{rows, kv_n * sizeof(T), qkv_n * sizeof(T), qkv_n * sizeof(T)};
   const std::size_t kv_span = (rows - 1) * qkv_n + kv_n;
   const auto keys = std::as_bytes(all_qkv.subspan(attention_n, kv_span));
   const auto values = std::as_bytes(all_qkv.subspan(attention_n + kv_n, kv_span));
   const PagedDecodeShape attend{rows, qkv_n, d.num_heads, d.num_kv_heads, d.head_dim, d.num_blocks, d.block_size,
                                 step.num_seqs, step.table_stride};
   const PagedDecodeIndex index{step.block_tables, step.seq_lens, step.cu_seqlens_q, first(sequence_ids_, step.num_seqs)};
-  const std::span<const bf16_bits> queries = all_qkv.first((rows - 1) * qkv_n + attention_n);
+  const std::span<const T> queries = all_qkv.first((rows - 1) * qkv_n + attention_n);
   // Lengths, rows and block ids, before the first layer writes its KV (each layer's call checks them again: cheap).
   check_paged_step_index(attend, index);
-  constexpr LinearPath kFastest = LinearPath::kFastest;
 
-  for (const DecoderLayerBf16& layer : layers_) {
-    rms_norm_bf16(rows, d.hidden, x, layer.input_norm, normed, d.rms_eps, threads);
-    linear_bf16({rows, qkv_n, d.hidden}, normed, layer.qkv_weight, layer.qkv_bias, qkv, kFastest, threads);
-    rope_bf16(rope, qkv.first((rows - 1) * qkv_n + (d.num_heads + d.num_kv_heads) * d.head_dim), step.positions,
+  for (const DecoderLayer<T>& layer : layers_) {
+    rms_norm<T>(rows, d.hidden, x, layer.input_norm, normed, d.rms_eps, threads);
+    project<T>({rows, qkv_n, d.hidden}, normed, layer.qkv_weight, layer.qkv_bias, qkv, threads);
+    rotate<T>(rope, qkv.first((rows - 1) * qkv_n + (d.num_heads + d.num_kv_heads) * d.head_dim), step.positions,
               step.cos_sin.first(table), step.cos_sin.subspan(table), threads);
     write_kv(kv_write, std::as_writable_bytes(layer.k_cache), std::as_writable_bytes(layer.v_cache), keys, values,
              step.slots);
-    paged_attention_bf16(attend, index, queries, layer.k_cache, layer.v_cache, attention, d.attention_scale, threads);
+    paged_attention<T>(attend, index, queries, layer.k_cache, layer.v_cache, attention, d.attention_scale, threads);
     // The residual add is folded into the projection (y may alias the residual).
-    linear_bf16({rows, d.hidden, attention_n}, attention, layer.o_weight, {}, x, kFastest, threads, x);
-    rms_norm_bf16(rows, d.hidden, x, layer.post_norm, normed, d.rms_eps, threads);
-    linear_bf16({rows, 2 * d.intermediate, d.hidden}, normed, layer.gate_up_weight, {}, gate_up, kFastest, threads);
-    silu_mul_bf16(rows, d.intermediate, gate_up, activated, threads);
-    linear_bf16({rows, d.hidden, d.intermediate}, activated, layer.down_weight, {}, x, kFastest, threads, x);
+    project<T>({rows, d.hidden, attention_n}, attention, layer.o_weight, {}, x, threads, x);
+    rms_norm<T>(rows, d.hidden, x, layer.post_norm, normed, d.rms_eps, threads);
+    project<T>({rows, 2 * d.intermediate, d.hidden}, normed, layer.gate_up_weight, {}, gate_up, threads);
+    silu_mul<T>(rows, d.intermediate, gate_up, activated, threads);
+    project<T>({rows, d.hidden, d.intermediate}, activated, layer.down_weight, {}, x, threads, x);
   }
-  rms_norm_bf16(rows, d.hidden, x, final_norm_, step.normed, d.rms_eps, threads);
+  rms_norm<T>(rows, d.hidden, x, final_norm_, step.normed, d.rms_eps, threads);
 }
+
+template class Decoder<bf16_bits>;
+template class Decoder<float>;
 
 }  // namespace ringserve::kernels

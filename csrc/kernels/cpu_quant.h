@@ -8,8 +8,10 @@
 // compute the same sums (the reference the tests hold the AVX2 path to). The activations' quantization is the same
 // code's result on both paths, bit for bit.
 //
-// Decode rows (a few inputs) read each weight block once for every input row; prompt chunks walk chunks of 16 weight
-// rows that stay in L1 while every input row passes them. Threads take chunks of weight rows as they free up.
+// Decode rows (a few inputs) read each weight block once for every input row; for a single input row the 4-bit
+// formats put two weight rows' nibbles in one register, so each maddubs covers two rows, and the next tile of weight
+// rows is prefetched while one is computed. Prompt chunks walk chunks of 16 weight rows that stay in L1 while every
+// input row passes them. Threads take chunks of weight rows as they free up.
 #pragma once
 
 #include <cstddef>

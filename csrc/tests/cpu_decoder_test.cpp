@@ -66,10 +66,11 @@ struct TinyModel {
   }
 
   DecoderBf16 decoder() {
+    using P = Projection<bf16_bits>;
     std::vector<DecoderLayerBf16> spans;
     for (std::size_t l = 0; l < layers; ++l) {
-      spans.push_back({input_norm[l], qkv_w[l], qkv_b[l], o_w[l], post_norm[l], gate_up_w[l], down_w[l], k_cache[l],
-                       v_cache[l]});
+      spans.push_back({input_norm[l], P::of_dense(qkv_w[l]), qkv_b[l], P::of_dense(o_w[l]), post_norm[l],
+                       P::of_dense(gate_up_w[l]), P::of_dense(down_w[l]), k_cache[l], v_cache[l]});
     }
     return DecoderBf16(d, std::move(spans), final_norm);
   }
@@ -281,6 +282,33 @@ TEST(mismatched_weights_are_refused_naming_the_tensor) {
     (void)model.decoder();
   } catch (const std::invalid_argument& e) {
     named = std::string(e.what()).find("layer 1 down_weight") != std::string::npos;
+  }
+  CHECK(named);
+}
+
+TEST(quantized_projections_are_checked_by_their_block_bytes) {
+  const DecoderDims d = TinyModel(false).d;
+  std::vector<float> norm(d.hidden, 1.0F), k_cache(d.cache_values()), v_cache(d.cache_values());
+  const auto blocks = [](std::size_t n, std::size_t k) {
+    return std::vector<uint8_t>(n * (k / kQuantBlock) * quant_block_bytes(QuantType::kQ4_1));
+  };
+  std::vector<uint8_t> qkv = blocks(d.qkv_features(), d.hidden), o = blocks(d.hidden, d.num_heads * d.head_dim),
+                       gate_up = blocks(2 * d.intermediate, d.hidden), down = blocks(d.hidden, d.intermediate);
+  const auto decoder = [&] {
+    using P = Projection<float>;
+    std::vector<DecoderLayer<float>> layers{{norm, P::of_blocks(QuantType::kQ4_1, qkv), {},
+                                             P::of_blocks(QuantType::kQ4_1, o), norm,
+                                             P::of_blocks(QuantType::kQ4_1, gate_up),
+                                             P::of_blocks(QuantType::kQ4_1, down), k_cache, v_cache}};
+    return DecoderF32(d, std::move(layers), norm);
+  };
+  CHECK(decoder().num_layers() == 1);
+  down.pop_back();
+  bool named = false;
+  try {
+    (void)decoder();
+  } catch (const std::invalid_argument& e) {
+    named = std::string(e.what()).find("layer 0 down_weight holds 3839 bytes of blocks") != std::string::npos;
   }
   CHECK(named);
 }

@@ -162,6 +162,7 @@ TEST(every_type_against_the_dequantized_product) {
       }
       check_type<float>(type, 4, 33, 256, path, 3, true, true);
       check_type<bf16_bits>(type, 5, 19, 64, path, 2, true, true);
+      check_type<bf16_bits>(type, 1, 19, 64, path, 1, true, true);  // a matrix-vector product's own tiles
     }
   }
 }

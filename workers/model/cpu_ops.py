@@ -116,12 +116,17 @@ def native_attention_available() -> bool:
 
 # The whole decode step's layers as one native call (see csrc/kernels/cpu_decoder.h): it composes the kernels above,
 # so it needs both the projection and the attention kernels; RINGSERVE_NATIVE_DECODE=0 keeps the layer-by-layer path.
-_DECODER = _KERNELS if _ATTENTION is not None and os.environ.get("RINGSERVE_NATIVE_DECODE", "1") != "0" else None
+_NATIVE_DECODE = _ATTENTION is not None and os.environ.get("RINGSERVE_NATIVE_DECODE", "1") != "0"
+_DECODER = _KERNELS if _NATIVE_DECODE else None
+# With quantized projections (GGUF blocks) it needs the int8 kernel's AVX2 path instead of the dense projections.
+_QUANT_DECODER = _ATTENTION if _NATIVE_DECODE and _ATTENTION is not None and _ATTENTION.has_avx2_quant() else None
 
 
-def native_decoder_module() -> Any | None:
-    """The kernels module when it may run whole decode steps (`DecoderBf16`), else None."""
-    return _DECODER
+def native_decoder_module(quantized: bool = False) -> Any | None:
+    """The kernels module when it may run whole decode steps (`DecoderBf16`, `DecoderF32`), else None: with dense
+    projections where the projection kernels run; with quantized ones (`quantized`) wherever the attention kernels
+    and the int8 kernel's AVX2 path do."""
+    return _QUANT_DECODER if quantized else _DECODER
 
 
 def native_chunk_attention(head_dim: int) -> bool:

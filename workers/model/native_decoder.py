@@ -1,10 +1,13 @@
-"""The one-call native decoder: every layer and the final norm of a CPU bf16 step in one native call
-(csrc/kernels/cpu_decoder.h), installed by workers/model/fast_paths.py as the model's forward where it applies.
+"""The one-call native decoder: every layer and the final norm of a CPU step in one native call
+(csrc/kernels/cpu_decoder.h), installed by workers/model/fast_paths.py as the model's forward where it applies: bf16
+models with dense projections (on CPUs with the AVX-512 projection kernels), and bf16 or float32 models whose
+projections are quantized GGUF blocks (`--quantization gguf`, on CPUs with the int8 kernel's AVX2 path).
 
 It runs the same kernels, in the same order and with the same roundings, as the fused layer-by-layer path, so it
 gives the same bits without a dozen Python-dispatched operators per layer. Steps it does not take (a prefill chunk
 longer than NATIVE_MAX_CHUNK or with a speculative tree, another dtype or device, tensor parallelism, the kernels
-missing) run layer by layer.
+missing; with quantized projections, steps of DEQUANTIZE_MIN_ROWS rows or more, whose layer-by-layer path multiplies
+dequantized weights instead) run layer by layer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from ringserve.workers.attention import AttentionBackend, get_attention_metadata
 from ringserve.workers.model.cpu_ops import native_chunk_attention, native_decoder_module
 from ringserve.workers.model.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
-from ringserve.workers.model.quant_ops import QuantizedLinear
+from ringserve.workers.model.quant_ops import DEQUANTIZE_MIN_ROWS, QuantizedLinear, QuantizedWeight
 from torch import nn
 
 
@@ -42,7 +45,7 @@ class NativeDecodingLlama(LlamaForCausalLM):
     def native_decoder(self) -> NativeDecoder | None:
         """The decoder for the bound KV caches, built on first use; None where it cannot run this model."""
         if self._decoder is None:
-            module = native_decoder_module()
+            module = native_decoder_module(quantized=NativeDecoder.quantized(self))
             runs = module is not None and NativeDecoder.supports(self)
             self._decoder = NativeDecoder(self, module) if runs else False
         return self._decoder or None
@@ -57,7 +60,7 @@ class NativeDecodingLlama(LlamaForCausalLM):
         if long:
             return None
         decoder = self.native_decoder()
-        if decoder is None:
+        if decoder is None or (decoder.quantized and input_ids.shape[0] >= DEQUANTIZE_MIN_ROWS):
             return None
         for index in (md.slot_mapping, md.block_tables, md.seq_lens, md.cu_seqlens_q):
             if index.device.type != "cpu" or not index.is_contiguous():
@@ -69,44 +72,61 @@ class NativeDecodingLlama(LlamaForCausalLM):
 
 
 class NativeDecoder:
-    """`DecoderBf16` over a fused model's weights and KV caches; holds the tensors whose memory it borrows."""
+    """`DecoderBf16` / `DecoderF32` over a fused model's weights and KV caches; holds the tensors whose memory it
+    borrows."""
 
     def __init__(self, model: LlamaForCausalLM, module: Any) -> None:
         cfg = model.config
         layers = model.model.layers
         k0 = layers[0].self_attn.k_cache
         assert k0 is not None
+        self.quantized = NativeDecoder.quantized(model)
         self._tensors: list[torch.Tensor] = []
-        addresses = []
+        addresses, kinds = [], []
         for layer in layers:
             parts = self._layer_tensors(layer)
             addresses.append([0 if t is None else t.data_ptr() for t in parts])
             self._tensors += [t for t in parts if t is not None]
+            kinds.append([w.kind if isinstance(w, QuantizedWeight) else -1 for w in self._projections(layer)])
         self._tensors.append(model.model.norm.weight)
-        self._decoder = module.DecoderBf16(
+        native = module.DecoderBf16 if model.model.norm.weight.dtype is torch.bfloat16 else module.DecoderF32
+        self._decoder = native(
             hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, num_blocks=k0.shape[0], block_size=k0.shape[1],
             max_position=cfg.max_position, rms_eps=cfg.rms_eps, attention_scale=layers[0].self_attn.scale,
-            layers=addresses, final_norm=model.model.norm.weight.data_ptr(),
+            layers=addresses, final_norm=model.model.norm.weight.data_ptr(), quant_types=kinds,
         )  # fmt: skip
         self._embed = model.model.embed_tokens
         self._rotary = model.model.rotary
 
     @staticmethod
-    def _layer_tensors(layer: LlamaDecoderLayer) -> tuple[torch.Tensor | None, ...]:
-        """The layer's memory in the order DecoderBf16 takes it (qkv_bias None when the model has none)."""
+    def quantized(model: LlamaForCausalLM) -> bool:
+        return any(isinstance(m, QuantizedLinear) for m in model.model.layers.modules())
+
+    @staticmethod
+    def _projections(layer: LlamaDecoderLayer) -> tuple[torch.Tensor | QuantizedWeight, ...]:
+        """qkv, o, gate_up and down weights: dense tensors or quantized blocks."""
         attn, mlp = layer.self_attn, layer.mlp
-        return (layer.input_layernorm.weight, getattr(attn, "qkv_weight", None), getattr(attn, "qkv_bias", None),
-                attn.o_proj.weight, layer.post_attention_layernorm.weight, getattr(mlp, "gate_up_weight", None),
-                mlp.down_proj.weight, attn.k_cache, attn.v_cache)  # fmt: skip
+        o, down = attn.o_proj, mlp.down_proj
+        return (attn.qkv_weight, o.qweight if isinstance(o, QuantizedLinear) else o.weight, mlp.gate_up_weight,
+                down.qweight if isinstance(down, QuantizedLinear) else down.weight)  # fmt: skip
+
+    @staticmethod
+    def _layer_tensors(layer: LlamaDecoderLayer) -> tuple[torch.Tensor | None, ...]:
+        """The layer's memory in the order the decoder takes it (qkv_bias None when the model has none; quantized
+        projections as their blocks' bytes)."""
+        attn = layer.self_attn
+        qkv, o, gate_up, down = (w.data if isinstance(w, QuantizedWeight) else w
+                                 for w in NativeDecoder._projections(layer))  # fmt: skip
+        return (layer.input_layernorm.weight, qkv, getattr(attn, "qkv_bias", None), o,
+                layer.post_attention_layernorm.weight, gate_up, down, attn.k_cache, attn.v_cache)  # fmt: skip
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
-        """bf16 weights and caches on the CPU, fused projections, no hooks (tensor parallelism adds collectives as
-        forward hooks), even widths (the native projection's layout for batches of three or more rows)."""
+        """Fused projections, every one dense bf16 or every one quantized (then with float32 or bf16 norms and
+        caches), on the CPU; no hooks (tensor parallelism adds collectives as forward hooks), even widths (the native
+        bf16 projection's layout for batches of three or more rows)."""
         cfg = model.config
-        if any(isinstance(m, QuantizedLinear) for m in model.modules()):
-            return False  # its projections are bf16 ones
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return False
         if type(model.model.embed_tokens) is not nn.Embedding or cfg.hidden_size % 2 or cfg.intermediate_size % 2:
@@ -117,6 +137,10 @@ class NativeDecoder:
             return False  # its paged attention has no sliding window
         if cfg.rotary_dim != cfg.head_dim:
             return False  # its RoPE rotates whole heads
+        quantized = NativeDecoder.quantized(model)
+        dtype = model.model.norm.weight.dtype
+        if dtype not in ((torch.bfloat16, torch.float32) if quantized else (torch.bfloat16,)):
+            return False
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if getattr(attn, "qkv_weight", None) is None or getattr(mlp, "gate_up_weight", None) is None:
@@ -125,11 +149,16 @@ class NativeDecoder:
                 return False
             if attn.k_cache.shape != attn.v_cache.shape or attn.k_cache.dim() != 4:
                 return False
+            projections = NativeDecoder._projections(layer)
+            if any(isinstance(w, QuantizedWeight) != quantized for w in projections):
+                return False
+            blocks = {id(w.data) for w in projections if isinstance(w, QuantizedWeight)}
             for t in NativeDecoder._layer_tensors(layer):
-                if t is not None and (t.dtype is not torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()):
+                want = torch.uint8 if id(t) in blocks else dtype
+                if t is not None and (t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous()):
                     return False
         norm = model.model.norm.weight
-        return norm.dtype is torch.bfloat16 and norm.device.type == "cpu"
+        return norm.device.type == "cpu"
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:  # fmt: skip
