@@ -146,14 +146,14 @@ def dequantize(
         out = torch.empty(weight.shape, dtype=torch.float32)
     elif out.dtype is not torch.float32 or tuple(out.shape) != weight.shape or not out.is_contiguous():
         raise ValueError(f"dequantize: out must be a contiguous float32 tensor of shape {weight.shape}")
-    _dequantize_rows(weight, 0, weight.rows, out, force_portable)
+    _dequantize_into(weight, out, force_portable)
     return out
 
 
-def _dequantize_rows(weight: QuantizedWeight, first: int, last: int, out: torch.Tensor, force_portable: bool) -> None:
-    rows = weight.data[first:last]
-    _MODULE.dequantize(weight.kind, rows.data_ptr(), rows.numel(), out.data_ptr(), last - first, weight.cols,
-                       force_portable=force_portable, threads=torch.get_num_threads())  # fmt: skip
+def _dequantize_into(weight: QuantizedWeight, out: torch.Tensor, force_portable: bool) -> None:
+    """Every row of the weight into `out` (float32, contiguous, [rows, cols]), on the worker pool's threads."""
+    _MODULE.dequantize(weight.kind, weight.data.data_ptr(), weight.data.numel(), out.data_ptr(), weight.rows,
+                       weight.cols, force_portable=force_portable, threads=torch.get_num_threads())  # fmt: skip
 
 
 def _float_buffer(values: int) -> torch.Tensor:
@@ -170,7 +170,7 @@ def _float_product(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
     """x2 [rows, k] @ W^T (+ bias) (+ residual) in float32 on W dequantized, rounded once to x2's dtype."""
     n, k = weight.shape
     w = _float_buffer(n * k).view(n, k)
-    _dequantize_rows(weight, 0, n, w, force_portable)
+    _dequantize_into(weight, w, force_portable)
     if x2.dtype is torch.float32:
         return cpu_ops.linear(x2, w, bias, residual)
     out = cpu_ops.linear(x2.float(), w)
