@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -46,17 +47,28 @@ def greedy(server, n: int = 32) -> list[list[int]]:  # type: ignore[no-untyped-d
     return [[t for r in server.stub().Generate(request(ids, n), timeout=120) for t in r.token_ids] for ids in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A head node and a second node, two CPUs each (the ranks' bundles: one CPU each), no dashboard."""
-    small = {"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
-    c = Cluster(initialize_head=True, head_node_args=small)
-    c.add_node(num_cpus=2, object_store_memory=80 * 1024 * 1024)
-    c.wait_for_nodes()
+OBJECT_STORE_BYTES = 80 * 1024 * 1024
+
+
+@contextmanager
+def local_cluster(head_cpus: int, *node_cpus: int) -> Iterator[Cluster]:
+    """A Ray cluster on this host: a head node of `head_cpus` CPUs and one node per `node_cpus`, no dashboard."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES,
+                                                      "include_dashboard": False})  # fmt: skip
     try:
+        for cpus in node_cpus:
+            c.add_node(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES)
+        c.wait_for_nodes()
         yield c
     finally:
         c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head node and a second node, two CPUs each (the ranks' bundles: one CPU each)."""
+    with local_cluster(2, 2) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +231,7 @@ def test_more_ranks_on_a_node_than_its_step_ring_has_readers_fail_the_start_nami
     fails its start with the count and the limit, before any rank starts."""
     before = segments()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    big = cluster.add_node(num_cpus=9, object_store_memory=80 * 1024 * 1024)
+    big = cluster.add_node(num_cpus=9, object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
     flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_PACK", "--tensor-parallel-size", "9",
              "--ray-placement-timeout", "30")  # fmt: skip
@@ -242,7 +254,7 @@ def test_a_replica_whose_restart_cannot_be_placed_is_retried_then_failed_with_th
     model is FAILED and requests are refused with the reason."""
     before = segments()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    third = cluster.add_node(num_cpus=2, object_store_memory=80 * 1024 * 1024)
+    third = cluster.add_node(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
     metrics_port = free_port()
     flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_SPREAD", "--pipeline-parallel-size",
