@@ -22,7 +22,7 @@ from ringserve.workers.model.fast_paths import apply_fast_paths
 from ringserve.workers.model.native_decoder import NativeDecoder
 from ringserve.workers.model_runner import ModelRunner
 from ringserve.workers.parallel import TensorParallelShard, apply_tensor_parallel
-from workers_testkit import NewRequest, forward_packed, ids, plan, save_tiny_hf_model
+from workers_testkit import NewRequest, assert_same_bits, forward_packed, ids, plan, save_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(cpu_ops.native_decoder_module() is None,
                                 reason="needs the built kernels and AVX-512")  # fmt: skip
@@ -63,16 +63,6 @@ def count_native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(NativeDecoder, "decode", counted)
     return calls
-
-
-def assert_same_bits(plain_steps: list[list[torch.Tensor]], plain_cache: KVCache,
-                     native_steps: list[list[torch.Tensor]], native_cache: KVCache) -> None:  # fmt: skip
-    """Every step's logits and the whole KV cache equal, bit for bit, between the two paths."""
-    for plain, native in zip(plain_steps, native_steps, strict=True):
-        for a, b in zip(plain, native, strict=True):
-            assert torch.equal(a, b)
-    for a, b in zip(plain_cache.k + plain_cache.v, native_cache.k + native_cache.v, strict=True):
-        assert torch.equal(a, b)
 
 
 def test_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(folder, monkeypatch):

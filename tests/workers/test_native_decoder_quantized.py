@@ -16,7 +16,7 @@ from ringserve.workers.model.fast_paths import apply_fast_paths
 from ringserve.workers.model.native_decoder import NativeDecoder
 from test_gguf_loader import tiny_hf, write_gguf
 from test_native_decoder import count_native_calls
-from workers_testkit import forward_packed
+from workers_testkit import assert_same_bits, forward_packed
 
 pytestmark = pytest.mark.skipif(cpu_ops.native_decoder_module(quantized=True) is None,
                                 reason="needs the built kernels and the int8 kernel's AVX2 path")  # fmt: skip
@@ -66,11 +66,7 @@ def test_quantized_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(gg
     assert calls[0] == 0
     native_logits, native_cache = decode_run(gguf_path, dtype, native=True, steps=5)
     assert calls[0] == 5  # the decode steps; the prompts' chunks keep SDPA, layer by layer, on both paths
-    for plain, native in zip(plain_logits, native_logits, strict=True):
-        for a, b in zip(plain, native, strict=True):
-            assert torch.equal(a, b)
-    for a, b in zip(plain_cache.k + plain_cache.v, native_cache.k + native_cache.v, strict=True):
-        assert torch.equal(a, b)
+    assert_same_bits(plain_logits, plain_cache, native_logits, native_cache)
 
 
 def test_steps_of_dequantize_min_rows_keep_the_layer_by_layer_path(gguf_path, monkeypatch):

@@ -230,6 +230,16 @@ def forward_packed(
     return list(logits.split([len(c) for c, _, _ in chunks]))
 
 
+def assert_same_bits(plain_steps: list[list[torch.Tensor]], plain_cache: KVCache,
+                     native_steps: list[list[torch.Tensor]], native_cache: KVCache) -> None:  # fmt: skip
+    """Every step's logits (per step, per sequence) and the whole KV cache equal, bit for bit, between two paths."""
+    for plain, native in zip(plain_steps, native_steps, strict=True):
+        for a, b in zip(plain, native, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(plain_cache.k + plain_cache.v, native_cache.k + native_cache.v, strict=True):
+        assert torch.equal(a, b)
+
+
 def bind_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> KVCache:
     cache = KVCache.allocate(model.config, num_blocks, block_size, torch.float32, "cpu")
     model.bind_kv_cache(cache, TorchSdpaBackend())
