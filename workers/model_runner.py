@@ -95,6 +95,16 @@ def freeze_long_lived_objects() -> None:
     atexit.register(gc.unfreeze)
 
 
+# What each --cuda-graphs mode takes, as (decode graphs, piecewise graphs): "must" (with capture_graphs=False a
+# model that cannot have them is an error), "if" (taken where the model and backend allow), "" (never).
+GRAPHS_OF_MODE: dict[str, tuple[str, str]] = {
+    "off": ("", ""),
+    "decode": ("must", ""),
+    "piecewise": ("if", "must"),
+    "auto": ("if", "if"),  # piecewise where it can be captured (CUDA), else eager
+}
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -167,30 +177,32 @@ class ModelRunner:
     def _graph_modes(
         self, requested: GraphMode, capture: bool, backend: Any, kv_cache: KVCache | None
     ) -> tuple[bool, bool]:
-        """(decode graphs, piecewise graphs). Both need no forward hooks (tensor parallelism's all-reduce) or
-        pipeline stage, and no mixture of experts (its routing picks the experts on the host); decode graphs also
-        need the triton_paged backend (its decode kernel reads lengths and tables on the device; gather + SDPA
-        plans on the host) and a cache of our own (the scratch block). Piecewise graphs run attention eagerly, so
-        any backend and cache serve. Captured graphs need CUDA: elsewhere every step runs eagerly. With
-        `capture=False` (the static buffers run eagerly, for tests) a mode that cannot apply is an error."""
+        """(decode graphs, piecewise graphs): what GRAPHS_OF_MODE asks for, where its needs are met. Both kinds need
+        the plain model: no forward hooks (tensor parallelism's all-reduce), pipeline stage or mixture of experts
+        (its routing picks the experts on the host). Decode graphs also need the triton_paged backend (its decode
+        kernel reads lengths and tables on the device; gather + SDPA plans on the host) and a cache of our own (the
+        scratch block); piecewise graphs run attention eagerly, so any backend and cache serve. Captured graphs need
+        CUDA: elsewhere every step runs eagerly. With `capture=False` (the static buffers run eagerly, for tests)
+        the mode must be named (not auto) and its "must" graphs must apply."""
         if requested not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs={requested!r}: must be one of {', '.join(GRAPH_MODES)}")
-        if requested == "off":
+        wants = GRAPHS_OF_MODE[requested]
+        if wants == ("", ""):
             return False, False
         hooks = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules()) or self.pipeline is not None
         plain = not hooks and self.config.num_experts == 0
         decode_ok = plain and backend.name == "triton_paged" and kv_cache is None
-        want_pieces = requested in ("auto", "piecewise")
-        if not capture:
-            if requested == "auto" or (requested == "decode" and not decode_ok) or (want_pieces and not plain):
+        met = (decode_ok, plain)  # each kind's needs, in GRAPHS_OF_MODE's order
+        if not capture:  # and "auto", which picks by device, is no mode to run uncaptured
+            if requested == "auto" or any(want == "must" and not ok for want, ok in zip(wants, met, strict=True)):
                 raise ValueError(f"static graph buffers (capture_graphs=False) for cuda_graphs={requested!r} need "
                                  "cuda_graphs='decode' or 'piecewise', no tensor parallelism, pipeline stage or "
                                  "mixture of experts, and for decode graphs the triton_paged backend and a KV cache "
                                  "of the runner's own")  # fmt: skip
-            return decode_ok, want_pieces
-        if self.device.type != "cuda":
+        elif self.device.type != "cuda":
             return False, False
-        return decode_ok, want_pieces and plain
+        decode, pieces = (bool(want) and ok for want, ok in zip(wants, met, strict=True))
+        return decode, pieces
 
     def tokens_of(self, slot: int) -> list[int]:
         """Every token the slot holds (prompt, outputs and sampled tokens)."""
