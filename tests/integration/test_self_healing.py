@@ -76,6 +76,16 @@ def open_streams(server: RunningServer, count: int) -> list[tuple[threading.Thre
     return streams
 
 
+def assert_streams_end_unavailable(streams: list[tuple[threading.Thread, list[grpc.RpcError]]], timeout: float,
+                                   details: str | None = None) -> None:  # fmt: skip
+    """Each of open_streams' streams ends within `timeout` s with UNAVAILABLE (its details holding `details`)."""
+    for thread, errors in streams:
+        thread.join(timeout=timeout)
+        assert not thread.is_alive() and errors, f"a stream did not end within {timeout} s"
+        assert errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors[0]
+        assert details is None or details in (errors[0].details() or ""), errors[0].details()
+
+
 def victim(server: RunningServer, marker: str) -> psutil.Process:
     tree = psutil.Process(server.proc.pid).children(recursive=True)
     return next(p for p in tree if marker in " ".join(p.cmdline()))
@@ -89,10 +99,7 @@ def kill_and_watch_recovery(server: RunningServer, marker: str, model: str) -> f
     engine_before = victim(server, "ringserve.backend.engine_main")
     target.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    for thread, errors in streams:
-        thread.join(timeout=30)
-        assert not thread.is_alive() and errors, "a stream did not end after the kill"
-        assert errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors[0]
+    assert_streams_end_unavailable(streams, 30)
     wait_health(server, NOT_SERVING, 10)
     assert health(server, model) == NOT_SERVING
     with pytest.raises(grpc.RpcError) as refused:  # the backoff is 1 s, so the model is still restarting
@@ -156,11 +163,8 @@ def test_a_stopped_worker_fails_its_steps_after_the_step_timeout_and_is_restarte
         worker = victim(server, "ringserve.workers.worker_main")
         worker.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
-        for thread, errors in streams:
-            thread.join(timeout=60)
-            assert not thread.is_alive() and errors, "a stream did not end after its worker stopped"
-            assert errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors[0]
-            assert "no step result within --step-timeout 4 s: a rank is alive but stuck" in errors[0].details()
+        stuck = "no step result within --step-timeout 4 s: a rank is alive but stuck"
+        assert_streams_end_unavailable(streams, 60, stuck)
         ended_s = time.monotonic() - stopped_at
         wait_health(server, SERVING, 240)
         print(f"\n[self-healing] SIGSTOP of the worker: streams UNAVAILABLE after {ended_s:.2f} s (--step-timeout 4), "
