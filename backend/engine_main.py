@@ -169,7 +169,8 @@ def report_start_failure(event_ring: str, error: Exception) -> int:
     log.error("the engine could not start: %s", message)
     try:
         writer = _core.RingWriter(_core.ShmRing.attach(event_ring))
-        writer.write(_core.encode_record(_core.EngineFailed(message=message)), 5.0)
+        failed = _core.EngineFailed(message=message, reason=_core.FailureReason.LOAD_FAILED)
+        writer.write(_core.encode_record(failed), 5.0)
     except Exception as exc:  # the frontend is gone: it sees the exit code, if anyone does
         log.error("reporting it to the frontend failed: %s", exc)
     return 1

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
+from ringserve import _core
 from ringserve.backend.engine_process import EngineProcess
 from ringserve.backend.process import child_pids, wait_gone
 from ringserve.formats.engine_args import EngineArgs
@@ -89,7 +90,8 @@ class EngineReplica:
         """Fails the client when the engine process exits (its in-flight streams end UNAVAILABLE)."""
         code = await engine.wait()
         if self.state not in ("STOPPED", "DRAINING") and self.client is not None:
-            self.client.fail(f"the engine process of replica {self.index} {exit_description(code)}")
+            self.client.fail(f"the engine process of replica {self.index} {exit_description(code)}",
+                             _core.FailureReason.ENGINE_DIED)  # fmt: skip
             log.error("engine replica %d %s", self.index, exit_description(code))
 
     async def drain(self, timeout_s: float) -> None:
@@ -129,17 +131,9 @@ def exit_description(code: int | None) -> str:
     return f"died (signal {-code})" if code < 0 else f"exited with code {code}"
 
 
-def restart_reason(message: str) -> str:
-    """The `reason` label of ringserve_engine_restarts_total for a failure message (a few fixed values)."""
-    if message.startswith("load failed"):
-        return "load_failed"
-    if "--step-timeout" in message:  # the engine's step watchdog: a rank alive but stuck
-        return "step_timeout"
-    if "worker" in message:
-        return "worker_died"
-    if "engine process" in message:
-        return "engine_died"
-    return "engine_failed"
+def restart_label(reason: _core.FailureReason) -> str:
+    """The `reason` label of ringserve_engine_restarts_total: the FailureReason's name in lower case."""
+    return reason.name.lower()
 
 
 @dataclass
@@ -186,8 +180,9 @@ class ModelDeployment:
 
     def _wire(self, replica: EngineReplica) -> None:
         """Listen to a freshly started replica's client."""
-        assert replica.client is not None
-        replica.client.add_failure_listener(lambda message: self._on_replica_failure(replica, message))
+        client = replica.client
+        assert client is not None
+        client.add_failure_listener(lambda message: self._on_replica_failure(replica, message, client.failure_reason))
         for listener in self._stats_listeners:
             replica.client.add_stats_listener(listener)
 
@@ -248,7 +243,7 @@ class ModelDeployment:
         self._state_listeners.append(callback)
 
     def add_restart_listener(self, callback: Callable[[str], None]) -> None:
-        """`callback(reason)` runs for each restart, `reason` one of restart_reason()'s labels."""
+        """`callback(label)` runs for each restart, `label` the restart_label() of its FailureReason."""
         self._restart_listeners.append(callback)
 
     def _notify(self, listeners: Sequence[Callable[..., None]], *args: Any) -> None:
@@ -258,44 +253,45 @@ class ModelDeployment:
             except Exception:
                 log.exception("model %s: listener raised", self.name)
 
-    def _on_replica_failure(self, replica: EngineReplica, message: str) -> None:
+    def _on_replica_failure(self, replica: EngineReplica, message: str, reason: _core.FailureReason) -> None:
         if self._stopping or replica.state != "READY":
             return  # being stopped, drained or restarted already
         log.error("model %s: replica %d failed (%s); %d replica(s) still serving", self.name, replica.index,
                   message, len(self.serving_replicas))  # fmt: skip
         replica.state, replica.last_failure = "RESTARTING", message
-        task = asyncio.get_running_loop().create_task(self._restart(replica, message))
+        task = asyncio.get_running_loop().create_task(self._restart(replica, message, reason))
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
         replica.restart_task = task
         self._notify(self._state_listeners)
 
-    async def _restart(self, replica: EngineReplica, reason: str) -> None:
+    async def _restart(self, replica: EngineReplica, message: str, reason: _core.FailureReason) -> None:
         """Release the dead replica, then start it again after the policy's delay until it serves or the policy
-        gives up (then it is FAILED with the reason)."""
+        gives up (then it is FAILED with the message)."""
         while True:
             served_s = time.monotonic() - replica.ready_at if replica.ready_at is not None else 0.0
             replica.ready_at = None
             delay = replica.policy.failed(time.monotonic(), served_s)
             if delay is None:
-                self._give_up(replica, reason)
+                self._give_up(replica, message)
                 await replica.stop(0.0)
                 return
             await replica.stop(0.0)  # client closed, engine reaped, rings removed, workers gone
-            replica.state, replica.last_failure = "RESTARTING", reason
+            replica.state, replica.last_failure = "RESTARTING", message
             log.warning("model %s: restarting replica %d in %.0f s (%s; restart %d of at most %d within %.0f s)",
-                        self.name, replica.index, delay, reason, replica.policy.restarts_in_window,
+                        self.name, replica.index, delay, message, replica.policy.restarts_in_window,
                         self.max_restarts, self.restart_window_s)  # fmt: skip
-            self._notify(self._restart_listeners, restart_reason(reason))
+            self._notify(self._restart_listeners, restart_label(reason))
             self._notify(self._state_listeners)
             await asyncio.sleep(delay)
             replica.restarts += 1
+            reason = _core.FailureReason.LOAD_FAILED  # what the next restart counts as, if this start fails
             try:
                 await replica.start(self.start_timeout_s)
             except (ModelError, EngineError) as error:
-                reason = f"load failed: {error.message}"
+                message = f"load failed: {error.message}"
             except (OSError, TimeoutError, ValueError) as error:
-                reason = f"load failed: {error}"
+                message = f"load failed: {error}"
             else:
                 replica.last_failure = None
                 self._wire(replica)
@@ -303,11 +299,11 @@ class ModelDeployment:
                          replica.restarts)  # fmt: skip
                 self._notify(self._state_listeners)
                 return
-            log.error("model %s: replica %d did not start again: %s", self.name, replica.index, reason)
+            log.error("model %s: replica %d did not start again: %s", self.name, replica.index, message)
 
-    def _give_up(self, replica: EngineReplica, reason: str) -> None:
+    def _give_up(self, replica: EngineReplica, message: str) -> None:
         replica.state = "FAILED"
-        replica.last_failure = (f"{reason} (gave up after {replica.policy.restarts_in_window} restart(s) within "
+        replica.last_failure = (f"{message} (gave up after {replica.policy.restarts_in_window} restart(s) within "
                                 f"{self.restart_window_s:g} s; --max-restarts {self.max_restarts})")  # fmt: skip
         log.error("model %s: replica %d is FAILED: %s", self.name, replica.index, replica.last_failure)
         if not self.serving_replicas and not self._restarting_replicas:

@@ -172,6 +172,7 @@ class EngineClient:
         self._ready: Any = None
         self._ready_waiters: list[asyncio.Future[Any]] = []
         self._failure: str | None = None
+        self.failure_reason: _core.FailureReason | None = None  # set with `failure`
         self._failure_listeners: list[Callable[[str], None]] = []
         self._stats_listeners: list[Callable[[Any], None]] = []
         # Control records (aborts) must never be dropped: they wait here while the request ring is full.
@@ -231,11 +232,13 @@ class EngineClient:
         """`callback(stats)` runs on the loop for every EngineStats the engine sends unsolicited."""
         self._stats_listeners.append(callback)
 
-    def fail(self, message: str, notify: bool = True) -> None:
-        """Mark the engine dead (e.g. its process exited): every stream and waiter fails with UNAVAILABLE."""
+    def fail(self, message: str, reason: _core.FailureReason | None = None, notify: bool = True) -> None:
+        """Mark the engine dead (e.g. its process exited): every stream and waiter fails with UNAVAILABLE.
+        `reason` (default ENGINE_FAILED) labels the replica's restart."""
         if self._failure is not None:
             return
         self._failure = message
+        self.failure_reason = self._core.FailureReason.ENGINE_FAILED if reason is None else reason
         for queue in self._streams.values():
             queue.put_nowait(EngineUnavailableError(f"engine failed: {message}"))
         for future in [*self._stats_waiters.values(), *self._ready_waiters]:
@@ -472,7 +475,7 @@ class EngineClient:
             else:  # nobody is left to hand the blocks to a decode server
                 self.release_kv(event.request_id)
         elif isinstance(event, core.EngineFailed):
-            log.error("engine failed: %s", event.message)
-            self.fail(event.message)
+            log.error("engine failed (%s): %s", event.reason.name.lower(), event.message)
+            self.fail(event.message, event.reason)
         else:
             log.error("ignoring an unknown engine event %r", type(event).__name__)

@@ -82,6 +82,12 @@ void bind_records(py::module_& m) {
       .value("STOP", FinishReason::kStop)
       .value("LENGTH", FinishReason::kLength)
       .value("ABORT", FinishReason::kAbort);
+  py::enum_<FailureReason>(m, "FailureReason")
+      .value("ENGINE_FAILED", FailureReason::kEngineFailed)
+      .value("WORKER_DIED", FailureReason::kWorkerDied)
+      .value("STEP_TIMEOUT", FailureReason::kStepTimeout)
+      .value("LOAD_FAILED", FailureReason::kLoadFailed)
+      .value("ENGINE_DIED", FailureReason::kEngineDied);
   py::enum_<KvMode>(m, "KvMode")
       .value("NONE", KvMode::kNone)
       .value("PREFILL_ONLY", KvMode::kPrefillOnly)

@@ -93,12 +93,13 @@ WorkerResult decode_from_worker(const ByteBuffer& record) {
   try {
     return decode_worker_result(record);
   } catch (const RecordError& e) {
-    throw WorkerFailure(std::string("malformed record on the result ring: ") + e.what());
+    throw WorkerFailure(FailureReason::kEngineFailed,
+                        std::string("malformed record on the result ring: ") + e.what());
   }
 }
 
 [[noreturn]] void throw_worker_failed(const WorkerFailed& f) {
-  throw WorkerFailure("worker rank " + std::to_string(f.rank) + " failed: " + f.message);
+  throw WorkerFailure(FailureReason::kWorkerDied, "worker rank " + std::to_string(f.rank) + " failed: " + f.message);
 }
 
 }  // namespace
@@ -123,8 +124,8 @@ void Engine::worker_died(pid_t pid) {
   }
   const auto rank = std::ranges::find(worker_pids_, pid) - worker_pids_.begin();
   const std::string how = describe_child_exit(pid);
-  throw WorkerFailure("worker " + std::to_string(rank) + " (pid " + std::to_string(pid) + ") died" +
-                      (how.empty() ? "" : " (" + how + ")"));
+  throw WorkerFailure(FailureReason::kWorkerDied, "worker " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+                                                      ") died" + (how.empty() ? "" : " (" + how + ")"));
 }
 
 bool Engine::await_workers_ready() {
@@ -133,12 +134,14 @@ bool Engine::await_workers_ready() {
     if (results_.read(in_buffer_, kPollInterval, &stop_)) {
       const WorkerResult record = decode_from_worker(in_buffer_);
       if (const auto* ready = std::get_if<WorkerReady>(&record)) {
-        if (ready->num_kv_blocks == 0) throw WorkerFailure("worker reported 0 KV blocks");
+        if (ready->num_kv_blocks == 0) {
+          throw WorkerFailure(FailureReason::kEngineFailed, "worker reported 0 KV blocks");
+        }
         num_blocks = ready->num_kv_blocks;
       } else if (const auto* failed = std::get_if<WorkerFailed>(&record)) {
         throw_worker_failed(*failed);
       } else {
-        throw WorkerFailure("StepResult received before WorkerReady");
+        throw WorkerFailure(FailureReason::kEngineFailed, "StepResult received before WorkerReady");
       }
       continue;
     }
@@ -200,7 +203,9 @@ void Engine::check_result_ring_while_idle() {
   while (results_.try_read(in_buffer_)) {
     const WorkerResult record = decode_from_worker(in_buffer_);
     if (const auto* failed = std::get_if<WorkerFailed>(&record)) throw_worker_failed(*failed);
-    if (std::holds_alternative<StepResult>(record)) throw WorkerFailure("StepResult received with no step in flight");
+    if (std::holds_alternative<StepResult>(record)) {
+      throw WorkerFailure(FailureReason::kEngineFailed, "StepResult received with no step in flight");
+    }
   }
 }
 
@@ -226,7 +231,8 @@ bool Engine::await_result(StepResult& result) {
       try {
         if (decode_step_result_into(in_buffer_, result)) return true;  // reuses result's arrays: no allocation
       } catch (const RecordError& e) {
-        throw WorkerFailure(std::string("malformed record on the result ring: ") + e.what());
+        throw WorkerFailure(FailureReason::kEngineFailed,
+                            std::string("malformed record on the result ring: ") + e.what());
       }
       const WorkerResult record = decode_from_worker(in_buffer_);
       if (const auto* failed = std::get_if<WorkerFailed>(&record)) throw_worker_failed(*failed);
@@ -237,8 +243,9 @@ bool Engine::await_result(StepResult& result) {
     if (config_.step_timeout_s > 0 && std::chrono::steady_clock::now() - waiting_since > limit) {
       char seconds[32];
       std::snprintf(seconds, sizeof seconds, "%g", config_.step_timeout_s);
-      throw WorkerFailure(std::string("no step result within --step-timeout ") + seconds +
-                          " s: a rank is alive but stuck (deadlocked, stopped, or waiting on a peer that is)");
+      throw WorkerFailure(FailureReason::kStepTimeout,
+                          std::string("no step result within --step-timeout ") + seconds +
+                              " s: a rank is alive but stuck (deadlocked, stopped, or waiting on a peer that is)");
     }
   }
 }
@@ -346,7 +353,8 @@ void Engine::run() {
         try {
           scheduler_->update(result, realtime_ns());
         } catch (const std::runtime_error& e) {
-          throw WorkerFailure(std::string("worker broke the step protocol: ") + e.what());
+          throw WorkerFailure(FailureReason::kEngineFailed,
+                              std::string("worker broke the step protocol: ") + e.what());
         }
         outputs_step_id_ = result.step_id;  // not num_steps(): a step planned ahead may have been sent since
         last_step_time_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -360,8 +368,10 @@ void Engine::run() {
     // Fatal: tell the frontend so it fails every in-flight request, stop the workers, then surface the error.
     std::string message = e.what();
     if (message.size() > kMaxFailureMessage) message.resize(kMaxFailureMessage);
+    const auto* failure = dynamic_cast<const WorkerFailure*>(&e);
     try {
-      encode(EngineFailed{message}, event_buffer_);
+      encode(EngineFailed{message, failure != nullptr ? failure->reason() : FailureReason::kEngineFailed},
+             event_buffer_);
       events_.write(event_buffer_, 1s);  // best effort: the frontend may be gone too
     } catch (...) {
     }

@@ -21,10 +21,15 @@
 
 namespace ringserve {
 
-// A worker died, reported WorkerFailed, or broke the protocol. run() emits EngineFailed, then throws this.
+// A worker died, reported WorkerFailed, broke the protocol, or let a step outlast step_timeout_s. run() emits
+// EngineFailed with this reason (any other exception: kEngineFailed), then throws it.
 class WorkerFailure : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  WorkerFailure(FailureReason reason, const std::string& message) : std::runtime_error(message), reason_(reason) {}
+  FailureReason reason() const noexcept { return reason_; }
+
+ private:
+  FailureReason reason_;
 };
 
 class Engine {

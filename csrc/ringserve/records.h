@@ -24,7 +24,7 @@ namespace ringserve {
 
 static_assert(std::endian::native == std::endian::little, "ring records are little-endian; add byte swaps here");
 
-inline constexpr uint16_t kLayoutVersion = 4;
+inline constexpr uint16_t kLayoutVersion = 5;
 inline constexpr int32_t kMaxLookaheadSlots = 64;  // lookahead slots per request per step (a chain's length, a tree's nodes)
 inline constexpr size_t kRecordAlign = 8;
 
@@ -308,10 +308,25 @@ struct EngineReady {
   }
 };
 
+// Why an engine replica stopped serving: EngineFailed's `reason`, and the frontend's label for the restart
+// (ringserve_engine_restarts_total{reason}: the Python name in lower case). The engine writes the first three; the
+// frontend gives the last two to failures it sees itself (and engine_main to ranks it could not start).
+enum class FailureReason : uint8_t {
+  kEngineFailed = 0,  // anything else: a broken step protocol, a malformed record, an error inside the engine
+  kWorkerDied = 1,    // a worker process exited, or a rank reported WorkerFailed
+  kStepTimeout = 2,   // no step result within --step-timeout: a rank alive but stuck
+  kLoadFailed = 3,    // the model's ranks could not be started (a first start or a restart)
+  kEngineDied = 4,    // the engine process itself exited
+};
+constexpr uint8_t max_enum_value(FailureReason) { return static_cast<uint8_t>(FailureReason::kEngineDied); }
+
 struct EngineFailed {
   static constexpr RecordType kType = RecordType::kEngineFailed;
   std::string message;
-  static constexpr auto fields() { return std::tuple{field("message", &EngineFailed::message)}; }
+  FailureReason reason = FailureReason::kEngineFailed;
+  static constexpr auto fields() {
+    return std::tuple{field("message", &EngineFailed::message), field("reason", &EngineFailed::reason)};
+  }
 };
 
 // ---- step ring ----------------------------------------------------------------------------------------------------

@@ -192,6 +192,7 @@ TEST(worker_failure_is_reported_and_thrown) {
   CHECK(events.read(buf, 1s));
   const auto failed = std::get<EngineFailed>(decode_engine_event(buf));
   CHECK(failed.message.find("out of memory") != std::string::npos);
+  CHECK(failed.reason == FailureReason::kWorkerDied);
 }
 
 TEST(packed_outputs_encode_byte_for_byte_like_request_outputs) {

@@ -91,7 +91,7 @@ ByteBuffer random_valid_record(Rng& rng) {
                                                .num_free_blocks = 4, .block_size = 16, .num_steps = rng(),
                                                .num_preemptions = 8});
     case 4: return encode_to_bytes(RequestRejected{rng(), kStatusInvalidArgument, random_text(rng)});
-    case 5: return encode_to_bytes(EngineFailed{random_text(rng)});
+    case 5: return encode_to_bytes(EngineFailed{random_text(rng), static_cast<FailureReason>(rng() % 5)});
     case 6: return encode_to_bytes(random_plan(rng));
     case 7: {
       StepResult r;

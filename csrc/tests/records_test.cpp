@@ -99,7 +99,7 @@ std::vector<std::pair<ByteBuffer, int>> all_records() {
       .num_steps = 7, .num_preemptions = 8}), 1},
       {encode_to_bytes(RequestRejected{9, kStatusResourceExhausted, "too long"}), 1},
       {encode_to_bytes(EngineReady{100, 16, 1600}), 1},
-      {encode_to_bytes(EngineFailed{"worker died"}), 1},
+      {encode_to_bytes(EngineFailed{"worker died", FailureReason::kWorkerDied}), 1},
       {encode_to_bytes(sample_plan()), 2},
       {encode_to_bytes(WorkerShutdown{}), 2},
       {encode_to_bytes(StepResult{42, {1, 3}, {100, 200}, {-1.0f, -2.0f}}), 3},
@@ -207,6 +207,9 @@ TEST(events_and_results_round_trip) {
   CHECK(res.step_id == 4 && res.slots[0] == 1 && res.token_ids[0] == 2 && res.logprobs[0] == -3.0f);
   const auto failed = std::get<WorkerFailed>(decode_worker_result(encode_to_bytes(WorkerFailed{2, "boom"})));
   CHECK(failed.rank == 2 && failed.message == "boom");
+  const auto engine_failed = std::get<EngineFailed>(
+      decode_engine_event(encode_to_bytes(EngineFailed{"stuck", FailureReason::kStepTimeout})));
+  CHECK(engine_failed.message == "stuck" && engine_failed.reason == FailureReason::kStepTimeout);
   const auto stats = std::get<EngineStats>(decode_engine_event(encode_to_bytes(EngineStats{
       .query_id = 1, .num_running = 2, .num_waiting = 3, .num_total_blocks = 4, .num_free_blocks = 5, .block_size = 16,
       .num_steps = 7, .num_preemptions = 8})));
@@ -264,6 +267,9 @@ TEST(truncated_arrays_and_bad_fields_are_rejected) {
   ByteBuffer many_outputs = events;
   set_u32(many_outputs, 8 + 16, 0xffffffffu);
   CHECK_THROWS(RecordError, decode_engine_event(many_outputs));
+  ByteBuffer bad_failure = encode_to_bytes(EngineFailed{"x", FailureReason::kEngineDied});
+  bad_failure[8 + 4 + 1] = static_cast<uint8_t>(FailureReason::kEngineDied) + 1;  // the reason, after the message
+  CHECK_THROWS(RecordError, decode_engine_event(bad_failure));
 
   // Unequal scheduled arrays in a plan, unequal result arrays.
   StepPlan plan = sample_plan();

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from ringserve import _core
 from ringserve.frontend.observability.timeline import RequestTimeline
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,11 @@ class _MetricFamilies:
                                ["model_name", "finished_reason", "api"], registry=r)
         self.errors = Counter("ringserve_request_errors", "Failed requests by gRPC status code and API.",
                               ["model_name", "code", "api"], registry=r)
+        reasons = ", ".join(name.lower() for name in _core.FailureReason.__members__)
         self.engine_restarts = Counter("ringserve_engine_restarts",
-                                       "Engine replicas started again after their engine or a worker died, or after "
-                                       "a restart failed to load (reason: worker_died, engine_died, load_failed, "
-                                       "engine_failed).", ["model_name", "reason"], registry=r)  # fmt: skip
+                                       "Engine replicas started again after their engine or a worker failed, or after "
+                                       f"a restart failed to load (reason: {reasons}).", ["model_name", "reason"],
+                                       registry=r)  # fmt: skip
 
 
 class ServingMetrics:
@@ -155,7 +157,7 @@ class ServingMetrics:
                 f.engine_restarts.remove(self.model_name, reason)
 
     def observe_engine_restart(self, reason: str) -> None:
-        """An engine replica of this model is being restarted (`reason`: deployment.restart_reason's label)."""
+        """An engine replica of this model is being restarted (`reason`: deployment.restart_label's label)."""
         self._restart_reasons.add(reason)
         self._engine_restarts.labels(self.model_name, reason).inc()
 

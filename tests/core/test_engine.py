@@ -455,8 +455,7 @@ def test_a_dead_worker_fails_the_engine(frontend_factory: FrontendFactory) -> No
     f.wait_finished([1])
     sleeper.kill()
     sleeper.wait()
-    while not any(isinstance(e, _core.EngineFailed) for e in f.other_events):
-        f.next_event()
+    assert engine_failure(f).reason == _core.FailureReason.WORKER_DIED
     f.engine_thread.join(10)
     assert isinstance(f.run_error, RuntimeError) and str(sleeper.pid) in str(f.run_error)
 
@@ -471,7 +470,7 @@ def test_worker_failed_record_fails_the_engine(frontend_factory: FrontendFactory
     while not any(isinstance(e, _core.EngineFailed) for e in f.other_events):
         f.next_event()
     failed = next(e for e in f.other_events if isinstance(e, _core.EngineFailed))
-    assert "out of memory" in failed.message
+    assert "out of memory" in failed.message and failed.reason == _core.FailureReason.WORKER_DIED
     f.engine_thread.join(10)
     assert isinstance(f.run_error, RuntimeError)
 
@@ -515,6 +514,7 @@ def test_a_step_whose_result_never_comes_fails_the_engine_naming_the_step_timeou
     f.add(2, [5, 6, 7], max_tokens=3)
     failed = engine_failure(f)
     assert failed.message.startswith("no step result within --step-timeout 0.5 s: a rank is alive but stuck")
+    assert failed.reason == _core.FailureReason.STEP_TIMEOUT
     f.engine_thread.join(10)
     assert isinstance(f.run_error, RuntimeError) and "--step-timeout" in str(f.run_error)
 

@@ -23,6 +23,7 @@ def test_a_start_failure_reaches_the_frontend_as_engine_failed_with_the_reason()
         events = [_core.decode_engine_event(bytes(reader.read(5.0))) for _ in range(2)]
         assert all(isinstance(e, _core.EngineFailed) for e in events)
         assert [e.message for e in events] == [reason, "KeyError: 'rank'"]
+        assert all(e.reason == _core.FailureReason.LOAD_FAILED for e in events)
     finally:
         ring.unlink()
 

@@ -144,6 +144,12 @@ def rejected(rng: random.Random) -> bytes:
     return _core.encode_record(r)
 
 
+def engine_failed(rng: random.Random) -> bytes:
+    r = with_message(_core.EngineFailed(), rng)
+    r.reason = rng.choice(list(_core.FailureReason.__members__.values()))
+    return _core.encode_record(r)
+
+
 GENERATORS: list[Callable[[random.Random], bytes]] = [
     add_request,
     lambda rng: _core.encode_abort_request(rng.randrange(2**64)),
@@ -153,7 +159,7 @@ GENERATORS: list[Callable[[random.Random], bytes]] = [
     engine_stats,
     rejected,
     ready,
-    lambda rng: _core.encode_record(with_message(_core.EngineFailed(), rng)),
+    engine_failed,
     step_plan,
     lambda rng: _core.encode_record(_core.WorkerShutdown()),
     step_result,

@@ -89,8 +89,16 @@ def test_engine_events_round_trip() -> None:
     got = _core.decode_engine_event(_core.encode_record(rejected))
     assert (got.request_id, got.status_code, got.message) == (4, 8, "needs 9000 tokens")
     failed = _core.EngineFailed()
+    assert failed.reason == _core.FailureReason.ENGINE_FAILED  # the default: none of the typed causes
     failed.message = "worker died"
     assert _core.decode_engine_event(_core.encode_record(failed)).message == "worker died"
+    for reason in _core.FailureReason.__members__.values():
+        got = _core.decode_engine_event(_core.encode_record(_core.EngineFailed(message="m", reason=reason)))
+        assert (got.message, got.reason) == ("m", reason)
+    data = bytearray(_core.encode_record(_core.EngineFailed(message="m")))
+    data[8 + 4 + 1] = max(r.value for r in _core.FailureReason.__members__.values()) + 1  # the reason's byte
+    with pytest.raises(_core.RecordError, match="unknown reason"):
+        _core.decode_engine_event(bytes(data))
 
 
 def test_step_plan_round_trips_with_numpy_arrays() -> None:
@@ -184,8 +192,8 @@ def test_every_truncation_is_rejected() -> None:
             _core.decode_request_record(prefix)
 
 
-def test_layout_version_is_4() -> None:
-    assert _core.LAYOUT_VERSION == 4
+def test_layout_version_is_5() -> None:
+    assert _core.LAYOUT_VERSION == 5
 
 
 def test_sampling_params_have_one_set_of_defaults_shared_by_every_record() -> None:

@@ -74,7 +74,8 @@ def deployment_with(*names: str, max_restarts: int = 0) -> tuple[ModelDeployment
         client = ScriptedClient(name)
         replica.client = client  # type: ignore[assignment]
         replica.state = "READY"
-        client.add_failure_listener(lambda message, r=replica: deployment._on_replica_failure(r, message))
+        client.add_failure_listener(
+            lambda message, r=replica: deployment._on_replica_failure(r, message, _core.FailureReason.ENGINE_DIED))
         deployment.replicas.append(replica)
         clients.append(client)
     return deployment, clients

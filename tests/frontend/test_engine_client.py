@@ -149,11 +149,11 @@ async def test_engine_failure_fails_every_stream_with_unavailable(rig: Rig) -> N
     streams = [rig.client.generate(rig.client.allocate_request_id(), [1], PARAMS) for _ in range(3)]
     pending = [asyncio.ensure_future(s.__anext__()) for s in streams]
     await settle()
-    rig.events.push(record(_core.EngineFailed, message="worker 0 died"))
+    rig.events.push(record(_core.EngineFailed, message="worker 0 died", reason=_core.FailureReason.WORKER_DIED))
     results = await asyncio.gather(*pending, return_exceptions=True)
     assert all(isinstance(r, EngineUnavailableError) and "worker 0 died" in r.message for r in results)
     assert failures == ["worker 0 died"]
-    assert rig.client.failure == "worker 0 died"
+    assert rig.client.failure == "worker 0 died" and rig.client.failure_reason == _core.FailureReason.WORKER_DIED
     assert aborted(rig) == []  # nobody to abort in a dead engine
     with pytest.raises(EngineUnavailableError):
         await rig.client.generate(rig.client.allocate_request_id(), [1], PARAMS).__anext__()

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ringserve import _core
 from ringserve.formats.engine_args import EngineArgs
 from ringserve.frontend.catalog import ModelError
 from ringserve.frontend.deployment import EngineReplica, ModelDeployment
@@ -20,6 +21,7 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.failure: str | None = None
+        self.failure_reason: _core.FailureReason | None = None
         self.closed = False
         self._listeners: list[Any] = []
 
@@ -29,8 +31,8 @@ class FakeClient:
     def add_stats_listener(self, callback: Any) -> None:
         pass
 
-    def fail(self, message: str) -> None:
-        self.failure = message
+    def fail(self, message: str, reason: _core.FailureReason = _core.FailureReason.WORKER_DIED) -> None:
+        self.failure, self.failure_reason = message, reason
         for callback in self._listeners:
             callback(message)
 
@@ -100,9 +102,13 @@ async def test_a_dead_replica_is_released_then_started_again_and_serves() -> Non
     assert reasons == ["worker_died"] and changes[0] == "RESTARTING" and changes[-1] == "READY"
     assert replica.restarts == 1 and replica.last_failure is None
     # The new engine's death is heard too.
-    replica.clients[1].fail("the engine process of replica 0 died (signal 9)")
+    replica.clients[1].fail("the engine process of replica 0 died (signal 9)", _core.FailureReason.ENGINE_DIED)
     await asyncio.gather(*deployment._restarts)
     assert replica.serving and replica.starts == 3 and reasons == ["worker_died", "engine_died"]
+    # The label is the engine's typed reason, whatever its message says.
+    replica.clients[2].fail("a worker's step never came", _core.FailureReason.STEP_TIMEOUT)
+    await asyncio.gather(*deployment._restarts)
+    assert replica.serving and reasons == ["worker_died", "engine_died", "step_timeout"]
 
 
 async def test_a_replica_that_cannot_start_again_is_failed_with_the_reason() -> None:

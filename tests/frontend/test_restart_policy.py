@@ -1,10 +1,11 @@
 """RestartPolicy: exponential backoff from 1 s to 60 s, a restart budget per window, a reset after a healthy while
-(driven by a fake clock: the times are passed in)."""
+(driven by a fake clock: the times are passed in); a restart's label is its FailureReason's name."""
 
 from __future__ import annotations
 
 import pytest
-from ringserve.frontend.deployment import restart_reason
+from ringserve import _core
+from ringserve.frontend.deployment import restart_label
 from ringserve.frontend.restart_policy import RestartPolicy
 
 
@@ -51,11 +52,7 @@ def test_bad_settings_name_the_flag(kwargs: dict[str, float], flag: str) -> None
         RestartPolicy(**kwargs)  # type: ignore[arg-type]
 
 
-def test_restart_reasons_are_a_few_labels() -> None:
-    assert restart_reason("worker 1 (pid 12) died (signal 9)") == "worker_died"
-    assert restart_reason("worker rank 0 failed: bad shard") == "worker_died"
-    assert restart_reason("the engine process of replica 0 died (signal 9)") == "engine_died"
-    assert restart_reason("load failed: the engine exited with code 1 while loading the model") == "load_failed"
-    assert restart_reason("malformed record") == "engine_failed"
-    stuck = "no step result within --step-timeout 300 s: a rank is alive but stuck (deadlocked, stopped, or waiting"
-    assert restart_reason(stuck + " on a peer that is)") == "step_timeout"
+def test_restart_labels_are_the_failure_reasons_in_lower_case() -> None:
+    labels = {restart_label(reason) for reason in _core.FailureReason.__members__.values()}
+    assert labels == {"engine_failed", "worker_died", "step_timeout", "load_failed", "engine_died"}
+    assert restart_label(_core.FailureReason.STEP_TIMEOUT) == "step_timeout"

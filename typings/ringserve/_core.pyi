@@ -90,6 +90,7 @@ class EngineConfig:
 class EngineFailed:
     def __init__(self, **kwargs) -> None: ...
     message: str
+    reason: FailureReason
 
 class EngineReady:
     def __init__(self, **kwargs) -> None: ...
@@ -117,6 +118,19 @@ class EngineStats:
     step_time_ns: int
     total_generation_tokens: int
     total_prompt_tokens: int
+
+class FailureReason:
+    ENGINE_FAILED: ClassVar[FailureReason]
+    WORKER_DIED: ClassVar[FailureReason]
+    STEP_TIMEOUT: ClassVar[FailureReason]
+    LOAD_FAILED: ClassVar[FailureReason]
+    ENGINE_DIED: ClassVar[FailureReason]
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
+    def __init__(self, value: int) -> None: ...
+    def __int__(self) -> int: ...
 
 class FinishReason:
     NONE: ClassVar[FinishReason]
