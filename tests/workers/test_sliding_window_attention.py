@@ -1,10 +1,12 @@
 """Sliding-window attention on the CPU backend: a query at position p sees exactly the keys (p - window, p] of its
-own context, in decode rows, fresh prompts and chunks, whichever kernel (native paged or SDPA) the step takes."""
+own context, in decode rows, fresh prompts and chunks, whichever kernel (native paged or SDPA) the step takes, and
+however a chunk past its window is cut into query tiles and key bands."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ringserve.workers.attention import torch_sdpa
 from ringserve.workers.attention.torch_sdpa import TorchSdpaBackend
 from test_triton_paged_attention import PagedStep, paged_step
 
@@ -56,3 +58,28 @@ def test_a_window_longer_than_every_context_changes_nothing():
     step.window = 64
     windowed, _, _ = step.run(TorchSdpaBackend())
     assert torch.equal(plain, windowed)
+
+
+@pytest.mark.parametrize("tile_rows", [3, 8])
+@pytest.mark.parametrize("window", [2, 5, 16, 64])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(40, 40)],  # one fresh prompt: its bands are slices of the context
+        [(40, 40), (23, 23)],  # fresh prompts of two lengths: gathered bands, padded rows
+        [(25, 60)],  # one chunk after cached tokens
+        [(17, 50), (9, 9), (30, 61), (1, 33)],  # chunks after cached tokens beside a fresh prompt and a decode
+    ],
+    ids=["fresh", "fresh-two", "continued", "mixed"],
+)
+def test_long_chunks_in_query_tiles_see_exactly_their_window(chunks, window, tile_rows, monkeypatch):
+    calls = []
+    tiled = torch_sdpa._windowed_attention
+    monkeypatch.setattr(torch_sdpa, "WINDOW_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(torch_sdpa, "_windowed_attention", lambda *args: calls.append(args) or tiled(*args))
+    step = paged_step(chunks, block_size=4, seed=len(chunks) + window)
+    step.window = window
+    got, k_cache, v_cache = step.run(TorchSdpaBackend())
+    torch.testing.assert_close(got.double(), dense_reference(step, k_cache, v_cache), atol=1e-5, rtol=0)
+    if window < 40:  # a sequence is longer than the window: no native kernel, no plain causal SDPA for it
+        assert len(calls) == 1
