@@ -46,12 +46,14 @@ def greedy(server, n: int = 32) -> list[list[int]]:  # type: ignore[no-untyped-d
     return [[t for r in server.stub().Generate(request(ids, n), timeout=120) for t in r.token_ids] for ids in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A head node and a second node, two CPUs each (the ranks' bundles: one CPU each), no dashboard."""
-    small = {"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
-    c = Cluster(initialize_head=True, head_node_args=small)
-    c.add_node(num_cpus=2, object_store_memory=80 * 1024 * 1024)
+def local_cluster(head_cpus: int, *node_cpus: int) -> Iterator[Cluster]:
+    """A Ray cluster on this host (for a module fixture): a head node and one node per `node_cpus`, with that many
+    CPUs each, small object stores and no dashboard."""
+    store = 80 * 1024 * 1024
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "object_store_memory": store,
+                                                      "include_dashboard": False})  # fmt: skip
+    for cpus in node_cpus:
+        c.add_node(num_cpus=cpus, object_store_memory=store)
     c.wait_for_nodes()
     try:
         yield c
@@ -60,11 +62,20 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("ray") / "tiny-llama"
+def cluster() -> Iterator[Cluster]:
+    """A head node and a second node, two CPUs each (the ranks' bundles: one CPU each)."""
+    yield from local_cluster(2, 2)
+
+
+def save_tiny_llama(folder: Path) -> Path:
     hf = save_tiny_hf_model("llama", folder)
     save_word_tokenizer(folder, hf.config.vocab_size)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("ray") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +312,8 @@ def engine_pids(server_pid: int) -> set[int]:
 def assert_nothing_left(cluster: Cluster, server_pid: int, before: set[str]) -> None:
     """No placement group, actor, relay or node ring of the stopped server remains (within 30 s: Ray reclaims a
     dead driver's actors and groups asynchronously)."""
-    ours = ("-rstep", "-rres", "ringserve.backend.step_relay", "ray::RankHost", "ray::NodeRelayActor")
+    ours = ("-rstep", "-rres", "ringserve.backend.step_relay", "ray::RankHost", "ray::NodeRelayActor", "-rreq", "-revt",
+            "ringserve.backend.remote_engine", "ray::EngineHostActor")  # fmt: skip
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         deadline = time.monotonic() + 30

@@ -24,19 +24,12 @@ from workers_testkit import TINY, save_word_tokenizer
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ringserve[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
-from test_ray_executor import FLAGS, assert_nothing_left, greedy, segments  # noqa: E402
+from test_ray_executor import FLAGS, assert_nothing_left, greedy, local_cluster, segments  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "object_store_memory": 80 * 1024 * 1024,
-                                                      "include_dashboard": False})  # fmt: skip
-    c.add_node(num_cpus=1, object_store_memory=80 * 1024 * 1024)
-    c.wait_for_nodes()
-    try:
-        yield c
-    finally:
-        c.shutdown()
+    yield from local_cluster(8, 1)
 
 
 def save_nine_layer_llama(folder: Path) -> Path:

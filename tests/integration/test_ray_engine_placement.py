@@ -1,0 +1,125 @@
+"""`--engine-placement ray` on a two-node Ray cluster on this host (ray.cluster_utils.Cluster, one CPU per node): two
+data-parallel replicas of a tiny random llama, each engine placed with its one rank in a one-CPU bundle, so one
+engine runs on each node and talks to the frontend through its bridge's TCP stream. Both decode the one-rank greedy
+tokens; SIGKILL of the engine on the second node ends its streams UNAVAILABLE while the other replica keeps serving,
+the replica comes back (restart reason `engine_died`), and nothing is left behind (actors, placement groups,
+processes, /dev/shm). Skipped without Ray (pip install 'ringserve[ray]')."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from ringserve.v1 import generation_pb2 as pb
+from server_harness import compile_torchserve_stubs, free_port, start_server
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ringserve[ray]')")
+from ray.cluster_utils import Cluster  # noqa: E402
+from test_ray_executor import (  # noqa: E402
+    FLAGS,
+    PROMPTS,
+    assert_nothing_left,
+    local_cluster,
+    request,
+    save_tiny_llama,
+    segments,
+)
+from test_replica_restart_while_serving import CLIENT, Stream, replicas  # noqa: E402
+from test_self_healing import restarts_metric  # noqa: E402
+
+PLACED = ("--distributed-executor", "ray", "--engine-placement", "ray", "--data-parallel-size", "2")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head node and a second node, one CPU each: room for one one-rank replica on each."""
+    yield from local_cluster(1, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("ray-engines") / "tiny-llama")
+
+
+def greedy_on_both_replicas(server, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Each prompt's greedy tokens, the prompts sent at once (so the least-loaded routing gives each a replica)."""
+    streams = [server.stub().Generate(request(ids, n), timeout=120) for ids in PROMPTS]
+    tokens: list[list[int]] = [[] for _ in PROMPTS]
+
+    def drain(i: int) -> None:
+        tokens[i] = [t for r in streams[i] for t in r.token_ids]
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    return tokens
+
+
+def remote_engines(cluster: Cluster) -> list[psutil.Process]:
+    """The engine processes that run under the second node's raylet (the Ray workers of that node are its
+    descendants), excluding exited ones."""
+    [node] = cluster.worker_nodes
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    return [p for p in raylet.children(recursive=True)
+            if "ringserve.backend.engine_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_two_replicas_with_an_engine_on_each_node_decode_like_one_rank_and_a_killed_remote_engine_comes_back(
+    cluster: Cluster, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start_server(tiny_llama, tmp_path, *FLAGS) as server:
+        single = greedy_on_both_replicas(server, 32)
+        assert server.stop() == 0
+    assert all(len(t) == 32 for t in single)
+
+    (tmp_path / "stubs").mkdir()
+    stubs = compile_torchserve_stubs(CLIENT.parent, tmp_path / "stubs")
+    before = segments()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    metrics_port = free_port()
+    with start_server(tiny_llama, tmp_path, *FLAGS, *PLACED, "--metrics-port", str(metrics_port),
+                      ready_timeout_s=240) as server:  # fmt: skip
+        assert [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if "ringserve.backend.engine_main" in " ".join(p.info["cmdline"] or ())
+                and p.ppid() == server.proc.pid] == []  # no engine on the frontend's side: two bridges instead
+        [engine] = remote_engines(cluster)
+        assert greedy_on_both_replicas(server, 32) == single
+        model = server.stub().GetModelInfo(pb.ModelInfoRequest(), timeout=10).model
+
+        streams = [Stream(server), Stream(server)]  # one per replica: each to the one with fewer tokens to go
+        assert sorted(r["outstandingTokens"] > 0 for r in replicas(stubs, server, model)) == [True, True]
+        killed_at = time.monotonic()
+        engine.send_signal(signal.SIGKILL)
+        while all(s.thread.is_alive() for s in streams):
+            assert time.monotonic() - killed_at < 30, "no stream ended after the kill"
+            time.sleep(0.05)
+        ended_s = time.monotonic() - killed_at
+        [ended] = [s for s in streams if not s.thread.is_alive()]
+        [going] = [s for s in streams if s.thread.is_alive()]
+        assert ended.error is not None and ended.error.code() == grpc.StatusCode.UNAVAILABLE, ended.error
+        assert "ended without a Shutdown" in ended.error.details(), ended.error.details()
+        assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]  # the other replica serves meanwhile
+
+        deadline = time.monotonic() + 240
+        while [r["status"] for r in replicas(stubs, server, model)] != ["READY", "READY"]:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.5)
+        print(f"\n[ray engines] remote engine killed: its stream UNAVAILABLE after {ended_s:.2f} s, both replicas "
+              f"serving again after {time.monotonic() - killed_at:.1f} s")  # fmt: skip
+        assert restarts_metric(metrics_port, model, "engine_died") == 1.0
+        going.call.cancel()
+        going.thread.join(timeout=10)
+        # The other replica's stream ran on (to its end, or until cancelled here): no error of its own.
+        assert going.tokens > 0 and (going.error is None or going.error.code() == grpc.StatusCode.CANCELLED)
+        assert len(remote_engines(cluster)) == 1
+        assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]
+        assert server.stop() == 0
+    assert_nothing_left(cluster, server.proc.pid, before)
