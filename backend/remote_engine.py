@@ -49,7 +49,8 @@ from ringserve.formats.segments import EVENT_RING_BYTES, REQUEST_RING_BYTES, new
 
 log = logging.getLogger("ringserve.remote_engine")
 
-ENGINE_STOP_S = 10.0  # for a remote engine to exit once its actor is closed, before SIGTERM (then SIGKILL)
+ENGINE_STOP_S = 10.0  # for a remote engine to exit after a Shutdown, before SIGTERM (then SIGKILL)
+ENGINE_STOP_GRACE_S = 2.0  # the same without one (a failure, or the bridge was stopped): it may be stuck
 _SHUTDOWN = _core.encode_record(_core.Shutdown())  # the frontend's last record to an engine (it has no fields)
 
 
@@ -104,8 +105,8 @@ class EngineHostActor:
         pid = self.host.start(engine_argv, env)
         return str(ray.util.get_node_ip_address()), self.host.port, pid
 
-    def close(self) -> None:
-        self.host.close()
+    def close(self, engine_stop_s: float) -> None:
+        self.host.close(engine_stop_s)
 
 
 class RemoteEngine:
@@ -151,12 +152,13 @@ class RemoteEngine:
         log.info("engine placed on Ray node %s (%s), pid %d there", self.node_id, host, pid)
         return f"{host}:{port}", pid
 
-    def release(self) -> None:
-        """Close the actor (its engine stops), kill it and remove the group. Safe to call more than once."""
+    def release(self, engine_stop_s: float) -> None:
+        """Close the actor (its engine gets `engine_stop_s` to exit, then signals), kill it and remove the group.
+        Safe to call more than once."""
         ray = self.ray
         if self.actor is not None:
             try:
-                ray.get(self.actor.close.remote(), timeout=2 * ENGINE_STOP_S)
+                ray.get(self.actor.close.remote(engine_stop_s), timeout=3 * engine_stop_s + 5.0)
             except Exception as exc:  # a dead actor or node: its engine died with it
                 log.warning("closing the engine's actor: %s", exc)
             ray.kill(self.actor)
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     remote: RemoteEngine | None = None
+    shutdown_sent = False
     try:
         try:
             if args.connect:
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if remote is not None:
-            remote.release()
+            remote.release(ENGINE_STOP_S if shutdown_sent else ENGINE_STOP_GRACE_S)
 
 
 if __name__ == "__main__":

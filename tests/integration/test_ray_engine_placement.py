@@ -3,7 +3,8 @@ data-parallel replicas of a tiny random llama, each engine placed with its one r
 engine runs on each node and talks to the frontend through its bridge's TCP stream. Both decode the one-rank greedy
 tokens; SIGKILL of the engine on the second node ends its streams UNAVAILABLE while the other replica keeps serving,
 the replica comes back (restart reason `engine_died`), and nothing is left behind (actors, placement groups,
-processes, /dev/shm). Skipped without Ray (pip install 'ringserve[ray]')."""
+processes, /dev/shm). A replica whose bundle no node can hold fails the server's start with the reason. Skipped
+without Ray (pip install 'ringserve[ray]')."""
 
 from __future__ import annotations
 
@@ -123,3 +124,19 @@ def test_two_replicas_with_an_engine_on_each_node_decode_like_one_rank_and_a_kil
         assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]
         assert server.stop() == 0
     assert_nothing_left(cluster, server.proc.pid, before)
+
+
+def test_an_engine_the_cluster_cannot_place_fails_the_start_with_the_reason(
+    cluster: Cluster, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks packed with their engine need a two-CPU bundle; no node has two CPUs."""
+    before = segments()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    flags = ("--distributed-executor", "ray", "--engine-placement", "ray", "--tensor-parallel-size", "2",
+             "--ray-placement-timeout", "2")  # fmt: skip
+    with pytest.raises(AssertionError, match="server exited with 1 while starting") as failed:
+        start_server(tiny_llama, tmp_path, *FLAGS, *flags, ready_timeout_s=120)
+    assert "engine failed: --engine-placement ray: the cluster at" in str(failed.value)
+    assert "could not place the replica's bundle of {'CPU': 2.0} within --ray-placement-timeout 2 s" \
+        in str(failed.value)  # fmt: skip
+    assert_nothing_left(cluster, 0, before)
