@@ -123,7 +123,8 @@ class RemoteEngine:
         self.node_id = ""
 
     def place(self) -> tuple[str, int]:
-        """Reserve the replica's bundle, start the engine in it; returns the address its stream listens on."""
+        """Reserve the replica's bundle and start the engine in it; returns the HOST:PORT its stream listens on and
+        the engine's pid there."""
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from ringserve.backend.ray_executor import passed_environment, ray_get
@@ -219,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                 address, pid = remote.place()
                 where, token = f"on Ray node {remote.node_id} ({address}, pid {pid})", bytes.fromhex(remote.token_hex)
             stream.append(connect(address, token, args.heartbeat_timeout))
-        except (Exception, KeyboardInterrupt) as exc:
-            if stopping:
-                return 1
-            return report_start_failure(event_ring, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+        except KeyboardInterrupt:  # from on_signal: stopped while placing
+            return 1
+        except Exception as exc:
+            return report_start_failure(event_ring, exc)
         with stream[0] as sock:
             reader = _core.RingReader(request_ring, 0)
             shutdown_sent, how = relay_connected(sock, reader, event_ring, args.heartbeat_timeout, is_shutdown)

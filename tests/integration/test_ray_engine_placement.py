@@ -2,7 +2,8 @@
 data-parallel replicas of a tiny random llama, each engine placed with its one rank in a one-CPU bundle, so one
 engine runs on each node and talks to the frontend through its bridge's TCP stream. Both decode the one-rank greedy
 tokens; SIGKILL of the engine on the second node ends its streams UNAVAILABLE while the other replica keeps serving,
-the replica comes back (restart reason `engine_died`), and nothing is left behind (actors, placement groups,
+the replica comes back (restart reason `engine_died`); so does SIGKILL of its rank (`worker_died`: the remote engine's
+EngineFailed crosses the bridge); and nothing is left behind (actors, placement groups,
 processes, /dev/shm). A replica whose bundle no node can hold fails the server's start with the reason. Skipped
 without Ray (pip install 'ringserve[ray]')."""
 
@@ -64,13 +65,42 @@ def greedy_on_both_replicas(server, n: int) -> list[list[int]]:  # type: ignore[
     return tokens
 
 
-def remote_engines(cluster: Cluster) -> list[psutil.Process]:
-    """The engine processes that run under the second node's raylet (the Ray workers of that node are its
-    descendants), excluding exited ones."""
+def on_second_node(cluster: Cluster, module: str) -> list[psutil.Process]:
+    """The live processes running `module` under the second node's raylet (that node's Ray workers and what they
+    started are its descendants)."""
     [node] = cluster.worker_nodes
     raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
     return [p for p in raylet.children(recursive=True)
-            if "ringserve.backend.engine_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+            if module in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def kill_and_recover(server, stubs: Path, model: str, victim: psutil.Process,  # type: ignore[no-untyped-def]
+                     single: list[list[int]]) -> tuple[float, float, str]:  # fmt: skip
+    """SIGKILL `victim` while each replica streams: only its replica's stream ends (UNAVAILABLE), the other goes
+    on and new requests are served; then both replicas are READY again. Returns the seconds to the end of the stream
+    and to both READY, and the ended stream's details."""
+    streams = [Stream(server), Stream(server)]  # one per replica: each to the one with fewer tokens to go
+    assert sorted(r["outstandingTokens"] > 0 for r in replicas(stubs, server, model)) == [True, True]
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    while all(s.error is None for s in streams):
+        assert time.monotonic() - killed_at < 30, "no stream failed after the kill"
+        time.sleep(0.05)
+    ended_s = time.monotonic() - killed_at
+    [ended] = [s for s in streams if s.error is not None]
+    [going] = [s for s in streams if s.error is None]
+    assert ended.error is not None and ended.error.code() == grpc.StatusCode.UNAVAILABLE, ended.error
+    assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]  # the other replica serves meanwhile
+    deadline = time.monotonic() + 240
+    while [r["status"] for r in replicas(stubs, server, model)] != ["READY", "READY"]:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.5)
+    recovered_s = time.monotonic() - killed_at
+    going.call.cancel()
+    going.thread.join(timeout=10)
+    # The other replica's stream ran on (to the model's length limit, or until cancelled here): no error of its own.
+    assert going.tokens > 0 and (going.error is None or going.error.code() == grpc.StatusCode.CANCELLED)
+    return ended_s, recovered_s, ended.error.details()
 
 
 def test_two_replicas_with_an_engine_on_each_node_decode_like_one_rank_and_a_killed_remote_engine_comes_back(
@@ -91,36 +121,25 @@ def test_two_replicas_with_an_engine_on_each_node_decode_like_one_rank_and_a_kil
         assert [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
                 if "ringserve.backend.engine_main" in " ".join(p.info["cmdline"] or ())
                 and p.ppid() == server.proc.pid] == []  # no engine on the frontend's side: two bridges instead
-        [engine] = remote_engines(cluster)
+        [engine] = on_second_node(cluster, "ringserve.backend.engine_main")
         assert greedy_on_both_replicas(server, 32) == single
         model = server.stub().GetModelInfo(pb.ModelInfoRequest(), timeout=10).model
 
-        streams = [Stream(server), Stream(server)]  # one per replica: each to the one with fewer tokens to go
-        assert sorted(r["outstandingTokens"] > 0 for r in replicas(stubs, server, model)) == [True, True]
-        killed_at = time.monotonic()
-        engine.send_signal(signal.SIGKILL)
-        while all(s.thread.is_alive() for s in streams):
-            assert time.monotonic() - killed_at < 30, "no stream ended after the kill"
-            time.sleep(0.05)
-        ended_s = time.monotonic() - killed_at
-        [ended] = [s for s in streams if not s.thread.is_alive()]
-        [going] = [s for s in streams if s.thread.is_alive()]
-        assert ended.error is not None and ended.error.code() == grpc.StatusCode.UNAVAILABLE, ended.error
-        assert "ended without a Shutdown" in ended.error.details(), ended.error.details()
-        assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]  # the other replica serves meanwhile
-
-        deadline = time.monotonic() + 240
-        while [r["status"] for r in replicas(stubs, server, model)] != ["READY", "READY"]:
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.5)
-        print(f"\n[ray engines] remote engine killed: its stream UNAVAILABLE after {ended_s:.2f} s, both replicas "
-              f"serving again after {time.monotonic() - killed_at:.1f} s")  # fmt: skip
+        ended_s, recovered_s, details = kill_and_recover(server, stubs, model, engine, single)
+        print(f"\n[ray engines] remote engine killed: its stream UNAVAILABLE after {ended_s:.2f} s ({details}), "
+              f"both replicas serving again after {recovered_s:.1f} s")  # fmt: skip
+        assert "ended without a Shutdown" in details
         assert restarts_metric(metrics_port, model, "engine_died") == 1.0
-        going.call.cancel()
-        going.thread.join(timeout=10)
-        # The other replica's stream ran on (to its end, or until cancelled here): no error of its own.
-        assert going.tokens > 0 and (going.error is None or going.error.code() == grpc.StatusCode.CANCELLED)
-        assert len(remote_engines(cluster)) == 1
+
+        # A rank of the remote engine: the engine's own EngineFailed (naming the worker) crosses the bridge before
+        # the stream ends, so the restart is counted as a dead worker.
+        [worker] = on_second_node(cluster, "ringserve.workers.worker_main")
+        ended_s, recovered_s, details = kill_and_recover(server, stubs, model, worker, single)
+        print(f"[ray engines] remote rank killed: its stream UNAVAILABLE after {ended_s:.2f} s ({details}), both "
+              f"replicas serving again after {recovered_s:.1f} s")  # fmt: skip
+        assert "worker" in details and "ended without a Shutdown" not in details
+        assert restarts_metric(metrics_port, model, "worker_died") == 1.0
+        assert len(on_second_node(cluster, "ringserve.backend.engine_main")) == 1
         assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]
         assert server.stop() == 0
     assert_nothing_left(cluster, server.proc.pid, before)
