@@ -3,16 +3,16 @@ data-parallel replicas of a tiny random llama, each engine placed with its one r
 engine runs on each node and talks to the frontend through its bridge's TCP stream. Both decode the one-rank greedy
 tokens; SIGKILL of the engine on the second node ends its streams UNAVAILABLE while the other replica keeps serving,
 the replica comes back (restart reason `engine_died`); so does SIGKILL of its rank (`worker_died`: the remote engine's
-EngineFailed crosses the bridge); and nothing is left behind (actors, placement groups,
+EngineFailed crosses the bridge) and the removal of the node (placed again once a node joins); and nothing is left
+behind (actors, placement groups,
 processes, /dev/shm). A replica whose bundle no node can hold fails the server's start with the reason. Skipped
 without Ray (pip install 'ringserve[ray]')."""
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -74,15 +74,15 @@ def on_second_node(cluster: Cluster, module: str) -> list[psutil.Process]:
             if module in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def kill_and_recover(server, stubs: Path, model: str, victim: psutil.Process,  # type: ignore[no-untyped-def]
-                     single: list[list[int]]) -> tuple[float, float, str]:  # fmt: skip
-    """SIGKILL `victim` while each replica streams: only its replica's stream ends (UNAVAILABLE), the other goes
-    on and new requests are served; then both replicas are READY again. Returns the seconds to the end of the stream
-    and to both READY, and the ended stream's details."""
+def fail_and_recover(server, stubs: Path, model: str, fail: Callable[[], object],  # type: ignore[no-untyped-def]
+                     single: list[list[int]], then: Callable[[], object] = lambda: None) -> tuple[float, float, str]:
+    """`fail()` while each replica streams: only the failed replica's stream ends (UNAVAILABLE), the other goes on
+    and new requests are served; after `then()`, both replicas are READY again. Returns the seconds from `fail()` to
+    the end of the stream and to both READY, and the ended stream's details."""
     streams = [Stream(server), Stream(server)]  # one per replica: each to the one with fewer tokens to go
     assert sorted(r["outstandingTokens"] > 0 for r in replicas(stubs, server, model)) == [True, True]
     killed_at = time.monotonic()
-    victim.send_signal(signal.SIGKILL)
+    fail()
     while all(s.error is None for s in streams):
         assert time.monotonic() - killed_at < 30, "no stream failed after the kill"
         time.sleep(0.05)
@@ -91,6 +91,7 @@ def kill_and_recover(server, stubs: Path, model: str, victim: psutil.Process,  #
     [going] = [s for s in streams if s.error is None]
     assert ended.error is not None and ended.error.code() == grpc.StatusCode.UNAVAILABLE, ended.error
     assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]  # the other replica serves meanwhile
+    then()
     deadline = time.monotonic() + 240
     while [r["status"] for r in replicas(stubs, server, model)] != ["READY", "READY"]:
         assert time.monotonic() < deadline, server.log()
@@ -125,7 +126,7 @@ def test_two_replicas_with_an_engine_on_each_node_decode_like_one_rank_and_a_kil
         assert greedy_on_both_replicas(server, 32) == single
         model = server.stub().GetModelInfo(pb.ModelInfoRequest(), timeout=10).model
 
-        ended_s, recovered_s, details = kill_and_recover(server, stubs, model, engine, single)
+        ended_s, recovered_s, details = fail_and_recover(server, stubs, model, engine.kill, single)
         print(f"\n[ray engines] remote engine killed: its stream UNAVAILABLE after {ended_s:.2f} s ({details}), "
               f"both replicas serving again after {recovered_s:.1f} s")  # fmt: skip
         assert "ended without a Shutdown" in details
@@ -134,11 +135,21 @@ def test_two_replicas_with_an_engine_on_each_node_decode_like_one_rank_and_a_kil
         # A rank of the remote engine: the engine's own EngineFailed (naming the worker) crosses the bridge before
         # the stream ends, so the restart is counted as a dead worker.
         [worker] = on_second_node(cluster, "ringserve.workers.worker_main")
-        ended_s, recovered_s, details = kill_and_recover(server, stubs, model, worker, single)
+        ended_s, recovered_s, details = fail_and_recover(server, stubs, model, worker.kill, single)
         print(f"[ray engines] remote rank killed: its stream UNAVAILABLE after {ended_s:.2f} s ({details}), both "
               f"replicas serving again after {recovered_s:.1f} s")  # fmt: skip
         assert "worker" in details and "ended without a Shutdown" not in details
         assert restarts_metric(metrics_port, model, "worker_died") == 1.0
+
+        # The second node goes away (its raylet and Ray workers killed): the replica there ends as for a dead engine
+        # and is placed again once a node with room has joined.
+        [node] = cluster.worker_nodes
+        ended_s, recovered_s, details = fail_and_recover(server, stubs, model, lambda: cluster.remove_node(node),
+                                                         single, then=lambda: cluster.add_node(num_cpus=1))  # fmt: skip
+        print(f"[ray engines] second node removed: its stream UNAVAILABLE after {ended_s:.2f} s ({details}), both "
+              f"replicas serving again after {recovered_s:.1f} s (a node added)")  # fmt: skip
+        assert "ended without a Shutdown" in details
+        assert restarts_metric(metrics_port, model, "engine_died") == 2.0
         assert len(on_second_node(cluster, "ringserve.backend.engine_main")) == 1
         assert greedy_on_both_replicas(server, 8) == [t[:8] for t in single]
         assert server.stop() == 0
