@@ -161,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             leave_nothing_behind(engine_args)
 
 
-def report_start_failure(event_ring: str, error: Exception) -> int:
+def report_start_failure(event_ring: str | _core.ShmRing, error: Exception) -> int:
     """Tell the frontend why the engine could not start its ranks, as the EngineFailed a failing engine loop sends
     (the frontend then reports, retries and gives up on it as on any engine failure), and return the exit code 1.
     Nothing else writes the event ring before the engine loop exists."""
     message = str(error) if isinstance(error, RuntimeError) else f"{type(error).__name__}: {error}"
     log.error("the engine could not start: %s", message)
     try:
-        writer = _core.RingWriter(_core.ShmRing.attach(event_ring))
+        writer = _core.RingWriter(_core.ShmRing.attach(event_ring) if isinstance(event_ring, str) else event_ring)
         failed = _core.EngineFailed(message=message, reason=_core.FailureReason.LOAD_FAILED)
         writer.write(_core.encode_record(failed), 5.0)
     except Exception as exc:  # the frontend is gone: it sees the exit code, if anyone does

@@ -74,7 +74,10 @@ def resolve_engine_args(args: EngineArgs, context_length: int) -> EngineArgs:
 
 
 def engine_command(args: EngineArgs, request_ring: str, event_ring: str) -> list[str]:
-    return [sys.executable, "-m", "ringserve.backend.engine_main", "--request-ring", request_ring,
+    """The engine on this host, or with --engine-placement ray its bridge to an engine on a Ray node (which the
+    frontend treats as the engine process: same arguments, same rings, its exit is the engine's)."""
+    module = "remote_engine" if args.engine_placement == "ray" else "engine_main"
+    return [sys.executable, "-m", f"ringserve.backend.{module}", "--request-ring", request_ring,
             "--event-ring", event_ring, "--engine-args", args.to_json()]  # fmt: skip
 
 

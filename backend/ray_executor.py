@@ -31,8 +31,7 @@ log = logging.getLogger("ringserve.ray_executor")
 
 START_TIMEOUT_S = 120.0  # for each of Ray's calls that start the ranks and relays
 CONNECT_TIMEOUT_S = 10.0  # for the cluster's address to accept a connection (ray.init waits for ever)
-# What a rank's worker takes from the engine's environment (the rest is the Ray worker's own, e.g. the
-# CUDA_VISIBLE_DEVICES Ray set for its bundle).
+# What a rank's worker (or a remote engine) takes from the environment of the process that placed it.
 _PASSED_ENV = ("RINGSERVE_", "GLIBC_TUNABLES", "GLOO_", "NCCL_", "TORCH_")
 
 
@@ -101,18 +100,10 @@ class RayExecutor:
     """The placement of one engine's ranks; `start` starts them, `stop` releases everything it reserved."""
 
     def __init__(self, args: EngineArgs) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group, placement_group_table
-        except ImportError:
-            raise RuntimeError("--distributed-executor ray needs Ray: pip install 'ringserve[ray]'") from None
+        ray, address = join_cluster(args)
+        from ray.util.placement_group import placement_group, placement_group_table
+
         self.ray, self.args = ray, args
-        address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-        check_reachable(address)
-        try:
-            ray.init(address=address, configure_logging=False)  # rank output reaches the engine's log
-        except Exception as exc:  # ConnectionError, or a ValueError/RuntimeError for an address Ray cannot parse
-            raise RuntimeError(f"--distributed-executor ray: no Ray cluster at {address}: {first_lines(exc)}") from None
         self.world = args.world_size
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
@@ -164,7 +155,7 @@ class RayExecutor:
             node.address, node.port, node_step, node_result = self._get(node.actor.open.remote(),
                                                                         f"the relay actor of node {node.node_id}")
             rings.update({r: (node_step, i, node_result) for i, r in enumerate(node.ranks)})
-        env = {k: v for k, v in worker_environment(dict(os.environ)).items() if k.startswith(_PASSED_ENV)}
+        env = passed_environment(worker_environment(dict(os.environ)))
         env |= {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
         starts = []
         ranks_on_node = Counter(self.rank_nodes)  # they share the node's CPUs (--worker-threads 0)
@@ -185,15 +176,7 @@ class RayExecutor:
         return pids
 
     def _get(self, refs: Any, what: str) -> Any:
-        """ray.get of a starting call; a dead actor or node, or no answer within START_TIMEOUT_S, raises a
-        RuntimeError naming `what` (the engine reports it to the frontend as its failure)."""
-        try:
-            return self.ray.get(refs, timeout=START_TIMEOUT_S)
-        except self.ray.exceptions.GetTimeoutError:
-            problem = f"did not answer within {START_TIMEOUT_S:.0f} s"
-        except self.ray.exceptions.RayError as exc:
-            problem = f"failed: {first_lines(exc)}"
-        raise RuntimeError(f"--distributed-executor ray: {what} {problem}")
+        return ray_get(self.ray, refs, f"--distributed-executor ray: {what}")
 
     def _start_relay(self, node: RemoteNode, step_ring: str, result_ring: str) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "ringserve.backend.step_relay", "--connect", f"{node.address}:{node.port}",
@@ -225,6 +208,40 @@ class RayExecutor:
         self.hosts, self.remote = [], []
         ray.util.remove_placement_group(self.pg)
         ray.shutdown()
+
+
+def join_cluster(args: EngineArgs) -> tuple[Any, str]:
+    """Ray, joined to the cluster at --ray-address, else $RAY_ADDRESS, else the one on this host, and that address; a
+    RuntimeError where Ray is missing or no cluster answers there."""
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--distributed-executor ray needs Ray: pip install 'ringserve[ray]'") from None
+    address = args.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(address)
+    try:
+        ray.init(address=address, configure_logging=False)  # the actors' output reaches this process's log
+    except Exception as exc:  # ConnectionError, or a ValueError/RuntimeError for an address Ray cannot parse
+        raise RuntimeError(f"--distributed-executor ray: no Ray cluster at {address}: {first_lines(exc)}") from None
+    return ray, address
+
+
+def ray_get(ray: Any, refs: Any, what: str) -> Any:
+    """ray.get of a starting call; a dead actor or node, or no answer within START_TIMEOUT_S, raises a RuntimeError
+    naming `what` (the engine, or the engine's bridge, reports it to the frontend as its failure)."""
+    try:
+        return ray.get(refs, timeout=START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        problem = f"did not answer within {START_TIMEOUT_S:.0f} s"
+    except ray.exceptions.RayError as exc:
+        problem = f"failed: {first_lines(exc)}"
+    raise RuntimeError(f"{what} {problem}")
+
+
+def passed_environment(env: dict[str, str]) -> dict[str, str]:
+    """What a process started by an actor takes from ours (the rest is the Ray worker's own, e.g. the
+    CUDA_VISIBLE_DEVICES Ray set for its bundle)."""
+    return {k: v for k, v in env.items() if k.startswith(_PASSED_ENV)}
 
 
 def split_by_reader(rank_nodes: list[str], engine_node: str) -> tuple[list[int], dict[str, list[int]]]:

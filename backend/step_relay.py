@@ -12,6 +12,10 @@ wrote (node -> engine). Nothing is pickled. The stream opens with a random token
   (one reader per local rank) and result ring, and ends the stream when one of its ranks' processes dies or stays
   stopped (SIGSTOP) for HEARTBEAT_TIMEOUT_S.
 
+The listening end (`ListeningRelay`) and the connecting end (`connect`, `relay_connected`) are generic over the two
+rings they join: `--engine-placement ray` carries an engine's request and event records the same way
+(backend/remote_engine.py).
+
 Liveness: each side sends an empty frame (a heartbeat; a ring record is never empty) five times per
 HEARTBEAT_TIMEOUT_S, and a side that receives nothing for HEARTBEAT_TIMEOUT_S (or cannot send for as long) ends the
 stream, so a node or relay that stops answering without closing its TCP connection is noticed within seconds.
@@ -20,6 +24,7 @@ stream, so a node or relay that stops answering without closing its TCP connecti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -132,23 +137,27 @@ def socket_to_ring(sock: socket.socket, writer: Any, max_bytes: int, stopped: th
         after(record)
 
 
-# -- node side ---------------------------------------------------------------------------------------------------
+# -- the listening end ------------------------------------------------------------------------------------------
 
 
-class NodeRelay:
-    """The rings of one remote node and the listening end of its stream. `open` creates them and listens;
-    `watch(pids)` then serves one connection (in a thread) until the stream ends or falls silent, the engine's
-    WorkerShutdown has passed and the ranks exited, or a rank's process died or stayed stopped."""
+class ListeningRelay:
+    """The listening end of one stream, on the side that owns the processes: `watch(pids)` accepts one connection
+    (in a thread) that opens with the token, then copies the stream's frames into the `inbound` ring and the
+    `outbound` ring's records (if any) into the stream, until the stream ends or falls silent, the last record
+    (`on_inbound` says which) has come in and every watched process exited, or a watched process died or stayed
+    stopped (SIGSTOP) for the heartbeat timeout. What the outbound ring still holds then goes out before the stream
+    is closed (an engine's EngineFailed). Subclasses create the rings: `NodeRelay` a node's step and result rings,
+    `remote_engine.EngineHost` an engine's request and event rings."""
 
-    def __init__(self, num_local_ranks: int, holds_rank0: bool, token_hex: str,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:  # fmt: skip
+    inbound: Any  # the ShmRing the stream's frames are written into
+    outbound: Any = None  # the ShmRing whose records go out, or None
+
+    def __init__(self, token_hex: str, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         from ringserve import _core
 
         self._core = _core
         self._token = bytes.fromhex(token_hex)
         self._heartbeat_timeout_s = heartbeat_timeout_s
-        self.step_ring = _core.ShmRing.create(new_segment_name("rstep"), STEP_RING_BYTES, num_local_ranks)
-        self.result_ring = _core.ShmRing.create(new_segment_name("rres"), RESULT_RING_BYTES, 1) if holds_rank0 else None
         self._listener = socket.create_server(("", 0))
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -157,12 +166,13 @@ class NodeRelay:
     def port(self) -> int:
         return int(self._listener.getsockname()[1])
 
-    def ring_names(self) -> tuple[str, str]:
-        return self.step_ring.name, self.result_ring.name if self.result_ring is not None else ""
+    def on_inbound(self, record: bytes) -> bool:
+        """Called once per record that came in; True for the last one (the watched processes exit after it)."""
+        return False
 
     def watch(self, pids: Sequence[int], accept_timeout_s: float = 120.0) -> None:
         self._thread = threading.Thread(target=self._serve, args=(list(pids), accept_timeout_s), daemon=True,
-                                        name="node-relay")  # fmt: skip
+                                        name=type(self).__name__)  # fmt: skip
         self._thread.start()
 
     def done(self) -> bool:
@@ -177,19 +187,14 @@ class NodeRelay:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         self._listener.close()
-        self.unlink()
-
-    def unlink(self) -> None:
-        self.step_ring.unlink()
-        if self.result_ring is not None:
-            self.result_ring.unlink()
 
     def _serve(self, pids: list[int], accept_timeout_s: float) -> None:
+        name = type(self).__name__
         self._listener.settimeout(accept_timeout_s)
         try:
             sock, _ = self._listener.accept()
         except OSError:
-            log.error("node relay: the engine did not connect within %.0f s", accept_timeout_s)
+            log.error("%s: the other end did not connect within %.0f s", name, accept_timeout_s)
             return
         finally:
             self._listener.close()
@@ -197,63 +202,141 @@ class NodeRelay:
             sock.settimeout(self._heartbeat_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if recv_exact(sock, TOKEN_BYTES) != self._token:
-                log.error("node relay: a connection without the engine's token was refused")
+                log.error("%s: a connection without the token was refused", name)
                 return
             self._relay(sock, pids)
 
     def _relay(self, sock: socket.socket, pids: list[int]) -> None:
-        core, stopped = self._core, self._stopped
-        shutdown_seen = threading.Event()
+        core, stopped, name = self._core, self._stopped, type(self).__name__
+        last_seen = threading.Event()
 
-        def on_step(record: bytes) -> None:
-            self.unlink()  # every local rank attached before the first record can arrive (see docs/distributed.md)
-            if isinstance(core.decode_worker_command(record), core.WorkerShutdown):
-                shutdown_seen.set()
+        def after(record: bytes) -> None:
+            if self.on_inbound(record):
+                last_seen.set()
 
         sender = FrameSender(sock)
-        step_writer = core.RingWriter(self.step_ring)
-        limit = self.step_ring.max_record_size
-        pumps = [threading.Thread(target=self._pump, args=(socket_to_ring, sock, step_writer, limit, stopped, on_step))]
-        if self.result_ring is not None:
-            pumps.append(threading.Thread(target=self._pump, args=(ring_to_socket, core.RingReader(self.result_ring),
-                                                                   sender, stopped)))  # fmt: skip
+        limit = self.inbound.max_record_size
+        pumps = [threading.Thread(target=_pump, args=(socket_to_ring, sock, core.RingWriter(self.inbound), limit,
+                                                      stopped, after))]  # fmt: skip
+        reader = core.RingReader(self.outbound) if self.outbound is not None else None
+        if reader is not None:
+            pumps.append(threading.Thread(target=_pump, args=(ring_to_socket, reader, sender, stopped)))
         beat = threading.Thread(target=heartbeat, args=(sender, stopped, self._heartbeat_timeout_s))
         for thread in [*pumps, beat]:
             thread.daemon = True
             thread.start()
-        stopped_since: dict[int, float] = {}  # ranks seen stopped (SIGSTOP), since when
+        stopped_since: dict[int, float] = {}  # processes seen stopped (SIGSTOP), since when
         while not stopped.is_set() and all(p.is_alive() for p in pumps):
             states = {pid: process_state(pid) for pid in pids}
             dead = [pid for pid, state in states.items() if state in _EXITED]
             now = time.monotonic()
             stopped_since = {pid: stopped_since.get(pid, now) for pid, state in states.items() if state in _STOPPED}
             hung = [pid for pid, since in stopped_since.items() if now - since >= self._heartbeat_timeout_s]
-            if (dead or hung) and not shutdown_seen.is_set():
-                log.error("node relay: rank process(es) %s died, %s stopped for %.1f s; ending the stream", dead,
-                          hung, self._heartbeat_timeout_s)  # fmt: skip
+            if (dead or hung) and not last_seen.is_set():
+                log.error("%s: process(es) %s died, %s stopped for %.1f s; ending the stream", name, dead, hung,
+                          self._heartbeat_timeout_s)  # fmt: skip
                 break
             if dead and len(dead) == len(pids):
-                break  # shut down in order: every rank has exited
+                break  # shut down in order: every watched process has exited
             time.sleep(_POLL_S)
         else:
             if not stopped.is_set():
-                log.error("node relay: the stream from the engine ended or was silent for %.1f s",
-                          self._heartbeat_timeout_s)  # fmt: skip
+                log.error("%s: the stream ended or was silent for %.1f s", name, self._heartbeat_timeout_s)
         stopped.set()
+        if reader is not None:
+            pumps[-1].join(timeout=1.0)  # it polls `stopped`; then this thread alone reads the ring
+            with contextlib.suppress(OSError):
+                while (record := reader.try_read()) is not None:
+                    sender.send(record)
         try:
-            sock.shutdown(socket.SHUT_RDWR)  # the engine's relay sees the end of the stream and exits
+            sock.shutdown(socket.SHUT_RDWR)  # the other end sees the end of the stream
         except OSError:
             pass  # already reset by the other side
 
-    @staticmethod
-    def _pump(function: Callable[..., None], *args: Any) -> None:
-        try:
-            function(*args)
-        except OSError:
-            pass  # the stream ended: the watch loop notices the pump is gone
+
+def _pump(function: Callable[..., None], *args: Any) -> None:
+    try:
+        function(*args)
+    except OSError:
+        pass  # the stream ended: the watch loop notices the pump is gone
 
 
-# -- engine side -------------------------------------------------------------------------------------------------
+class NodeRelay(ListeningRelay):
+    """The rings of one remote node and the listening end of its stream: step records in, result records out when
+    the node holds rank 0; the watched processes are the node's ranks, which exit after a WorkerShutdown."""
+
+    def __init__(self, num_local_ranks: int, holds_rank0: bool, token_hex: str,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:  # fmt: skip
+        super().__init__(token_hex, heartbeat_timeout_s)
+        core = self._core
+        self.step_ring = self.inbound = core.ShmRing.create(new_segment_name("rstep"), STEP_RING_BYTES,
+                                                            num_local_ranks)  # fmt: skip
+        self.result_ring = self.outbound = (core.ShmRing.create(new_segment_name("rres"), RESULT_RING_BYTES, 1)
+                                            if holds_rank0 else None)  # fmt: skip
+
+    def ring_names(self) -> tuple[str, str]:
+        return self.step_ring.name, self.result_ring.name if self.result_ring is not None else ""
+
+    def on_inbound(self, record: bytes) -> bool:
+        self.unlink()  # every local rank attached before the first record can arrive (see docs/distributed.md)
+        return isinstance(self._core.decode_worker_command(record), self._core.WorkerShutdown)
+
+    def close(self) -> None:
+        super().close()
+        self.unlink()
+
+    def unlink(self) -> None:
+        self.step_ring.unlink()
+        if self.result_ring is not None:
+            self.result_ring.unlink()
+
+
+# -- the connecting end -----------------------------------------------------------------------------------------
+
+
+def connect(address: str, token: bytes, heartbeat_timeout_s: float) -> socket.socket:
+    """A stream to the listening relay at HOST:PORT, opened with its token."""
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=30.0)
+    sock.settimeout(heartbeat_timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(token)
+    return sock
+
+
+def relay_connected(sock: socket.socket, reader: Any, inbound: Any, heartbeat_timeout_s: float,
+                    is_last: Callable[[bytes], bool]) -> tuple[bool, str]:  # fmt: skip
+    """Copies `reader`'s records into the stream and the stream's frames into the `inbound` ring (None: only
+    heartbeats come back) until the stream ends or falls silent. Returns whether a last record (`is_last`) went out
+    before, and how the stream ended."""
+    from ringserve import _core
+
+    stopped, last_sent = threading.Event(), threading.Event()
+
+    def after(record: bytes) -> None:
+        if is_last(record):
+            last_sent.set()
+
+    frames = FrameSender(sock)
+    threads = [threading.Thread(target=_pump, args=(ring_to_socket, reader, frames, stopped, after)),
+               threading.Thread(target=heartbeat, args=(frames, stopped, heartbeat_timeout_s))]  # fmt: skip
+    for thread in threads:
+        thread.daemon = True
+        thread.start()
+    how = "ended"
+    try:
+        if inbound is not None:
+            socket_to_ring(sock, _core.RingWriter(inbound), inbound.max_record_size, stopped)
+        else:
+            recv_frame(sock, 0)
+    except TimeoutError:
+        how = f"was silent for {heartbeat_timeout_s:g} s"
+    except OSError as exc:  # reset, or a frame over the ring's record limit
+        how = f"failed ({exc})"
+    stopped.set()
+    for thread in threads:  # they poll `stopped`; one left inside the ring's read would abort the exit
+        thread.join()
+    return last_sent.is_set(), how
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -268,7 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 when the stream ends after a WorkerShutdown went through, 1 when it ends otherwise."""
+    """The engine-side relay: exit 0 when the stream ends after a WorkerShutdown went through, 1 when it ends
+    otherwise."""
     logging.basicConfig(level=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     from ringserve import _core
@@ -276,41 +360,17 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent()
     token = bytes.fromhex(os.environ.pop(TOKEN_ENV))
-    host, _, port = args.connect.rpartition(":")
-    step_ring = _core.ShmRing.attach(args.step_ring)
-    reader = _core.RingReader(step_ring, args.step_reader)
-    stopped, shutdown_sent = threading.Event(), threading.Event()
+    reader = _core.RingReader(_core.ShmRing.attach(args.step_ring), args.step_reader)
+    result_ring = _core.ShmRing.attach(args.result_ring) if args.result_ring else None
 
-    def on_step(record: bytes) -> None:
-        if isinstance(_core.decode_worker_command(record), _core.WorkerShutdown):
-            shutdown_sent.set()
+    def is_shutdown(record: bytes) -> bool:
+        return isinstance(_core.decode_worker_command(record), _core.WorkerShutdown)
 
-    with socket.create_connection((host, int(port)), timeout=30.0) as sock:
-        sock.settimeout(args.heartbeat_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(token)
-        frames = FrameSender(sock)
-        threads = [threading.Thread(target=NodeRelay._pump, args=(ring_to_socket, reader, frames, stopped, on_step)),
-                   threading.Thread(target=heartbeat, args=(frames, stopped, args.heartbeat_timeout))]  # fmt: skip
-        for thread in threads:
-            thread.daemon = True
-            thread.start()
-        how = "ended (the node, its relay or one of its ranks died)"
-        try:
-            if args.result_ring:
-                result_ring = _core.ShmRing.attach(args.result_ring)
-                socket_to_ring(sock, _core.RingWriter(result_ring), result_ring.max_record_size, stopped)
-            else:
-                recv_frame(sock, 0)  # only heartbeats come back from a node without rank 0
-        except TimeoutError:
-            how = f"was silent for {args.heartbeat_timeout:g} s (the node or its relay stopped answering)"
-        except OSError:
-            pass
-        stopped.set()
-        for thread in threads:  # they poll `stopped`; one left inside the ring's read would abort the exit
-            thread.join()
-    if not shutdown_sent.is_set():
-        log.error("step relay to %s: the stream %s", args.connect, how)
+    with connect(args.connect, token, args.heartbeat_timeout) as sock:
+        shutdown_sent, how = relay_connected(sock, reader, result_ring, args.heartbeat_timeout, is_shutdown)
+    if not shutdown_sent:
+        log.error("step relay to %s: the stream %s (the node, its relay or one of its ranks died or stopped "
+                  "answering)", args.connect, how)  # fmt: skip
         return 1
     return 0
 

@@ -55,21 +55,26 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(model: Path, log_dir: Path, *flags: str) -> Iterator[LiveServer]:
-    """Starts the server (float32, the given extra serve flags) without waiting for it: call wait_serving()."""
+def live_server(model: Path, log_dir: Path, *flags: str, same_session: bool = False) -> Iterator[LiveServer]:
+    """Starts the server (float32, the given extra serve flags) without waiting for it: call wait_serving().
+    `same_session`: see running_process."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "ringserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(model), "--dtype", "float32", "--log-level", "WARNING", *flags]  # fmt: skip
-    with running_process(cmd, log_path, port) as server:
+    with running_process(cmd, log_path, port, same_session=same_session) as server:
         yield server
 
 
 @contextmanager
-def running_process(cmd: list[str], log_path: Path, port: int) -> Iterator[LiveServer]:
-    """Runs `cmd` (a server listening on `port`, output to `log_path`); SIGTERM, then SIGKILL of its group, at exit."""
+def running_process(cmd: list[str], log_path: Path, port: int, *, same_session: bool = False) -> Iterator[LiveServer]:
+    """Runs `cmd` (a server listening on `port`, output to `log_path`); SIGTERM, then SIGKILL of its group, at exit.
+    It gets a session of its own, unless `same_session`: then only a process group of its own, so it shares this
+    process's scheduler autogroup (Linux gives each session an equal share of a busy CPU), as do the other processes
+    this one started, e.g. a Ray cluster's workers."""
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        group = {"process_group": 0} if same_session else {"start_new_session": True}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **group)  # type: ignore[call-overload]
     try:
         yield LiveServer(proc, port, log_path)
     finally:

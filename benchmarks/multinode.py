@@ -4,11 +4,24 @@
   remote node's step ring through the TCP step relay of `--distributed-executor ray` (the engine-side relay process,
   loopback TCP, the node relay), one record at a time: median and p99 in microseconds, next to the same record's trip
   through one shared-memory ring (`step_shm_us`, the local ranks' path) measured in the same run.
+- `engine_node_hop_us`: what the step relay adds over the shared-memory ring for ranks on the engine's own node
+  when its ring would need more than 8 readers (docs/distributed.md, "How many ranks"): that relay runs over
+  loopback TCP, which is the trip `step_transport_us` measures here, so this is its median and p99 minus
+  `step_shm_us`'s.
+- `bridge_request_us`, `bridge_event_us` (`--engine-placement ray`): an AddRequest (64 prompt tokens) from the
+  frontend's request ring to a remote engine's, and a one-token StepEvents from the remote engine's event ring to
+  the frontend's, through the engine bridge (its process, loopback TCP, the EngineHost), one record at a time:
+  median and p99, next to the same records' trip through one shared-memory ring (`bridge_shm_us`: a local engine's
+  path).
 - `tp1_tok_s`: greedy decode tokens per second of one stream on the embedded model, one rank (`ringserve serve`,
   --worker-threads 1): the baseline a pipeline-parallel figure is compared with.
 - `tp3_tok_s`, `tp3_ray_tok_s` (with `--ray-address`, a cluster of at least two nodes, else null): the same with
   three ranks as local processes, then as Ray actors spread over the nodes (`--placement-strategy SPREAD`), so
   the ranks off the engine's node get every step through the relay.
+- `engine_ray_tok_s`, `engine_local_tok_s` (with `--ray-address`, else null): the same one-rank replica with its
+  engine and rank placed on a Ray node (`--engine-placement ray`: every request and event through the bridge), and
+  with both on this host; the two servers run at once and their streams alternate, the median of 3 rounds
+  (`--quick`) or 5; `engine_ray_over_local` is the ratio.
 - `pp2_tok_s`: the same with two pipeline stages (--pipeline-parallel-size 2): local processes, or with
   `--ray-address` one stage per node (`--placement-strategy STRICT_SPREAD`), so the second stage gets every step
   through the relay (`pp2_ray_tok_s`; `pp2_tok_s` is then the local one).
@@ -24,6 +37,7 @@ Last line: one JSON object with those keys.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -38,6 +52,7 @@ import grpc
 import numpy as np
 from live_server import live_server
 from ringserve import _core
+from ringserve.backend.remote_engine import EngineHost
 from ringserve.backend.step_relay import TOKEN_BYTES, TOKEN_ENV, NodeRelay
 from ringserve.formats.segments import new_segment_name
 from ringserve.v1 import generation_pb2 as pb
@@ -100,25 +115,78 @@ def step_transport(count: int, batch: int) -> dict[str, object]:
     }
 
 
+def bridge_transport(count: int) -> dict[str, object]:
+    """The engine bridge's two directions, with a stand-in engine (a sleeping process the host watches)."""
+    requests = [_core.encode_record(_core.AddRequest(request_id=i, prompt_token_ids=list(range(64))))
+                for i in range(count)]  # fmt: skip
+    events = [_core.encode_record(_core.StepEvents(step_id=i, outputs=[_core.RequestOutput(request_id=1,
+              new_token_ids=[i % 1000])])) for i in range(count)]  # fmt: skip
+    local = _core.ShmRing.create(new_segment_name("req"), 1 << 24, 1)
+    try:
+        shm = trips(_core.RingWriter(local), _core.RingReader(local, 0), requests + events)
+    finally:
+        local.unlink()
+    request_ring = _core.ShmRing.create(new_segment_name("req"), 1 << 24, 1)
+    event_ring = _core.ShmRing.create(new_segment_name("evt"), 1 << 24, 1)
+    token = secrets.token_hex(TOKEN_BYTES)
+    host = EngineHost(token)
+    host.start(["-c", "import time; time.sleep(3600)"], {})
+    bridge = subprocess.Popen([sys.executable, "-m", "ringserve.backend.remote_engine", "--connect",
+                               f"127.0.0.1:{host.port}", "--request-ring", request_ring.name, "--event-ring",
+                               event_ring.name], env={**os.environ, TOKEN_ENV: token})  # fmt: skip
+    try:
+        out = trips(_core.RingWriter(request_ring), _core.RingReader(host.request_ring, 0), requests)
+        back = trips(_core.RingWriter(host.event_ring), _core.RingReader(event_ring, 0), events)
+    finally:
+        bridge.kill()
+        bridge.wait()
+        host.close(engine_stop_s=0.0)
+        request_ring.unlink()
+        event_ring.unlink()
+    return {"bridge_request_us": percentiles(out), "bridge_event_us": percentiles(back),
+            "bridge_shm_us": percentiles(shm)}  # fmt: skip
+
+
 def decode_tokens_per_s(tokens: int, *flags: str) -> float:
     """Greedy decode tokens/s of one stream on the embedded model served with `flags`."""
+    return alternating_tokens_per_s(tokens, 1, flags)[0]
+
+
+def alternating_tokens_per_s(tokens: int, rounds: int, *configs: tuple[str, ...],
+                             same_session: bool = False) -> list[float]:  # fmt: skip
+    """The median over `rounds` of one stream's decode tokens/s on each of several servers (the embedded model, one
+    per flag set in `configs`), all up at once and measured in turn, round after round, so load that changes during
+    the run falls on each alike. `same_session`: the servers share this process's scheduler autogroup with the Ray
+    cluster it started, so a Ray-placed engine's processes and a local one's get the same share of a busy CPU
+    (live_server.running_process)."""
     from ringserve.frontend.model_source import embedded_model_path
 
-    with tempfile.TemporaryDirectory() as logs, live_server(embedded_model_path(), Path(logs), "--worker-threads",
-                                                            "1", *flags) as server:  # fmt: skip
-        server.wait_serving(600)
-        with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            request = pb.GenerateRequest(
-                text="Once upon a time", sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-            )
-            list(stub.Generate(pb.GenerateRequest(text="warm up", sampling=pb.SamplingParams(max_tokens=4)),
-                               timeout=300))  # fmt: skip
-            stream = stub.Generate(request, timeout=600)
-            next(stream)  # from the first token on: decode only
-            start = time.perf_counter()
-            count = sum(len(r.token_ids) for r in stream)
-            return round(count / (time.perf_counter() - start), 2)
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
+        model = embedded_model_path()
+        servers = [stack.enter_context(live_server(model, Path(logs), "--worker-threads", "1", *flags,
+                                                   same_session=same_session)) for flags in configs]  # fmt: skip
+        for server in servers:
+            server.wait_serving(600)
+        rates: list[list[float]] = [[] for _ in configs]
+        for _ in range(rounds):
+            for server, rate in zip(servers, rates, strict=True):
+                rate.append(stream_tokens_per_s(server.address, tokens))
+    return [round(statistics.median(rate), 2) for rate in rates]
+
+
+def stream_tokens_per_s(address: str, tokens: int) -> float:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(
+            text="Once upon a time", sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        )
+        list(stub.Generate(pb.GenerateRequest(text="warm up", sampling=pb.SamplingParams(max_tokens=4)),
+                           timeout=300))  # fmt: skip
+        stream = stub.Generate(request, timeout=600)
+        next(stream)  # from the first token on: decode only
+        start = time.perf_counter()
+        count = sum(len(r.token_ids) for r in stream)
+        return count / (time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,9 +210,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace, ray_address: str) -> int:
-    records, tokens = (300, 32) if args.quick else (3000, 128)
+    records, tokens, rounds = (300, 32, 3) if args.quick else (3000, 128, 5)
     result: dict[str, object] = {"quick": args.quick, "load": os.getloadavg()[0], "records": records}
     result |= step_transport(records, args.batch)
+    step, shm = result["step_transport_us"], result["step_shm_us"]
+    assert isinstance(step, dict) and isinstance(shm, dict)
+    result["engine_node_hop_us"] = {k: round(step[k] - shm[k], 1) for k in ("median", "p99")}
+    result |= bridge_transport(records)
     result["tp1_tok_s"] = decode_tokens_per_s(tokens)
     if ray_address:  # the embedded model's 9 heads split 3 ways; SPREAD puts the ranks on 2+ nodes
         os.environ["RAY_ADDRESS"] = ray_address
@@ -152,8 +224,13 @@ def measure(args: argparse.Namespace, ray_address: str) -> int:
         result["tp3_tok_s"] = decode_tokens_per_s(tokens, *tp3)
         result["tp3_ray_tok_s"] = decode_tokens_per_s(tokens, *tp3, "--distributed-executor", "ray",
                                                       "--placement-strategy", "SPREAD")  # fmt: skip
+        placement = ("--distributed-executor", "ray", "--engine-placement", "ray")
+        local, placed = alternating_tokens_per_s(tokens, rounds, (), placement, same_session=True)
+        result |= {"engine_local_tok_s": local, "engine_ray_tok_s": placed,
+                   "engine_ray_over_local": round(placed / local, 3)}  # fmt: skip
     else:
-        result["tp3_tok_s"] = result["tp3_ray_tok_s"] = None
+        result["tp3_tok_s"] = result["tp3_ray_tok_s"] = result["engine_ray_tok_s"] = None
+        result["engine_local_tok_s"] = result["engine_ray_over_local"] = None
     pp2 = ("--pipeline-parallel-size", "2")
     result["pp2_tok_s"] = decode_tokens_per_s(tokens, *pp2)
     result["pp2_ray_tok_s"] = decode_tokens_per_s(tokens, *pp2, "--distributed-executor", "ray",

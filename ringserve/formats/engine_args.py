@@ -28,6 +28,7 @@ DEFAULT_MAX_STEP_SLOWDOWN = 2.0
 MAX_SPECULATIVE_TOKENS = 8
 DTYPES = ("float32", "bfloat16", "float16")
 DISTRIBUTED_EXECUTORS = ("mp", "ray")
+ENGINE_PLACEMENTS = ("local", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 QUANTIZATIONS = ("auto", "none", "gguf")  # workers/model/quant_ops.py resolves auto
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "triton_paged")  # workers/attention/selection.py builds them
@@ -149,6 +150,11 @@ class EngineArgs:
     placement_strategy: str = _setting(
         "PACK", "--distributed-executor ray: Ray placement group strategy of the ranks' bundles (default "
         "%(default)s; SPREAD / STRICT_SPREAD put ranks on different nodes)", choices=PLACEMENT_STRATEGIES)  # fmt: skip
+    engine_placement: str = _setting(
+        "local", "where each replica's engine process runs: local = on this host, beside the frontend; ray = on a "
+        "node of the Ray cluster (needs --distributed-executor ray), its ranks packed with it as processes on that "
+        "node, its request and event records carried over one TCP stream (docs/distributed.md)",
+        choices=ENGINE_PLACEMENTS)  # fmt: skip
     ray_placement_timeout: float = _setting(
         60.0, "--distributed-executor ray: seconds to wait for the cluster to place the ranks' bundles; then the "
         "engine fails to start with the resources it asked for and those free, and is retried as any failed engine "
@@ -206,6 +212,10 @@ class EngineArgs:
             return f"--priority-aging-ms must be >= 0 (0 = strict priority; got {self.priority_aging_ms})"
         if self.distributed_executor == "ray" and importlib.util.find_spec("ray") is None:
             return "--distributed-executor ray needs Ray, which is not installed here: pip install 'ringserve[ray]'"
+        if self.engine_placement == "ray" and self.distributed_executor != "ray":
+            return "--engine-placement ray needs --distributed-executor ray (the cluster to place the engines on)"
+        if self.engine_placement == "ray" and self.kv_transfer in ("shm", "nixl"):
+            return "--engine-placement ray does not support --kv-transfer (disaggregated prefill and decode)"
         if self.ray_placement_timeout <= 0:
             return f"--ray-placement-timeout must be > 0 seconds (got {self.ray_placement_timeout})"
         if not 0 <= self.step_timeout < float("inf"):
@@ -225,6 +235,9 @@ class EngineArgs:
                     "--distributed-executor ray places more on several nodes)")  # fmt: skip
         if self.distributed_executor == "mp":
             return None
+        if self.engine_placement == "ray" and self.world_size > MAX_LOCAL_WORKERS:
+            return (f"{ranks} with --engine-placement ray: a replica's ranks are packed on its engine's node, at "
+                    f"most {MAX_LOCAL_WORKERS} (each reads its step ring)")  # fmt: skip
         if self.world_size > MAX_RAY_RANKS:
             return (f"{ranks}; one engine has at most {MAX_RAY_RANKS} Ray ranks ({MAX_LOCAL_WORKERS} nodes of "
                     f"{MAX_LOCAL_WORKERS}: a step ring has at most {MAX_LOCAL_WORKERS} readers)")  # fmt: skip

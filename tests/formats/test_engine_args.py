@@ -150,3 +150,20 @@ def test_ray_ranks_go_past_eight_up_to_eight_nodes_of_eight(monkeypatch: pytest.
     strict = "= 9 worker processes with --placement-strategy STRICT_SPREAD: one rank per node, and the engine's step"
     with pytest.raises(ValueError, match=f"{strict} ring has a reader per node, at most 8"):
         EngineArgs(distributed_executor="ray", placement_strategy="STRICT_SPREAD", tensor_parallel_size=9)
+
+
+def test_an_engine_placed_on_ray_needs_the_ray_executor_and_packs_at_most_eight_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pretend_ray_is_installed(monkeypatch)
+    args = EngineArgs(distributed_executor="ray", engine_placement="ray", tensor_parallel_size=8)
+    assert args.engine_placement == "ray" and EngineArgs.from_json(args.to_json()) == args
+    with pytest.raises(ValueError, match="--engine-placement ray needs --distributed-executor ray"):
+        EngineArgs(engine_placement="ray")
+    with pytest.raises(ValueError, match=r"= 9 worker processes with --engine-placement ray: a replica's ranks are "
+                                         "packed on its engine's node, at most 8"):  # fmt: skip
+        EngineArgs(distributed_executor="ray", engine_placement="ray", tensor_parallel_size=9)
+    with pytest.raises(ValueError, match="--engine-placement ray does not support --kv-transfer"):
+        EngineArgs(distributed_executor="ray", engine_placement="ray", kv_transfer="shm")
+    with pytest.raises(ValueError, match="--engine-placement 'remote': expected one of local, ray"):
+        EngineArgs(engine_placement="remote")

@@ -16,7 +16,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -47,18 +46,16 @@ def greedy(server, n: int = 32) -> list[list[int]]:  # type: ignore[no-untyped-d
     return [[t for r in server.stub().Generate(request(ids, n), timeout=120) for t in r.token_ids] for ids in PROMPTS]
 
 
-OBJECT_STORE_BYTES = 80 * 1024 * 1024
-
-
-@contextmanager
 def local_cluster(head_cpus: int, *node_cpus: int) -> Iterator[Cluster]:
-    """A Ray cluster on this host: a head node of `head_cpus` CPUs and one node per `node_cpus`, no dashboard."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES,
+    """A Ray cluster on this host (for a module fixture): a head node and one node per `node_cpus`, with that many
+    CPUs each, small object stores and no dashboard."""
+    store = 80 * 1024 * 1024
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "object_store_memory": store,
                                                       "include_dashboard": False})  # fmt: skip
+    for cpus in node_cpus:
+        c.add_node(num_cpus=cpus, object_store_memory=store)
+    c.wait_for_nodes()
     try:
-        for cpus in node_cpus:
-            c.add_node(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES)
-        c.wait_for_nodes()
         yield c
     finally:
         c.shutdown()
@@ -67,16 +64,18 @@ def local_cluster(head_cpus: int, *node_cpus: int) -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A head node and a second node, two CPUs each (the ranks' bundles: one CPU each)."""
-    with local_cluster(2, 2) as c:
-        yield c
+    yield from local_cluster(2, 2)
+
+
+def save_tiny_llama(folder: Path) -> Path:
+    hf = save_tiny_hf_model("llama", folder)
+    save_word_tokenizer(folder, hf.config.vocab_size)
+    return folder
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("ray") / "tiny-llama"
-    hf = save_tiny_hf_model("llama", folder)
-    save_word_tokenizer(folder, hf.config.vocab_size)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("ray") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +230,7 @@ def test_more_ranks_on_a_node_than_its_step_ring_has_readers_fail_the_start_nami
     fails its start with the count and the limit, before any rank starts."""
     before = segments()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    big = cluster.add_node(num_cpus=9, object_store_memory=OBJECT_STORE_BYTES)
+    big = cluster.add_node(num_cpus=9, object_store_memory=80 * 1024 * 1024)
     cluster.wait_for_nodes()
     flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_PACK", "--tensor-parallel-size", "9",
              "--ray-placement-timeout", "30")  # fmt: skip
@@ -254,7 +253,7 @@ def test_a_replica_whose_restart_cannot_be_placed_is_retried_then_failed_with_th
     model is FAILED and requests are refused with the reason."""
     before = segments()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    third = cluster.add_node(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES)
+    third = cluster.add_node(num_cpus=2, object_store_memory=80 * 1024 * 1024)
     cluster.wait_for_nodes()
     metrics_port = free_port()
     flags = ("--distributed-executor", "ray", "--placement-strategy", "STRICT_SPREAD", "--pipeline-parallel-size",
@@ -313,7 +312,8 @@ def engine_pids(server_pid: int) -> set[int]:
 def assert_nothing_left(cluster: Cluster, server_pid: int, before: set[str]) -> None:
     """No placement group, actor, relay or node ring of the stopped server remains (within 30 s: Ray reclaims a
     dead driver's actors and groups asynchronously)."""
-    ours = ("-rstep", "-rres", "ringserve.backend.step_relay", "ray::RankHost", "ray::NodeRelayActor")
+    ours = ("-rstep", "-rres", "ringserve.backend.step_relay", "ray::RankHost", "ray::NodeRelayActor", "-rreq", "-revt",
+            "ringserve.backend.remote_engine", "ray::EngineHostActor")  # fmt: skip
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         deadline = time.monotonic() + 30
