@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         message = (f"the engine process {where} ended without a Shutdown: the stream {how} (the engine, its actor "
                    "or its node died or stopped answering)")  # fmt: skip
         log.error("%s", message)
-        _core.RingWriter(event_ring).write(_core.encode_record(_core.EngineFailed(message=message)), 5.0)
+        failed = _core.EngineFailed(message=message, reason=_core.FailureReason.ENGINE_DIED)
+        _core.RingWriter(event_ring).write(_core.encode_record(failed), 5.0)
         return 1
     finally:
         if remote is not None:
