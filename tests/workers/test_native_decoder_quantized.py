@@ -84,6 +84,11 @@ def test_steps_of_dequantize_min_rows_keep_the_layer_by_layer_path(gguf_path, mo
     assert calls[0] == 0
     forward_packed(model, [([1], len(p) + 1, t) for p, t in zip(PROMPTS[:2], TABLES[:2], strict=True)], BLOCK)
     assert calls[0] == 1
+    # Without Q8_0 among the dequantized kinds every projection keeps the int8 kernel at any row count (the 4-bit
+    # kinds' case): three rows go to the native decoder again.
+    monkeypatch.setattr(quant_ops, "DEQUANTIZED_KINDS", (quant_ops.Q8_2F,))
+    forward_packed(model, [([1], len(p) + 2, t) for p, t in zip(PROMPTS, TABLES, strict=True)], BLOCK)
+    assert calls[0] == 2
 
 
 def test_a_model_mixing_dense_and_quantized_projections_keeps_the_layer_by_layer_path(gguf_path):
