@@ -363,7 +363,7 @@ void rows_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, cons
   for (; j < j1; ++j) column_avx2<kType, 1>(s, block_bytes, act, w, epi, y, j);
 }
 
-// ---- Many input rows, 4-bit formats: panels of 8 weight rows ----
+// ---- Many input rows: panels of 8 weight rows ----
 //
 // For a prompt chunk or a large batch each weight block meets many input blocks, so a chunk's weight rows are first
 // laid out again, 8 rows at a time, as a panel: per block, register g holds values 4g..4g+3 of each of the 8 rows
@@ -371,9 +371,11 @@ void rows_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, cons
 // values 4g..4g+3, broadcast to every lane, meet register g in one maddubs; the 8 registers' int16 sums stay within
 // int16 (8 x 2 x 15 x 127 < 32768), so a block costs 8 maddubs, 8 int16 adds and one madd for 8 rows' 32-value dot
 // products, whose int32 results already sit one row per lane: no horizontal sums, and 8 outputs stored together.
+// The 8-bit formats' panels hold the int8 values themselves (signed_panel_tile): fewer instructions than their tiles,
+// though not fewer than a float32 GEMM's FMAs, which is why quant_ops dequantizes those weights where it can.
 
 constexpr std::size_t kPanelRows = 8;
-// From this many input rows the 4-bit formats take panels. They beat the tiles below from 8 rows on SmolLM2's shapes
+// From this many input rows every format takes panels. The 4-bit ones beat the tiles from 8 rows on SmolLM2's shapes
 // (1.7-2x), but they sum in another order, and the embedded model's greedy tokens with int8 inputs sit at the edge
 // of their accuracy bar (tests/workers/test_quant_ops.py): decode batches of fewer rows keep the tiles they had.
 constexpr std::size_t kPanelMinInputs = 32;
@@ -384,10 +386,36 @@ struct PanelBlock {
   float m[kPanelRows];
 };
 
+template <QuantType kType>
+__attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w, std::size_t blocks,
+                                                               std::size_t block_bytes, std::size_t j0,
+                                                               PanelBlock* panel);
+
 // Weight rows [j0, j0 + 8) as a panel of `blocks` blocks.
 template <QuantType kType>
 __attribute__((target("avx2,fma,f16c"))) void pack_panel(const uint8_t* w, std::size_t blocks, std::size_t block_bytes,
                                                          std::size_t j0, PanelBlock* panel) {
+  const std::size_t row_bytes = blocks * block_bytes;
+  if constexpr (is_signed(kType)) {  // int8 values as they are; d: the scale of values 0-15, m: of values 16-31
+    for (std::size_t b = 0; b < blocks; ++b) {
+      PanelBlock& out = panel[b];
+      for (std::size_t r = 0; r < kPanelRows; ++r) {
+        const uint8_t* blk = w + (j0 + r) * row_bytes + b * block_bytes;
+        const uint8_t* qs = blk + (kType == QuantType::kQ8_0 ? 2 : 8);
+        out.d[r] = kType == QuantType::kQ8_0 ? _cvtsh_ss(read_block_u16(blk)) : read_block_f32(blk);
+        out.m[r] = kType == QuantType::kQ8_0 ? out.d[r] : read_block_f32(blk + 4);
+        for (std::size_t g = 0; g < 8; ++g) std::memcpy(&out.q[g][4 * r], qs + 4 * g, 4);
+      }
+    }
+  } else {
+    pack_4_bit_panel<kType>(w, blocks, block_bytes, j0, panel);
+  }
+}
+
+template <QuantType kType>
+__attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w, std::size_t blocks,
+                                                               std::size_t block_bytes, std::size_t j0,
+                                                               PanelBlock* panel) {
   const std::size_t row_bytes = blocks * block_bytes;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (std::size_t b = 0; b < blocks; ++b) {
@@ -414,11 +442,89 @@ __attribute__((target("avx2,fma,f16c"))) void pack_panel(const uint8_t* w, std::
   }
 }
 
-// kInputs input rows from i0 against the panel of weight rows [j0, j0 + 8).
+// Row i's 8 outputs from lane r of acc, with bias and residual, rounded once to T.
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) inline void store_panel_row(LinearShape s, __m256 acc,
+                                                                     const EpilogueOf<T>& epi, T* y, std::size_t i,
+                                                                     std::size_t j0) {
+  float out[kPanelRows];
+  _mm256_storeu_ps(out, acc);
+  for (std::size_t r = 0; r < kPanelRows; ++r) {
+    float v = out[r];
+    if (epi.bias != nullptr) v += load_scalar(epi.bias[j0 + r]);
+    if (epi.residual != nullptr) v += load_scalar(epi.residual[i * s.n + j0 + r]);
+    store_scalar(&y[i * s.n + j0 + r], v);
+  }
+}
+
+// The 8-bit formats' panels: maddubs takes |w| against x carrying w's sign, and its int16 pair sums (up to
+// 2 x 128 x 127) cannot be added in int16, so each goes to int32 at once; values 0-15 and 16-31 keep their own sums
+// for their own scales.
+template <QuantType kType, std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void signed_panel_tile(LinearShape s, const PanelBlock* panel,
+                                                                const ActBlock* act, const EpilogueOf<T>& epi, T* y,
+                                                                std::size_t i0, std::size_t j0) {
+  const std::size_t blocks = s.k / kQuantBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kInputs];
+  for (std::size_t i = 0; i < kInputs; ++i) acc[i] = _mm256_setzero_ps();
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const PanelBlock& pb = panel[b];
+    const ActBlock* a[kInputs];
+    __m256i sums[kInputs][2];
+    for (std::size_t i = 0; i < kInputs; ++i) {
+      a[i] = act + (i0 + i) * blocks + b;
+      sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+    }
+    for (std::size_t g = 0; g < 8; ++g) {
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.q[g]));
+      const __m256i wabs = _mm256_sign_epi8(wq, wq);
+      for (std::size_t i = 0; i < kInputs; ++i) {
+        int32_t four = 0;
+        std::memcpy(&four, a[i]->q + 4 * g, sizeof four);
+        const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(_mm256_set1_epi32(four), wq));
+        sums[i][g / 4] = _mm256_add_epi32(sums[i][g / 4], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(pb.d);
+    const __m256 d1 = _mm256_loadu_ps(pb.m);
+    for (std::size_t i = 0; i < kInputs; ++i) {
+      const __m256 dx = _mm256_set1_ps(a[i]->d);
+      __m256 block;
+      if constexpr (kType == QuantType::kQ8_0) {
+        block = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[i][0], sums[i][1])), _mm256_mul_ps(d0, dx));
+      } else {
+        block = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][0]), d0,
+                                _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][1]), d1));
+        block = _mm256_mul_ps(block, dx);
+      }
+      acc[i] = _mm256_add_ps(acc[i], block);
+    }
+  }
+  for (std::size_t i = 0; i < kInputs; ++i) store_panel_row(s, acc[i], epi, y, i0 + i, j0);
+}
+
 template <std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void unsigned_panel_tile(LinearShape s, const PanelBlock* panel,
+                                                                  const ActBlock* act, const EpilogueOf<T>& epi, T* y,
+                                                                  std::size_t i0, std::size_t j0);
+
+// kInputs input rows from i0 against the panel of weight rows [j0, j0 + 8).
+template <QuantType kType, std::size_t kInputs, class T>
 __attribute__((target("avx2,fma,f16c"))) void panel_tile(LinearShape s, const PanelBlock* panel, const ActBlock* act,
                                                          const EpilogueOf<T>& epi, T* y, std::size_t i0,
                                                          std::size_t j0) {
+  if constexpr (is_signed(kType)) {
+    signed_panel_tile<kType, kInputs>(s, panel, act, epi, y, i0, j0);
+  } else {
+    unsigned_panel_tile<kInputs>(s, panel, act, epi, y, i0, j0);
+  }
+}
+
+template <std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void unsigned_panel_tile(LinearShape s, const PanelBlock* panel,
+                                                                  const ActBlock* act, const EpilogueOf<T>& epi, T* y,
+                                                                  std::size_t i0, std::size_t j0) {
   const std::size_t blocks = s.k / kQuantBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kInputs];
@@ -449,17 +555,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_tile(LinearShape s, const Pa
       acc[i] = _mm256_add_ps(acc[i], _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a[i]->d)), offset));
     }
   }
-  for (std::size_t i = 0; i < kInputs; ++i) {
-    float out[kPanelRows];
-    _mm256_storeu_ps(out, acc[i]);
-    T* row = y + (i0 + i) * s.n + j0;
-    for (std::size_t r = 0; r < kPanelRows; ++r) {
-      float v = out[r];
-      if (epi.bias != nullptr) v += load_scalar(epi.bias[j0 + r]);
-      if (epi.residual != nullptr) v += load_scalar(epi.residual[(i0 + i) * s.n + j0 + r]);
-      store_scalar(&row[r], v);
-    }
-  }
+  for (std::size_t i = 0; i < kInputs; ++i) store_panel_row(s, acc[i], epi, y, i0 + i, j0);
 }
 
 // The calling thread's panel buffer (kept between calls).
@@ -479,11 +575,11 @@ void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, co
   for (; j + kPanelRows <= j1; j += kPanelRows) {
     pack_panel<kType>(w, blocks, block_bytes, j, panel);
     std::size_t i0 = 0;
-    for (; i0 + 4 <= s.m; i0 += 4) panel_tile<4>(s, panel, act, epi, y, i0, j);
+    for (; i0 + 4 <= s.m; i0 += 4) panel_tile<kType, 4>(s, panel, act, epi, y, i0, j);
     switch (s.m - i0) {
-      case 3: panel_tile<3>(s, panel, act, epi, y, i0, j); break;
-      case 2: panel_tile<2>(s, panel, act, epi, y, i0, j); break;
-      case 1: panel_tile<1>(s, panel, act, epi, y, i0, j); break;
+      case 3: panel_tile<kType, 3>(s, panel, act, epi, y, i0, j); break;
+      case 2: panel_tile<kType, 2>(s, panel, act, epi, y, i0, j); break;
+      case 1: panel_tile<kType, 1>(s, panel, act, epi, y, i0, j); break;
       default: break;
     }
   }
@@ -495,8 +591,14 @@ void rows_avx2_any(QuantType type, LinearShape s, std::size_t block_bytes, const
                    const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
   const bool panels = s.m >= kPanelMinInputs;
   switch (type) {
-    case QuantType::kQ8_0: rows_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1); break;
-    case QuantType::kQ8_2F: rows_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1); break;
+    case QuantType::kQ8_0:
+      if (panels) return panels_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
+      rows_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
+      break;
+    case QuantType::kQ8_2F:
+      if (panels) return panels_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
+      rows_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
+      break;
     case QuantType::kQ4_0:
       if (panels) return panels_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
       rows_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
