@@ -10,10 +10,10 @@ Last line: one JSON object.
 - kernels: per projection shape of the model (fused qkv, o, gate_up, down, lm_head) and row count (1, 16, 32, 64, 256
   and the prompt's; the LM head, which sees one row per sequence, up to 256), milliseconds per call: `float_ms` the
   float path's F.linear / native kernel on float weights, `quant_ms` quant_ops.linear as the model calls it (the int8
-  kernel below DEQUANTIZE_MIN_ROWS rows, dequantized panels and the float GEMM from there), `int8_ms` and
-  `dequant_gemm_ms` each of those two forced (a weight over DEQUANTIZE_MAX_VALUES, the LM head, keeps the int8
-  kernel in both); `speedup` = float_ms / quant_ms. `dequantize_ms`: the weight's native
-  dequantization alone.
+  kernel, with 8-row weight panels for the 4-bit kinds from 32 rows; for DEQUANTIZED_KINDS from DEQUANTIZE_MIN_ROWS
+  rows the float GEMM on the dequantized weight), `int8_ms` and `dequant_gemm_ms` each of those two forced for any kind
+  (a weight over DEQUANTIZE_MAX_VALUES, the LM head, keeps the int8 kernel in both); `speedup` = float_ms / quant_ms.
+  `dequantize_ms`: the weight's native dequantization alone.
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ def kernel_profile(float_model, quant_model, rows: tuple[int, ...], repeats: int
     from ringserve.workers.model import quant_ops
 
     int8_only = 1 << 30
+    every_kind = tuple(quant_ops.BLOCK_BYTES)
+
+    def dequantized(x: torch.Tensor, wq: quant_ops.QuantizedWeight) -> torch.Tensor:
+        kinds, quant_ops.DEQUANTIZED_KINDS = quant_ops.DEQUANTIZED_KINDS, every_kind
+        try:
+            return quant_ops.linear(x, wq, dequantize_min_rows=1)
+        finally:
+            quant_ops.DEQUANTIZED_KINDS = kinds
 
     layer_f, layer_q = float_model.model.layers[0], quant_model.model.layers[0]
     pairs = {
@@ -80,7 +88,7 @@ def kernel_profile(float_model, quant_model, rows: tuple[int, ...], repeats: int
                 "float_ms": best_ms(lambda x=x, wf=wf: quant_ops.linear(x, wf), repeats),
                 "quant_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq), repeats),
                 "int8_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq, dequantize_min_rows=int8_only), repeats),
-                "dequant_gemm_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq, dequantize_min_rows=1), repeats),
+                "dequant_gemm_ms": best_ms(lambda x=x, wq=wq: dequantized(x, wq), repeats),
             }
             row: dict[str, float] = {key: round(value, 3) for key, value in times.items()}
             row["speedup"] = round(times["float_ms"] / times["quant_ms"], 2)
@@ -131,6 +139,7 @@ def main() -> None:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "dequantize_min_rows": quant_ops.DEQUANTIZE_MIN_ROWS,
+        "dequantized_kinds": list(quant_ops.DEQUANTIZED_KINDS),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "prompt_len": prompt_len,
         "single_tok_s": round(single["gguf"], 2),

@@ -34,16 +34,13 @@ void block_portable(QuantType type, const uint8_t* b, float* out) {
       return;
     }
     case QuantType::kQ4_0: {
-      const float d = half_to_float(read_block_u16(b));
-      for (std::size_t p = 0; p < kQuantBlock; ++p) out[p] = d * static_cast<float>(static_cast<int>(nibble(b + 2, p)) - 8);
+      const Q4Header h = read_q4_header(type, b);
+      for (std::size_t p = 0; p < kQuantBlock; ++p) out[p] = h.d * static_cast<float>(static_cast<int>(nibble(h.qs, p)) - 8);
       return;
     }
     case QuantType::kQ4_1:
     case QuantType::kQ4_1F: {
-      const bool halves = type == QuantType::kQ4_1;
-      const float d = halves ? half_to_float(read_block_u16(b)) : read_block_f32(b);
-      const float m = halves ? half_to_float(read_block_u16(b + 2)) : read_block_f32(b + 4);
-      const uint8_t* qs = b + (halves ? 4 : 8);
+      const auto [d, m, qs] = read_q4_header(type, b);
       for (std::size_t p = 0; p < kQuantBlock; ++p) {
         const float scaled = d * static_cast<float>(nibble(qs, p));  // rounded on its own, as gguf does
         out[p] = scaled + m;
@@ -72,21 +69,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const uint8_t* b, float
       store8(out + 8 * g, q, g < 2 ? lo : hi, _mm256_setzero_ps(), false);
     }
   } else {
-    float d = 0.0F;
-    float m = 0.0F;
-    const uint8_t* qs = nullptr;
-    if constexpr (kType == QuantType::kQ4_0) {
-      d = _cvtsh_ss(read_block_u16(b));
-      qs = b + 2;
-    } else if constexpr (kType == QuantType::kQ4_1) {
-      d = _cvtsh_ss(read_block_u16(b));
-      m = _cvtsh_ss(read_block_u16(b + 2));
-      qs = b + 4;
-    } else {
-      d = read_block_f32(b);
-      m = read_block_f32(b + 4);
-      qs = b + 8;
-    }
+    const auto [d, m, qs] = read_q4_header_f16c<kType>(b);
     const __m256 scale = _mm256_set1_ps(d);
     const __m256 offset = _mm256_set1_ps(m);
     const __m256i mask = _mm256_set1_epi32(0x0F);

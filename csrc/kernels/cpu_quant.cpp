@@ -119,23 +119,8 @@ float block_dot_portable(QuantType type, const uint8_t* b, const ActBlock& a) {
     }
     default: break;
   }
-  // The 4-bit formats: d * (sum of nibble * x) + offset * (sum of x), Q4_0's offset being -8 d.
-  float d = 0.0F;
-  float m = 0.0F;
-  const uint8_t* qs = nullptr;
-  if (type == QuantType::kQ4_0) {
-    d = half_to_float(read_block_u16(b));
-    m = -8.0F * d;
-    qs = b + 2;
-  } else if (type == QuantType::kQ4_1) {
-    d = half_to_float(read_block_u16(b));
-    m = half_to_float(read_block_u16(b + 2));
-    qs = b + 4;
-  } else {
-    d = read_block_f32(b);
-    m = read_block_f32(b + 4);
-    qs = b + 8;
-  }
+  // The 4-bit formats: d * (sum of nibble * x) + m * (sum of x).
+  const auto [d, m, qs] = read_q4_header(type, b);
   int sum = 0;
   for (std::size_t p = 0; p < 16; ++p) sum += (qs[p] & 0x0F) * a.q[p] + (qs[p] >> 4) * a.q[p + 16];
   return d * a.d * static_cast<float>(sum) + m * a.s;
@@ -186,13 +171,9 @@ __attribute__((target("avx2,fma,f16c"))) inline WeightBlock load_block(const uin
   } else if constexpr (kType == QuantType::kQ8_2F) {
     const __m256 scale = _mm256_set_m128(_mm_set1_ps(read_block_f32(b + 4)), _mm_set1_ps(read_block_f32(b)));
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8)), scale, 0.0F};
-  } else if constexpr (kType == QuantType::kQ4_0) {
-    const float d = half_avx2(b);
-    return {nibbles(b + 2), _mm256_set1_ps(d), -8.0F * d};
-  } else if constexpr (kType == QuantType::kQ4_1) {
-    return {nibbles(b + 4), _mm256_set1_ps(half_avx2(b)), half_avx2(b + 2)};
   } else {
-    return {nibbles(b + 8), _mm256_set1_ps(read_block_f32(b)), read_block_f32(b + 4)};
+    const Q4Header h = read_q4_header_f16c<kType>(b);
+    return {nibbles(h.qs), _mm256_set1_ps(h.d), h.m};
   }
 }
 
@@ -382,15 +363,254 @@ void rows_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, cons
   for (; j < j1; ++j) column_avx2<kType, 1>(s, block_bytes, act, w, epi, y, j);
 }
 
+// ---- Many input rows: panels of 8 weight rows ----
+//
+// For a prompt chunk or a large batch each weight block meets many input blocks, so a chunk's weight rows are first
+// laid out again, 8 rows at a time, as a panel: per block, register g holds values 4g..4g+3 of each of the 8 rows
+// (row r in int32 lane r) as unsigned bytes, beside the rows' scales and offsets in float32. One input block's four
+// values 4g..4g+3, broadcast to every lane, meet register g in one maddubs; the 8 registers' int16 sums stay within
+// int16 (8 x 2 x 15 x 127 < 32768), so a block costs 8 maddubs, 8 int16 adds and one madd for 8 rows' 32-value dot
+// products, whose int32 results already sit one row per lane: no horizontal sums, and 8 outputs stored together.
+// The 8-bit formats' panels hold the int8 values themselves (signed_panel_tile): fewer instructions than their tiles,
+// though not fewer than a float32 GEMM's FMAs, which is why quant_ops dequantizes those weights where it can.
+
+constexpr std::size_t kPanelRows = 8;
+// From this many input rows every format takes panels. The 4-bit ones beat the tiles from 8 rows on SmolLM2's shapes
+// (1.7-2x), but they sum in another order, and the embedded model's greedy tokens with int8 inputs sit at the edge
+// of their accuracy bar (tests/workers/test_quant_ops.py): decode batches of fewer rows keep the tiles they had.
+constexpr std::size_t kPanelMinInputs = 32;
+
+struct PanelBlock {
+  uint8_t q[8][32];
+  float d[kPanelRows];
+  float m[kPanelRows];
+};
+
+template <QuantType kType>
+__attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w, std::size_t blocks,
+                                                               std::size_t block_bytes, std::size_t j0,
+                                                               PanelBlock* panel);
+
+// Weight rows [j0, j0 + 8) as a panel of `blocks` blocks.
+template <QuantType kType>
+__attribute__((target("avx2,fma,f16c"))) void pack_panel(const uint8_t* w, std::size_t blocks, std::size_t block_bytes,
+                                                         std::size_t j0, PanelBlock* panel) {
+  const std::size_t row_bytes = blocks * block_bytes;
+  if constexpr (is_signed(kType)) {  // int8 values as they are; d: the scale of values 0-15, m: of values 16-31
+    for (std::size_t b = 0; b < blocks; ++b) {
+      PanelBlock& out = panel[b];
+      for (std::size_t r = 0; r < kPanelRows; ++r) {
+        const uint8_t* blk = w + (j0 + r) * row_bytes + b * block_bytes;
+        const uint8_t* qs = blk + (kType == QuantType::kQ8_0 ? 2 : 8);
+        out.d[r] = kType == QuantType::kQ8_0 ? _cvtsh_ss(read_block_u16(blk)) : read_block_f32(blk);
+        out.m[r] = kType == QuantType::kQ8_0 ? out.d[r] : read_block_f32(blk + 4);
+        for (std::size_t g = 0; g < 8; ++g) std::memcpy(&out.q[g][4 * r], qs + 4 * g, 4);
+      }
+    }
+  } else {
+    pack_4_bit_panel<kType>(w, blocks, block_bytes, j0, panel);
+  }
+}
+
+template <QuantType kType>
+__attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w, std::size_t blocks,
+                                                               std::size_t block_bytes, std::size_t j0,
+                                                               PanelBlock* panel) {
+  const std::size_t row_bytes = blocks * block_bytes;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    PanelBlock& out = panel[b];
+    __m256i pair[4];  // rows r and r + 4: their 16 nibble bytes in the low and high 128-bit lanes
+    for (std::size_t r = 0; r < kPanelRows; ++r) {
+      const Q4Header h = read_q4_header_f16c<kType>(w + (j0 + r) * row_bytes + b * block_bytes);
+      out.d[r] = h.d;
+      out.m[r] = h.m;
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.qs));
+      pair[r % 4] = r < 4 ? _mm256_castsi128_si256(q) : _mm256_inserti128_si256(pair[r % 4], q, 1);
+    }
+    // A 4 x 4 transpose of int32s in each lane: t[g] then holds bytes 4g..4g+3 of rows 0-3 (low lane), 4-7 (high).
+    const __m256i lo01 = _mm256_unpacklo_epi32(pair[0], pair[1]);
+    const __m256i lo23 = _mm256_unpacklo_epi32(pair[2], pair[3]);
+    const __m256i hi01 = _mm256_unpackhi_epi32(pair[0], pair[1]);
+    const __m256i hi23 = _mm256_unpackhi_epi32(pair[2], pair[3]);
+    const __m256i t[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
+                          _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
+    for (std::size_t g = 0; g < 4; ++g) {  // low nibbles are values 0-15, high nibbles 16-31
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g]), _mm256_and_si256(t[g], mask));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g + 4]), _mm256_and_si256(_mm256_srli_epi16(t[g], 4), mask));
+    }
+  }
+}
+
+// Row i's 8 outputs from lane r of acc, with bias and residual, rounded once to T.
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) inline void store_panel_row(LinearShape s, __m256 acc,
+                                                                     const EpilogueOf<T>& epi, T* y, std::size_t i,
+                                                                     std::size_t j0) {
+  float out[kPanelRows];
+  _mm256_storeu_ps(out, acc);
+  for (std::size_t r = 0; r < kPanelRows; ++r) {
+    float v = out[r];
+    if (epi.bias != nullptr) v += load_scalar(epi.bias[j0 + r]);
+    if (epi.residual != nullptr) v += load_scalar(epi.residual[i * s.n + j0 + r]);
+    store_scalar(&y[i * s.n + j0 + r], v);
+  }
+}
+
+// The 8-bit formats' panels: maddubs takes |w| against x carrying w's sign, and its int16 pair sums (up to
+// 2 x 128 x 127) cannot be added in int16, so each goes to int32 at once; values 0-15 and 16-31 keep their own sums
+// for their own scales.
+template <QuantType kType, std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void signed_panel_tile(LinearShape s, const PanelBlock* panel,
+                                                                const ActBlock* act, const EpilogueOf<T>& epi, T* y,
+                                                                std::size_t i0, std::size_t j0) {
+  const std::size_t blocks = s.k / kQuantBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kInputs];
+  for (std::size_t i = 0; i < kInputs; ++i) acc[i] = _mm256_setzero_ps();
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const PanelBlock& pb = panel[b];
+    const ActBlock* a[kInputs];
+    __m256i sums[kInputs][2];
+    for (std::size_t i = 0; i < kInputs; ++i) {
+      a[i] = act + (i0 + i) * blocks + b;
+      sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+    }
+    for (std::size_t g = 0; g < 8; ++g) {
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.q[g]));
+      const __m256i wabs = _mm256_sign_epi8(wq, wq);
+      for (std::size_t i = 0; i < kInputs; ++i) {
+        int32_t four = 0;
+        std::memcpy(&four, a[i]->q + 4 * g, sizeof four);
+        const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(_mm256_set1_epi32(four), wq));
+        sums[i][g / 4] = _mm256_add_epi32(sums[i][g / 4], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(pb.d);
+    const __m256 d1 = _mm256_loadu_ps(pb.m);
+    for (std::size_t i = 0; i < kInputs; ++i) {
+      const __m256 dx = _mm256_set1_ps(a[i]->d);
+      __m256 block;
+      if constexpr (kType == QuantType::kQ8_0) {
+        block = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[i][0], sums[i][1])), _mm256_mul_ps(d0, dx));
+      } else {
+        block = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][0]), d0,
+                                _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][1]), d1));
+        block = _mm256_mul_ps(block, dx);
+      }
+      acc[i] = _mm256_add_ps(acc[i], block);
+    }
+  }
+  for (std::size_t i = 0; i < kInputs; ++i) store_panel_row(s, acc[i], epi, y, i0 + i, j0);
+}
+
+template <std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void unsigned_panel_tile(LinearShape s, const PanelBlock* panel,
+                                                                  const ActBlock* act, const EpilogueOf<T>& epi, T* y,
+                                                                  std::size_t i0, std::size_t j0);
+
+// kInputs input rows from i0 against the panel of weight rows [j0, j0 + 8).
+template <QuantType kType, std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void panel_tile(LinearShape s, const PanelBlock* panel, const ActBlock* act,
+                                                         const EpilogueOf<T>& epi, T* y, std::size_t i0,
+                                                         std::size_t j0) {
+  if constexpr (is_signed(kType)) {
+    signed_panel_tile<kType, kInputs>(s, panel, act, epi, y, i0, j0);
+  } else {
+    unsigned_panel_tile<kInputs>(s, panel, act, epi, y, i0, j0);
+  }
+}
+
+template <std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void unsigned_panel_tile(LinearShape s, const PanelBlock* panel,
+                                                                  const ActBlock* act, const EpilogueOf<T>& epi, T* y,
+                                                                  std::size_t i0, std::size_t j0) {
+  const std::size_t blocks = s.k / kQuantBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kInputs];
+  for (std::size_t i = 0; i < kInputs; ++i) acc[i] = _mm256_setzero_ps();
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const PanelBlock& pb = panel[b];
+    const ActBlock* a[kInputs];
+    __m256i sums[kInputs];
+    for (std::size_t i = 0; i < kInputs; ++i) {
+      a[i] = act + (i0 + i) * blocks + b;
+      sums[i] = _mm256_setzero_si256();
+    }
+    for (std::size_t g = 0; g < 8; ++g) {
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.q[g]));
+      for (std::size_t i = 0; i < kInputs; ++i) {
+        int32_t four = 0;
+        std::memcpy(&four, a[i]->q + 4 * g, sizeof four);
+        sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(four)));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(pb.d);
+    const __m256 m = _mm256_loadu_ps(pb.m);
+    for (std::size_t i = 0; i < kInputs; ++i) {
+      // The block's scaled dot product and its offset term (often of opposite signs and larger than their sum)
+      // meet before the running sum, which then rounds only what the block adds.
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
+      const __m256 offset = _mm256_mul_ps(m, _mm256_set1_ps(a[i]->s));
+      acc[i] = _mm256_add_ps(acc[i], _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a[i]->d)), offset));
+    }
+  }
+  for (std::size_t i = 0; i < kInputs; ++i) store_panel_row(s, acc[i], epi, y, i0 + i, j0);
+}
+
+// The calling thread's panel buffer (kept between calls).
+PanelBlock* panel_buffer(std::size_t blocks) {
+  thread_local std::vector<PanelBlock> buffer;
+  if (buffer.size() < blocks) buffer.resize(blocks);
+  return buffer.data();
+}
+
+// Weight rows [j0, j1) against every input row: panels of 8 rows, the last rows (fewer than 8) by rows_avx2.
+template <QuantType kType, class T>
+void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
+                 const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+  const std::size_t blocks = s.k / kQuantBlock;
+  PanelBlock* panel = panel_buffer(blocks);
+  std::size_t j = j0;
+  for (; j + kPanelRows <= j1; j += kPanelRows) {
+    pack_panel<kType>(w, blocks, block_bytes, j, panel);
+    std::size_t i0 = 0;
+    for (; i0 + 4 <= s.m; i0 += 4) panel_tile<kType, 4>(s, panel, act, epi, y, i0, j);
+    switch (s.m - i0) {
+      case 3: panel_tile<kType, 3>(s, panel, act, epi, y, i0, j); break;
+      case 2: panel_tile<kType, 2>(s, panel, act, epi, y, i0, j); break;
+      case 1: panel_tile<kType, 1>(s, panel, act, epi, y, i0, j); break;
+      default: break;
+    }
+  }
+  if (j < j1) rows_avx2<kType>(s, block_bytes, act, w, epi, y, j, j1);
+}
+
 template <class T>
 void rows_avx2_any(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
                    const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+  const bool panels = s.m >= kPanelMinInputs;
   switch (type) {
-    case QuantType::kQ8_0: rows_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1); break;
-    case QuantType::kQ4_0: rows_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1); break;
-    case QuantType::kQ4_1: rows_avx2<QuantType::kQ4_1>(s, block_bytes, act, w, epi, y, j0, j1); break;
-    case QuantType::kQ4_1F: rows_avx2<QuantType::kQ4_1F>(s, block_bytes, act, w, epi, y, j0, j1); break;
-    case QuantType::kQ8_2F: rows_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1); break;
+    case QuantType::kQ8_0:
+      if (panels) return panels_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
+      rows_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
+      break;
+    case QuantType::kQ8_2F:
+      if (panels) return panels_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
+      rows_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
+      break;
+    case QuantType::kQ4_0:
+      if (panels) return panels_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
+      rows_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
+      break;
+    case QuantType::kQ4_1:
+      if (panels) return panels_avx2<QuantType::kQ4_1>(s, block_bytes, act, w, epi, y, j0, j1);
+      rows_avx2<QuantType::kQ4_1>(s, block_bytes, act, w, epi, y, j0, j1);
+      break;
+    case QuantType::kQ4_1F:
+      if (panels) return panels_avx2<QuantType::kQ4_1F>(s, block_bytes, act, w, epi, y, j0, j1);
+      rows_avx2<QuantType::kQ4_1F>(s, block_bytes, act, w, epi, y, j0, j1);
+      break;
   }
 }
 

@@ -10,14 +10,18 @@
 //
 // Decode rows (a few inputs) read each weight block once for every input row; for a single input row the 4-bit
 // formats put two weight rows' nibbles in one register, so each maddubs covers two rows, and the next tile of weight
-// rows is prefetched while one is computed. Prompt chunks walk chunks of 16 weight rows that stay in L1 while every
-// input row passes them. Threads take chunks of weight rows as they free up.
+// rows is prefetched while one is computed. Prompt chunks and large batches (32 input rows or more) first lay each 8
+// weight rows out as a panel that holds 4 values of every row per register, so that one maddubs against 4 broadcast
+// input values covers 8 rows and the int32 sums come out one row per lane (for the 4-bit formats 1.5-2x a float32 GEMM
+// on dequantized weights). Threads take chunks of 16 weight rows as they free up.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
+
+#include <immintrin.h>
 
 #include "kernels/cpu_linear.h"
 
@@ -72,5 +76,33 @@ inline uint16_t read_block_u16(const uint8_t* p) {
 
 // IEEE half precision to float32 (exact; subnormals, infinities and NaN kept).
 float half_to_float(uint16_t h);
+
+// A 4-bit block's header (kQ4_0, kQ4_1, kQ4_1F): nibble q stands for d * q + m (Q4_0 has no offset field: m = -8 d),
+// and its 16 bytes of nibbles start at qs. read_q4_header is the portable reader; read_q4_header_f16c gives the same
+// values with the CPU's half-precision conversion, for the AVX2 kernels.
+struct Q4Header {
+  float d;
+  float m;
+  const uint8_t* qs;
+};
+
+inline Q4Header read_q4_header(QuantType type, const uint8_t* b) {
+  if (type == QuantType::kQ4_1F) return {read_block_f32(b), read_block_f32(b + 4), b + 8};
+  const float d = half_to_float(read_block_u16(b));
+  if (type == QuantType::kQ4_0) return {d, -8.0F * d, b + 2};
+  return {d, half_to_float(read_block_u16(b + 2)), b + 4};
+}
+
+template <QuantType kType>
+__attribute__((target("f16c"))) inline Q4Header read_q4_header_f16c(const uint8_t* b) {
+  static_assert(kType == QuantType::kQ4_0 || kType == QuantType::kQ4_1 || kType == QuantType::kQ4_1F);
+  if constexpr (kType == QuantType::kQ4_1F) {
+    return {read_block_f32(b), read_block_f32(b + 4), b + 8};
+  } else {
+    const float d = _cvtsh_ss(read_block_u16(b));
+    if constexpr (kType == QuantType::kQ4_0) return {d, -8.0F * d, b + 2};
+    return {d, _cvtsh_ss(read_block_u16(b + 2)), b + 4};
+  }
+}
 
 }  // namespace ringserve::kernels

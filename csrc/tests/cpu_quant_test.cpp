@@ -172,10 +172,12 @@ TEST(avx2_matches_portable_for_every_tile_and_thread_split) {
     std::fprintf(stderr, "  skipped: this CPU has no AVX2 (the portable path is tested above)\n");
     return;
   }
+  // From 32 input rows the 4-bit formats take 8-row weight panels: 32, 33, 34 and 67 inputs leave every tail of input
+  // tiles; 35 and 45 rows leave a chunk of 16 with 3 rows past its panels, and one with a panel and 5 more.
   for (const QuantType type : kTypes) {
-    for (const std::size_t m : {1, 2, 3, 4, 5, 7, 64}) {
+    for (const std::size_t m : {1, 2, 3, 4, 5, 7, 32, 33, 34, 67}) {
       for (const int threads : {1, 2, 4}) {
-        const std::size_t n = 35;
+        const std::size_t n = m % 2 == 0 ? 35 : 45;
         const auto fast = check_type<float>(type, m, n, 160, QuantPath::kFastest, threads, true, false);
         const auto slow = check_type<float>(type, m, n, 160, QuantPath::kPortable, 1, true, false);
         for (std::size_t e = 0; e < fast.size(); ++e) {

@@ -1,6 +1,6 @@
 """The one-call native decoder over quantized GGUF projections (`DecoderF32` / `DecoderBf16` with blocks): decode
-steps bit-identical to the layer-by-layer path, which it replaces only for steps under DEQUANTIZE_MIN_ROWS rows (from
-there the layer path multiplies dequantized weights). Runs wherever the int8 kernel has its AVX2 path."""
+steps bit-identical to the layer-by-layer path, which it replaces except where a projection takes the float GEMM on
+dequantized weights (8-bit blocks from DEQUANTIZE_MIN_ROWS rows). Runs wherever the int8 kernel has its AVX2 path."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from ringserve.workers.attention import torch_sdpa
 from ringserve.workers.loader import load_model
-from ringserve.workers.model import KVCache, LlamaForCausalLM, cpu_ops, native_decoder, quant_ops
+from ringserve.workers.model import KVCache, LlamaForCausalLM, cpu_ops, quant_ops
 from ringserve.workers.model.fast_paths import apply_fast_paths
 from ringserve.workers.model.native_decoder import NativeDecoder
 from test_gguf_loader import tiny_hf, write_gguf
@@ -75,11 +75,16 @@ def test_steps_of_dequantize_min_rows_keep_the_layer_by_layer_path(gguf_path, mo
     decoder = model.native_decoder()
     assert decoder is not None and decoder.quantized
     forward_packed(model, [(p, 0, t) for p, t in zip(PROMPTS, TABLES, strict=True)], BLOCK)
-    monkeypatch.setattr(native_decoder, "DEQUANTIZE_MIN_ROWS", 3)  # three decode rows: the dequantizing route
+    monkeypatch.setattr(quant_ops, "DEQUANTIZE_MIN_ROWS", 3)  # three decode rows: the Q8_0 O projection dequantized
     forward_packed(model, [([1], len(p), t) for p, t in zip(PROMPTS, TABLES, strict=True)], BLOCK)
     assert calls[0] == 0
     forward_packed(model, [([1], len(p) + 1, t) for p, t in zip(PROMPTS[:2], TABLES[:2], strict=True)], BLOCK)
     assert calls[0] == 1
+    # Without Q8_0 among the dequantized kinds every projection keeps the int8 kernel at any row count (the 4-bit
+    # kinds' case): three rows go to the native decoder again.
+    monkeypatch.setattr(quant_ops, "DEQUANTIZED_KINDS", (quant_ops.Q8_2F,))
+    forward_packed(model, [([1], len(p) + 2, t) for p, t in zip(PROMPTS, TABLES, strict=True)], BLOCK)
+    assert calls[0] == 2
 
 
 def test_a_model_mixing_dense_and_quantized_projections_keeps_the_layer_by_layer_path(gguf_path):

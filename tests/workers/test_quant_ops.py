@@ -17,12 +17,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from ringserve.formats.engine_args import EngineArgs
 from ringserve.workers.loader import load_model
-from ringserve.workers.model import quant_ops
+from ringserve.workers.model import cpu_ops, quant_ops
 from ringserve.workers.model.fast_paths import FusedAttention, apply_fast_paths
 from test_gguf_loader import k_quant_bytes, tiny_hf, write_gguf
 from workers_testkit import bind_cache, forward_packed
 
-pytestmark = pytest.mark.skipif(quant_ops._MODULE is None, reason="the native kernels are not built")
+pytestmark = pytest.mark.skipif(cpu_ops._MODULE is None, reason="the native kernels are not built")
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
 BLOCK = 4
 
@@ -72,7 +72,7 @@ def check_product(qtype: Q, m: int, n: int, k: int, threads: int = 1, dtype: tor
     extra = bias.double().numpy() + residual.double().numpy()
     magnitude = np.abs(xd) @ np.abs(w).T + np.abs(extra)
     rel = 2e-5 if dtype is torch.float32 else 8e-3
-    if m >= dequantize_min_rows:  # the float path: only float32 sums (and bf16 outputs) differ from float64
+    if quant_ops.dequantizes(weight, m, dequantize_min_rows):  # the float path: only float32 sums (and bf16 outputs)
         np.testing.assert_array_less(np.abs(y - (xd @ w.T + extra)), rel * magnitude + 1e-6)
         return
     # Tight: the same int8 inputs in float64, so only float32 sums (and bf16 outputs) differ.
@@ -110,7 +110,17 @@ def test_dequantize_gives_gguf_values_bit_for_bit(qtype, portable):
         np.testing.assert_array_equal(got.numpy(), quants.dequantize(raw, qtype).reshape(n, k))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+def test_many_rows_of_4_bit_blocks_take_the_int8_panels(qtype):
+    k = 256 if qtype is Q.Q4_K else 96
+    for m in (32, 33, 34, 71):  # 8-row weight panels (from 32 rows), every tail of 4-row input tiles
+        check_product(qtype, m, 45, k, dequantize_min_rows=quant_ops.DEQUANTIZE_MIN_ROWS)
+    check_product(qtype, 35, 37, 2 * k, dtype=torch.bfloat16)
+    for threads in (2, 3):
+        check_product(qtype, 33, 61, k, threads=threads)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
 def test_many_rows_multiply_the_dequantized_weight_in_float32(qtype, monkeypatch):
     k = 256 if qtype in (Q.Q4_K, Q.Q6_K) else 96
     m = quant_ops.DEQUANTIZE_MIN_ROWS
@@ -119,14 +129,14 @@ def test_many_rows_multiply_the_dequantized_weight_in_float32(qtype, monkeypatch
     check_product(qtype, 7, 37, k, dequantize_min_rows=1, portable=True)
     check_product(qtype, m, 37, k, threads=2, dtype=torch.bfloat16, dequantize_min_rows=m)
     monkeypatch.setattr(quant_ops, "DEQUANTIZE_MAX_VALUES", 37 * k - 1)  # a weight over the limit keeps int8
-    check_product(qtype, m, 37, k, dequantize_min_rows=INT8_ONLY)
-    with pytest.raises(AssertionError):
-        check_product(qtype, m, 37, k, dequantize_min_rows=m)  # (the float path's tighter bound fails on int8)
+    weight = quant_ops.from_gguf(random_blocks(37, k, qtype, seed=0), qtype, 37, k)
+    assert not quant_ops.dequantizes(weight, m)
+    check_product(qtype, m, 37, k)  # held to the int8 inputs' exact product, which the float path would miss
 
 
 def test_the_float_path_agrees_with_the_int8_kernel_on_a_prompt_chunk():
-    raw = random_blocks(40, 128, Q.Q4_1, seed=3)
-    weight = quant_ops.from_gguf(raw, Q.Q4_1, 40, 128)
+    raw = random_blocks(40, 128, Q.Q8_0, seed=3)
+    weight = quant_ops.from_gguf(raw, Q.Q8_0, 40, 128)
     x = torch.randn(quant_ops.DEQUANTIZE_MIN_ROWS, 128, generator=torch.Generator().manual_seed(4))
     floats = quant_ops.linear(x, weight)
     int8 = quant_ops.linear(x, weight, dequantize_min_rows=INT8_ONLY)
@@ -239,8 +249,9 @@ def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity(monkey
 
     want_ppl, got_ppl = perplexity(models["none"]), perplexity(models["gguf"])
     assert abs(got_ppl / want_ppl - 1) <= 0.01, f"perplexity {got_ppl:.4f} vs float32 {want_ppl:.4f}"
-    # The text is one prompt chunk, which the float GEMM on dequantized weights takes; the int8 kernel too must hold.
+    # The text is one prompt chunk, whose 4-bit projections take the int8 kernel's panels; the float GEMM on
+    # dequantized weights (the route of the 8-bit kinds) must hold too.
     assert len(ids) >= quant_ops.DEQUANTIZE_MIN_ROWS
-    monkeypatch.setattr(quant_ops, "DEQUANTIZE_MIN_ROWS", INT8_ONLY)
-    int8_ppl = perplexity(models["gguf"])
-    assert int8_ppl != got_ppl and abs(int8_ppl / want_ppl - 1) <= 0.01, f"int8 kernel: perplexity {int8_ppl:.4f}"
+    monkeypatch.setattr(quant_ops, "DEQUANTIZED_KINDS", tuple(quant_ops.BLOCK_BYTES))
+    float_ppl = perplexity(models["gguf"])
+    assert float_ppl != got_ppl and abs(float_ppl / want_ppl - 1) <= 0.01, f"dequantized: perplexity {float_ppl:.4f}"

@@ -8,10 +8,12 @@ with float32 scales (`repack`). The GGUF loader builds these instead of dequanti
 `QuantizedLinear` (a cpu_ops.Linear without a float weight) computes with them; fast_paths fuses q/k/v and gate/up
 of one block type into one QuantizedWeight as it fuses float weights.
 
-From DEQUANTIZE_MIN_ROWS input rows (prompt chunks, large decode batches) the int8 kernel loses to a float32 GEMM, so
-`linear` dequantizes the weight natively (`_MODULE.dequantize`, gguf's values bit for bit) into a per-thread float32
-buffer and multiplies with cpu_ops.linear; the weight itself stays in blocks. Weights of more than
-DEQUANTIZE_MAX_VALUES values (a large vocabulary's LM head, which sees one row per sequence) stay on the int8 kernel.
+For many input rows (prompt chunks, large decode batches: 32 or more) the kernel lays the 4-bit formats' weight rows
+out again in panels of 8 rows (kernels/cpu_quant.h), which beat a float32 GEMM on dequantized weights there. The
+8-bit formats (DEQUANTIZED_KINDS) have no such panels on AVX2: from DEQUANTIZE_MIN_ROWS input rows `linear`
+dequantizes those weights natively (`_kernels.dequantize`, gguf's values bit for bit) into a per-thread float32 buffer
+and multiplies with cpu_ops.linear; the weight itself stays in blocks. Weights of more than DEQUANTIZE_MAX_VALUES
+values (a large vocabulary's LM head, which sees one row per sequence) stay on the int8 kernel.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from gguf import GGMLQuantizationType
 from ringserve.workers.model import cpu_ops
 from torch import nn
 
-_MODULE = cpu_ops._MODULE
 # The kernel's block formats (kernels/cpu_quant.h QuantType) and the GGUF type each comes from.
 Q8_0, Q4_0, Q4_1, Q4_1F, Q8_2F = range(5)
 BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q4_1F: 24, Q8_2F: 40}
 _FROM_GGUF = {GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q4_0: Q4_0, GGMLQuantizationType.Q4_1: Q4_1,
               GGMLQuantizationType.Q4_K: Q4_1F, GGMLQuantizationType.Q6_K: Q8_2F}  # fmt: skip
 QUANTIZED_GGUF_TYPES = tuple(_FROM_GGUF)
-# Input rows from which `linear` dequantizes the weight and uses the float GEMM instead of the int8 kernel: the
-# crossover measured with benchmarks/quantized.py on SmolLM2's shapes (docs/serving.md#quantized-gguf-weights).
+# The kinds whose products with many input rows take the float GEMM on dequantized weights: the 8-bit ones, whose int8
+# products need a sign fix per multiply on AVX2; the 4-bit kinds' weight panels (the kernel's, from 32 rows) beat that
+# route 1.5-2x at 32-1,024 rows (benchmarks/quantized.py on SmolLM2's shapes, docs/serving.md#quantized-gguf-weights).
+DEQUANTIZED_KINDS = (Q8_0, Q8_2F)
+# Input rows from which `linear` dequantizes a weight of those kinds: the crossover measured as above.
 DEQUANTIZE_MIN_ROWS = 32
 # The largest weight (in values) that path takes, bounding its per-thread buffer at 16 MiB of float32: every
 # projection of a small model; not SmolLM2's LM head (28 M values), where dequantizing in panels of rows measured no
@@ -46,7 +50,7 @@ _buffers = threading.local()
 def available() -> bool:
     """True when the kernel module is built and has its AVX2 path here (the portable loops alone are a reference,
     several times slower than PyTorch's float path)."""
-    return _MODULE is not None and bool(_MODULE.has_avx2_quant())
+    return cpu_ops._MODULE is not None and bool(cpu_ops._MODULE.has_avx2_quant())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +144,7 @@ def dequantize(
     weight: QuantizedWeight, *, out: torch.Tensor | None = None, force_portable: bool = False
 ) -> torch.Tensor:
     """The weight's float32 values [rows, cols] (into `out` if given), as gguf.quants.dequantize gives them."""
-    if _MODULE is None:
+    if cpu_ops._MODULE is None:
         raise RuntimeError("quantized weights need the native kernels (ringserve._kernels is not built)")
     if out is None:
         out = torch.empty(weight.shape, dtype=torch.float32)
@@ -150,9 +154,17 @@ def dequantize(
     return out
 
 
+def dequantizes(weight: QuantizedWeight, rows: int, min_rows: int | None = None) -> bool:
+    """Whether `linear` multiplies `weight` by the float GEMM on its dequantized values at `rows` input rows
+    (`min_rows`: DEQUANTIZE_MIN_ROWS unless given)."""
+    min_rows = DEQUANTIZE_MIN_ROWS if min_rows is None else min_rows
+    return (weight.kind in DEQUANTIZED_KINDS and rows > 0 and rows >= min_rows
+            and weight.rows * weight.cols <= DEQUANTIZE_MAX_VALUES)  # fmt: skip
+
+
 def _dequantize_into(weight: QuantizedWeight, out: torch.Tensor, force_portable: bool) -> None:
     """Every row of the weight into `out` (float32, contiguous, [rows, cols]), on the worker pool's threads."""
-    _MODULE.dequantize(weight.kind, weight.data.data_ptr(), weight.data.numel(), out.data_ptr(), weight.rows,
+    cpu_ops._MODULE.dequantize(weight.kind, weight.data.data_ptr(), weight.data.numel(), out.data_ptr(), weight.rows,
                        weight.cols, force_portable=force_portable, threads=torch.get_num_threads())  # fmt: skip
 
 
@@ -191,11 +203,11 @@ def linear(
     dequantize_min_rows: int | None = None,
 ) -> torch.Tensor:
     """cpu_ops.linear for a float weight; for a QuantizedWeight, x @ W^T (+ bias) (+ residual) by the native int8
-    kernel, or from `dequantize_min_rows` (default DEQUANTIZE_MIN_ROWS) input rows by the float GEMM on the
-    dequantized weight (x float32 or bfloat16 on the CPU; the output has x's dtype)."""
+    kernel, or where `dequantizes` (with `dequantize_min_rows`) by the float GEMM on the dequantized weight (x float32
+    or bfloat16 on the CPU; the output has x's dtype)."""
     if not isinstance(weight, QuantizedWeight):
         return cpu_ops.linear(x, weight, bias, residual)
-    if _MODULE is None:
+    if cpu_ops._MODULE is None:
         raise RuntimeError("quantized weights need the native kernels (ringserve._kernels is not built)")
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantized linear: input must be float32 or bfloat16 on the CPU (got {x.dtype}, {x.device})")
@@ -210,14 +222,13 @@ def linear(
             if t.dtype is not x.dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"quantized linear: {name} must be {x.dtype} of shape {tuple(shape)}")
             extras[name] = t.contiguous()
-    min_rows = DEQUANTIZE_MIN_ROWS if dequantize_min_rows is None else dequantize_min_rows
-    if rows and rows >= min_rows and n * k <= DEQUANTIZE_MAX_VALUES:
+    if dequantizes(weight, rows, dequantize_min_rows):
         residual2 = extras["residual"].view(rows, n) if "residual" in extras else None
         product = _float_product(x2, weight, extras.get("bias"), residual2, force_portable)
         return product.view(*x.shape[:-1], n)
     out = torch.empty((rows, n), dtype=x.dtype)
     if rows:
-        _MODULE.linear_quant(
+        cpu_ops._MODULE.linear_quant(
             x.dtype is torch.bfloat16, weight.kind, x2.data_ptr(), weight.data.data_ptr(), weight.data.numel(),
             extras["bias"].data_ptr() if "bias" in extras else 0, out.data_ptr(), rows, n, k,
             force_portable=force_portable, threads=torch.get_num_threads(),
@@ -252,7 +263,7 @@ def quantization_enabled(setting: str, device: torch.device | str, world_size: i
         return False
     cpu = torch.device(device).type == "cpu"
     if setting == "gguf":
-        if not cpu or world_size > 1 or _MODULE is None:
+        if not cpu or world_size > 1 or cpu_ops._MODULE is None:
             raise ValueError("--quantization gguf needs the CPU device, one worker (--tensor-parallel-size and "
                              "--pipeline-parallel-size 1) and the built native kernels")  # fmt: skip
         return True
