@@ -19,6 +19,14 @@ _PR_SET_PDEATHSIG = 1
 HUGE_PAGE_MALLOC = "glibc.malloc.hugetlb=1"
 # Set in the engine's environment: the GLIBC_TUNABLES the workers get back ("" = none).
 _WORKER_TUNABLES = "RINGSERVE_WORKER_GLIBC_TUNABLES"
+# PyTorch's CPU wheel runs its intra-op threads (and MKL's) on GNU OpenMP, which by default spins 300,000 polls
+# (milliseconds) at every barrier and after every parallel region before it sleeps. A worker with two threads then
+# keeps its OpenMP helper spinning on the core that the native kernels' pool helper, the frontend and the engine
+# need, and the main thread spinning at barriers for a helper another process pushed off its core: on 2 cores that
+# cost four times the CPU of one thread per generated token (benchmarks/cpu_split.py). Workers sleep at once instead
+# (libgomp reads these when torch loads it), unless the operator set either variable.
+OPENMP_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+_OPENMP_WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def engine_environment(base: dict[str, str]) -> dict[str, str]:
@@ -38,8 +46,11 @@ def engine_environment(base: dict[str, str]) -> dict[str, str]:
 
 
 def worker_environment(base: dict[str, str]) -> dict[str, str]:
-    """`base` (the engine's environment) with the GLIBC_TUNABLES the engine was given before engine_environment."""
+    """`base` (the engine's environment) with the GLIBC_TUNABLES the engine was given before engine_environment, and
+    OpenMP told to sleep rather than spin (OPENMP_WAIT_ENV) unless `base` sets its wait policy or spin count."""
     env = dict(base)
+    if not any(key in env for key in _OPENMP_WAIT_KEYS):
+        env.update(OPENMP_WAIT_ENV)
     if _WORKER_TUNABLES in env:
         original = env.pop(_WORKER_TUNABLES)
         if original:
@@ -62,6 +73,15 @@ def reexec_as_engine_process(huge_pages: bool = True) -> None:
         os.environ["RINGSERVE_ENGINE_HUGE_PAGES"] = "0"
     env = engine_environment(dict(os.environ))
     if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def reexec_as_worker_process() -> None:
+    """Replaces this process by itself under worker_environment()'s OpenMP settings, unless it already runs so: for
+    benchmarks that time a worker's model runner in process (libgomp reads them only when it is loaded)."""
+    env = worker_environment(dict(os.environ))
+    if any(env.get(key) != os.environ.get(key) for key in _OPENMP_WAIT_KEYS):
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 

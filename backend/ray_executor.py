@@ -32,7 +32,7 @@ log = logging.getLogger("ringserve.ray_executor")
 START_TIMEOUT_S = 120.0  # for each of Ray's calls that start the ranks and relays
 CONNECT_TIMEOUT_S = 10.0  # for the cluster's address to accept a connection (ray.init waits for ever)
 # What a rank's worker (or a remote engine) takes from the environment of the process that placed it.
-_PASSED_ENV = ("RINGSERVE_", "GLIBC_TUNABLES", "GLOO_", "NCCL_", "TORCH_")
+_PASSED_ENV = ("RINGSERVE_", "GLIBC_TUNABLES", "GLOO_", "NCCL_", "TORCH_", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 class RankHost:

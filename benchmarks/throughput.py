@@ -3,7 +3,8 @@
     python benchmarks/throughput.py [--model PATH] [--dtype bfloat16] [--quick]
 
 What is measured (the worker's real code path, driven directly: ModelRunner + the persistent batch + sampler, with
-step plans shaped like the engine's; no gRPC, rings or engine process, so the figures are the worker's own):
+step plans shaped like the engine's; no gRPC, rings or engine process, so the figures are the worker's own; the
+script re-executes itself with the OpenMP settings a worker process gets, backend/process.py's worker_environment):
 - offline_tok_s: N prompts of P random tokens, G greedy output tokens each (EOS ignored), prefill chunked under a
   2048-token budget then decoded as one batch; generated tokens / wall time including prefill.
 - single_stream_tok_s: one request decoding alone; decode tokens / decode time (median of --rounds rounds).
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ringserve.backend.process import reexec_as_worker_process
 from ringserve.formats.engine_args import QUANTIZATIONS, EngineArgs, default_worker_threads
 from ringserve.frontend.model_source import embedded_model_path
 from ringserve.workers.model_runner import NewRequest, StepPlan
@@ -180,6 +182,7 @@ def contention_rounds(runner, prompts: np.ndarray, args, block_size: int) -> dic
 
 
 def main() -> None:
+    reexec_as_worker_process()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="a .gguf file or Hugging Face folder (default: $RINGSERVE_TEST_GGUF, else the embedded model)")
