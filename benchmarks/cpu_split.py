@@ -13,9 +13,9 @@ run, and read `loadavg_1m`).
 
 Worker threads are grouped by role: `main` (the thread that runs the model), `pool` (the native kernels' helpers,
 named ringserve-pool), `omp` (PyTorch's intra-op OpenMP threads: the worker's other threads named like its main
-thread) and `other` (anything else: gloo, Python's). Last line: one JSON object, `by_threads` -> workload -> the
-tokens/s (or TTFT) median and per process/role the median CPU ms, run-queue wait ms and involuntary switches per
-1,000 tokens (the TTFT run: per prompt).
+thread) and `other` (anything else: gloo, Python's). Last line: one JSON object, `by_threads` -> server -> workload
+-> the tokens/s (or TTFT) median and per process/role the median CPU ms, run-queue wait ms and context switches per
+1,000 tokens (the TTFT run: per prompt), and per server the worker's OpenMP wait settings (`worker_openmp_env`).
 """
 
 from __future__ import annotations
@@ -72,6 +72,12 @@ class Processes:
             elif "worker_main" in cmdline:
                 self.pids["worker"] = child.pid
 
+    def worker_openmp_env(self) -> dict[str, str]:
+        """The OpenMP wait settings in the worker's environment (what its libgomp read when torch loaded it)."""
+        raw = Path(f"/proc/{self.pids['worker']}/environ").read_bytes().split(b"\0")
+        pairs = dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+        return {k: v for k, v in pairs.items() if k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
     def snapshot(self) -> dict[str, dict[int, tuple[str, float, float, int, int]]]:
         return {role: thread_counters(pid) for role, pid in self.pids.items()}
 
@@ -108,6 +114,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = [(t, env, f"{t}" + "".join(f" {k}={v}" for k, v in env.items()))
                for t in args.threads for env in [{}, *args.variant]]  # fmt: skip
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {label: {k: [] for k in KINDS} for _, _, label in configs}
+    worker_env: dict[str, dict[str, str]] = {}
     async with contextlib.AsyncExitStack() as stack:
         servers: dict[str, tuple[RingServe, Processes]] = {}
         for threads, env, label in configs:
@@ -125,6 +132,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             channel = await stack.enter_async_context(open_aio_channel(target.address, ChannelSecurity()))
             assert target.pid is not None
             servers[label] = (RingServe(pb_grpc.GenerationStub(channel)), Processes(target.pid))
+            worker_env[label] = servers[label][1].worker_openmp_env()
             await servers[label][0].offline(workload.chat[:4], 4, "warmup")  # warm-up, not measured
             await servers[label][0].ttft(workload.long[:64], "warmup")
         labels = list(servers)
@@ -149,7 +157,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples[label][kind].append({"wall_s": wall, "tokens": result["tokens"], "roles": roles,
                                                  "result": result})  # fmt: skip
     return {"benchmark": "cpu_split", "model": str(model), "dtype": args.dtype, "server_args": args.server_arg,
-            "by_threads": {label: summarize(runs) for label, runs in samples.items()},
+            "by_threads": {label: {**summarize(runs), "worker_openmp_env": worker_env[label]}
+                           for label, runs in samples.items()},
             "loadavg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
             "cpu_count": os.cpu_count()}  # fmt: skip
 
@@ -205,8 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         parser.error("--variant takes KEY=VALUE pairs, comma-separated")
     if args.quick:
-        args.num_prompts, args.output_len, args.single_len, args.ttft_len = 8, 16, 32, 256
-        args.rounds = 1
+        args.num_prompts, args.output_len = min(args.num_prompts, 8), min(args.output_len, 16)
+        args.single_len, args.ttft_len, args.rounds = min(args.single_len, 32), min(args.ttft_len, 256), 1
     return args
 
 
