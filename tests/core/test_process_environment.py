@@ -11,6 +11,7 @@ import sys
 import pytest
 from ringserve.backend.engine_main import worker_env
 from ringserve.backend.process import HUGE_PAGE_MALLOC, OPENMP_WAIT_ENV, engine_environment, worker_environment
+from ringserve.backend.ray_executor import passed_environment
 
 
 @pytest.mark.parametrize("original", [None, "glibc.malloc.arena_max=2"])
@@ -40,6 +41,10 @@ def test_worker_env_of_the_engine_process_restores_the_tunables(monkeypatch):
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2" and env["MASTER_PORT"] == "29500"
     assert not any(k.startswith("RINGSERVE_WORKER_GLIBC") for k in env)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_ranks_on_ray_nodes_get_the_openmp_setting_too():
+    assert passed_environment(worker_environment({"PATH": "/usr/bin"})) == OPENMP_WAIT_ENV
 
 
 @pytest.mark.parametrize("own", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}])
