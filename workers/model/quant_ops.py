@@ -8,12 +8,12 @@ with float32 scales (`repack`). The GGUF loader builds these instead of dequanti
 `QuantizedLinear` (a cpu_ops.Linear without a float weight) computes with them; fast_paths fuses q/k/v and gate/up
 of one block type into one QuantizedWeight as it fuses float weights.
 
-For many input rows (prompt chunks, large decode batches: 32 or more) the kernel lays the 4-bit formats' weight rows
-out again in panels of 8 rows (kernels/cpu_quant.h), which beat a float32 GEMM on dequantized weights there. The
-8-bit formats (DEQUANTIZED_KINDS) have no such panels on AVX2: from DEQUANTIZE_MIN_ROWS input rows `linear`
-dequantizes those weights natively (`_kernels.dequantize`, gguf's values bit for bit) into a per-thread float32 buffer
-and multiplies with cpu_ops.linear; the weight itself stays in blocks. Weights of more than DEQUANTIZE_MAX_VALUES
-values (a large vocabulary's LM head, which sees one row per sequence) stay on the int8 kernel.
+For many input rows (prompt chunks, large decode batches: 32 or more) the kernel lays weight rows out again in panels
+of 8 rows (kernels/cpu_quant.h), which beat a float32 GEMM on dequantized 4-bit weights there. Projections of the
+8-bit formats (DEQUANTIZED_KINDS) take another route from DEQUANTIZE_MIN_ROWS input rows: `linear` dequantizes them
+natively (`_kernels.dequantize`, gguf's values bit for bit) into a per-thread float32 buffer and multiplies with
+cpu_ops.linear; the weight itself stays in blocks. Weights of more than DEQUANTIZE_MAX_VALUES values (a large
+vocabulary's LM head) stay on the int8 kernel, in panels from 32 rows whatever their format.
 """
 
 from __future__ import annotations
