@@ -586,31 +586,26 @@ void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, co
   if (j < j1) rows_avx2<kType>(s, block_bytes, act, w, epi, y, j, j1);
 }
 
+// Weight rows [j0, j1) against every input row: from kPanelMinInputs input rows in panels, else in rows_avx2's tiles.
+template <QuantType kType, class T>
+void products_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
+                   const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+  if (s.m >= kPanelMinInputs) {
+    panels_avx2<kType>(s, block_bytes, act, w, epi, y, j0, j1);
+  } else {
+    rows_avx2<kType>(s, block_bytes, act, w, epi, y, j0, j1);
+  }
+}
+
 template <class T>
 void rows_avx2_any(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
                    const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
-  const bool panels = s.m >= kPanelMinInputs;
   switch (type) {
-    case QuantType::kQ8_0:
-      if (panels) return panels_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
-      rows_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
-      break;
-    case QuantType::kQ8_2F:
-      if (panels) return panels_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
-      rows_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
-      break;
-    case QuantType::kQ4_0:
-      if (panels) return panels_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
-      rows_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
-      break;
-    case QuantType::kQ4_1:
-      if (panels) return panels_avx2<QuantType::kQ4_1>(s, block_bytes, act, w, epi, y, j0, j1);
-      rows_avx2<QuantType::kQ4_1>(s, block_bytes, act, w, epi, y, j0, j1);
-      break;
-    case QuantType::kQ4_1F:
-      if (panels) return panels_avx2<QuantType::kQ4_1F>(s, block_bytes, act, w, epi, y, j0, j1);
-      rows_avx2<QuantType::kQ4_1F>(s, block_bytes, act, w, epi, y, j0, j1);
-      break;
+    case QuantType::kQ8_0: return products_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
+    case QuantType::kQ8_2F: return products_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
+    case QuantType::kQ4_0: return products_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
+    case QuantType::kQ4_1: return products_avx2<QuantType::kQ4_1>(s, block_bytes, act, w, epi, y, j0, j1);
+    case QuantType::kQ4_1F: return products_avx2<QuantType::kQ4_1F>(s, block_bytes, act, w, epi, y, j0, j1);
   }
 }
 
