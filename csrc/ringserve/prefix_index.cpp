@@ -47,6 +47,7 @@ PrefixIndex::PrefixIndex(int32_t block_size, bool enabled, int32_t num_blocks)
     : block_size_(block_size), enabled_(enabled) {
   hits_.reserve(static_cast<size_t>(num_blocks));
   pending_.reserve(static_cast<size_t>(num_blocks));
+  claimed_.reserve(static_cast<size_t>(num_blocks));
 }
 
 void PrefixIndex::extend_block_hashes(const RequestState& r, RequestDetails& d, int32_t num_blocks) const {
@@ -70,6 +71,25 @@ int32_t PrefixIndex::find_cached_prefix(const RequestState& r, RequestDetails& d
     revived += pool.ref_count(id) == 0 ? 1 : 0;
   }
   return revived;
+}
+
+void PrefixIndex::claim_completed(const RequestDetails& d, int32_t computed, int32_t n) {
+  if (!enabled_) return;
+  const auto known = static_cast<int32_t>(d.block_hashes.size());
+  for (int32_t j = computed / block_size_; j < std::min((computed + n) / block_size_, known); ++j) {
+    claimed_.push_back(d.block_hashes[static_cast<size_t>(j)]);
+  }
+}
+
+bool PrefixIndex::waits_for_claimed(const RequestDetails& d, int32_t max_blocks) const {
+  if (claimed_.empty()) return false;
+  // Hashes chain: the blocks after the first claimed one can only be claimed by the same requests, so a run of
+  // claimed blocks is found block by block.
+  int32_t run = 0;
+  for (auto j = static_cast<int32_t>(hits_.size()); j < max_blocks; ++j, ++run) {
+    if (std::find(claimed_.begin(), claimed_.end(), d.block_hashes[static_cast<size_t>(j)]) == claimed_.end()) break;
+  }
+  return run > 0 && run * block_size_ >= kSharedPrefixWaitTokens;
 }
 
 void PrefixIndex::register_computed_blocks(std::span<const int32_t> completed, RequestTable& table, BlockPool& pool) {

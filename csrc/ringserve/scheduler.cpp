@@ -32,6 +32,7 @@ Scheduler::Scheduler(EngineConfig config, size_t max_plan_bytes)
   finished_.reserve(seqs);
   registering_.reserve(seqs);
   trimming_.reserve(seqs);
+  sharing_.reserve(seqs);
   pending_trim_slots_.reserve(seqs);
   pending_trim_blocks_.reserve(seqs);
 }
@@ -74,7 +75,8 @@ void Scheduler::release(int32_t index) {
   table_.remove(index);
 }
 
-bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns) {
+Scheduler::Admission Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes,
+                                          int64_t now_ns) {
   RequestState& r = table_.state(index);
   RequestDetails& d = table_.details(index);
   const int32_t bs = config_.block_size;
@@ -84,16 +86,18 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   const std::vector<int32_t>& hits = prefix_.hits();
   const auto cached_blocks = pull ? 0 : static_cast<int32_t>(hits.size());
   const int32_t cached_tokens = pull ? r.num_prompt_tokens : cached_blocks * bs;
+  if (!pull && prefix_.waits_for_claimed(d, (r.num_tokens() - 1) / bs)) return Admission::kWaitsForShared;
   // A pulled prompt computes nothing of itself here; others count against the decode-latency guard.
   int32_t n = std::min(r.num_tokens() - cached_tokens, prefill_.chunk_cap(budget));
   if (!pull) n = prefill_.guarded_chunk(cached_tokens, n);
-  if (n <= 0) return false;
+  if (n <= 0) return Admission::kQueueWaits;
   const int32_t needed = blocks_for(cached_tokens + n) - cached_blocks;
-  if (needed + revived > pool_.num_free()) return false;  // the head waits for blocks, nobody overtakes it
+  if (needed + revived > pool_.num_free()) return Admission::kQueueWaits;  // the head waits, nobody overtakes it
   const size_t bytes = kPlanBytesPerScheduled + kPlanBytesPerNewRequest +
                        (r.token_ids.size() + static_cast<size_t>(cached_blocks + needed) +
                         d.suppress_token_ids.size()) * sizeof(int32_t);
-  if (plan_bytes + bytes > max_plan_bytes_) return false;  // next step; add_request made sure it fits an empty plan
+  // Next step; add_request made sure it fits an empty plan.
+  if (plan_bytes + bytes > max_plan_bytes_) return Admission::kQueueWaits;
 
   queues_.waiting().pop_back();
   for (int32_t j = 0; j < cached_blocks; ++j) {
@@ -127,8 +131,11 @@ bool Scheduler::try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t
   in_flight_.push(index, r.slot, r.num_computed_tokens, n, r.num_tokens(), 0);
   plan_bytes += bytes;
   budget -= n;
-  if (!pull) prefill_.charge_prefill(cached_tokens, n);
-  return true;
+  if (!pull) {
+    prefill_.charge_prefill(cached_tokens, n);
+    prefix_.claim_completed(d, cached_tokens, n);
+  }
+  return Admission::kAdmitted;
 }
 
 void Scheduler::recycle_plan(StepPlan& plan) {
@@ -195,16 +202,26 @@ bool Scheduler::schedule(StepPlan& plan, int64_t now_ns) {
     budget -= n + k;
     if (left > 1) {
       prefill_.charge_prefill(computed, n);
+      prefix_.claim_completed(details[index], computed, n);
     } else {
       ++decode_rows;
     }
   }
 
   // 2. Admit waiting requests in priority order. Not in a step that had to preempt: blocks are short right now.
+  //    A head that waits for shared blocks steps aside (at most max_num_seqs of them a step) and goes back in place.
   std::vector<int32_t>& waiting = queues_.waiting();
   while (!preempted && !waiting.empty() && budget > 0 && static_cast<int32_t>(running.size()) < config_.max_num_seqs) {
-    if (!try_admit(waiting.back(), plan, budget, plan_bytes, now_ns)) break;
+    const Admission admission = try_admit(waiting.back(), plan, budget, plan_bytes, now_ns);
+    if (admission == Admission::kQueueWaits) break;
+    if (admission == Admission::kWaitsForShared) {
+      sharing_.push_back(waiting.back());
+      waiting.pop_back();
+      if (std::ssize(sharing_) == config_.max_num_seqs) break;
+    }
   }
+  waiting.insert(waiting.end(), sharing_.rbegin(), sharing_.rend());
+  sharing_.clear();
 
   const size_t samples = in_flight_.write_entries(plan, spec_.enabled());
   if (in_flight_.size() == 0) {
@@ -436,6 +453,8 @@ void Scheduler::update(const StepResult& result, int64_t now_ns) {
     std::erase_if(queues_.running(), [this](int32_t i) { return table_.state(i).status != RequestStatus::kRunning; });
   }
   applied_shape_ = in_flight_.shape;
+  // This step's blocks are registered now. A step planned on it loses its claims too: its blocks may be computed twice.
+  prefix_.clear_claims();
   in_flight_.clear();
   if (ahead_.in_flight()) std::swap(in_flight_, ahead_);  // the step planned ahead is now the oldest in flight
 }

@@ -112,7 +112,11 @@ class Scheduler {
 
  private:
   int32_t blocks_for(int32_t num_tokens) const { return (num_tokens + config_.block_size - 1) / config_.block_size; }
-  bool try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
+  // Admission of the waiting head: admitted; kept waiting, and so is everyone behind it (no blocks, budget or plan
+  // room); or waiting one step for the blocks a request in this step completes (PrefixIndex's claims) while the
+  // requests behind it may be admitted.
+  enum class Admission : uint8_t { kAdmitted, kQueueWaits, kWaitsForShared };
+  Admission try_admit(int32_t index, StepPlan& plan, int32_t& budget, size_t& plan_bytes, int64_t now_ns);
   // Applies a result row with drafts, several tokens or top logprobs (update()'s uncommon case).
   // `advanced`: the step was planned on (its tokens counted as computed, the request's last token a placeholder).
   [[gnu::noinline]] FinishReason append_row(int32_t index, int32_t num_tokens, size_t row_index,
@@ -145,6 +149,7 @@ class Scheduler {
   std::vector<int32_t> finished_;            // scratch for update(): requests released after the registrations
   std::vector<int32_t> registering_;         // scratch for update(): requests that completed a block
   std::vector<int32_t> trimming_;            // scratch for update(): speculating requests, trimmed after registration
+  std::vector<int32_t> sharing_;             // scratch for schedule(): waiting heads that wait for claimed blocks
   SpeculationPolicy spec_;
   BlockPool pool_;
   PrefixIndex prefix_;

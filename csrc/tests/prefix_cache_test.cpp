@@ -48,6 +48,63 @@ TEST(running_requests_share_blocks_with_reference_counts) {
   CHECK(h.scheduler.block_pool().num_free() == 64);
 }
 
+// Requests a, b, c, d arrive together; a, b and d share 40 prompt tokens (10 blocks of 4), c shares nothing.
+std::vector<AddRequest> arriving_together(int32_t shared_tokens) {
+  const std::vector<int32_t> shared = iota_tokens(shared_tokens);
+  auto with = [&](std::initializer_list<int32_t> own) {
+    std::vector<int32_t> p = shared;
+    p.insert(p.end(), own);
+    return p;
+  };
+  return {prompt_of(1, with({1, 1}), 3), prompt_of(2, with({2, 2, 2}), 3), prompt_of(3, iota_tokens(30, 5000), 3),
+          prompt_of(4, with({4}), 3)};
+}
+
+TEST(requests_arriving_together_compute_their_shared_prefix_once) {
+  Harness h(make_config(128, 8, 256));
+  for (const AddRequest& r : arriving_together(40)) CHECK(h.add(r));
+  CHECK(h.step());  // a computes the shared blocks; b and d wait for them, c (nothing shared) overtakes them
+  CHECK(h.plan.new_requests.size() == 2);
+  CHECK(h.plan.new_requests[0].num_prompt_tokens == 42 && h.plan.new_requests[1].num_prompt_tokens == 30);
+  CHECK(h.scheduler.num_waiting() == 2);
+  CHECK(h.step());  // b and d, in their order, start after the shared blocks
+  CHECK(h.plan.new_requests.size() == 2);
+  CHECK(h.plan.new_requests[0].num_prompt_tokens == 43 && h.plan.new_requests[0].num_computed_tokens == 40);
+  CHECK(h.plan.new_requests[1].num_prompt_tokens == 41 && h.plan.new_requests[1].num_computed_tokens == 40);
+  h.run_to_completion();
+  CHECK(final_output(h, 2)->num_cached_tokens == 40 && final_output(h, 4)->num_cached_tokens == 40);
+  CHECK(h.scheduler.block_pool().num_free() == 128);
+}
+
+TEST(a_short_shared_prefix_is_computed_again_rather_than_waited_for) {
+  static_assert(7 * 4 < kSharedPrefixWaitTokens);
+  Harness h(make_config(128, 8, 256));
+  for (const AddRequest& r : arriving_together(28)) CHECK(h.add(r));
+  CHECK(h.step() && h.plan.new_requests.size() == 4);
+  for (const NewRequestData& nr : h.plan.new_requests) CHECK(nr.num_computed_tokens == 0);
+  EngineConfig off = make_config(128, 8, 256);
+  off.enable_prefix_caching = false;
+  Harness g(off);
+  for (const AddRequest& r : arriving_together(40)) CHECK(g.add(r));
+  CHECK(g.step() && g.plan.new_requests.size() == 4);
+}
+
+TEST(a_wait_for_shared_blocks_lasts_one_step) {
+  // The request that claimed the blocks is aborted with its step in flight: they are never registered, and the one
+  // that waited for them computes them itself in the next step.
+  Harness h(make_config(128, 8, 256));
+  for (const AddRequest& r : arriving_together(40)) CHECK(h.add(r));
+  CHECK(h.scheduler.schedule(h.plan, ++h.now) && h.plan.new_requests.size() == 2);
+  CHECK(h.scheduler.abort_request(1));
+  h.scheduler.update(h.worker.execute(h.plan, [](int32_t) { return 7; }), ++h.now);
+  h.collect();
+  CHECK(h.step() && h.plan.new_requests.size() == 1);  // b computes the shared blocks, d waits for them
+  CHECK(h.plan.new_requests[0].num_prompt_tokens == 43 && h.plan.new_requests[0].num_computed_tokens == 0);
+  CHECK(h.step() && h.plan.new_requests.size() == 1 && h.plan.new_requests[0].num_computed_tokens == 40);
+  h.run_to_completion();
+  CHECK(h.scheduler.block_pool().num_free() == 128);
+}
+
 TEST(cache_salt_separates_equal_prompts) {
   Harness h(make_config(64, 8, 64));
   AddRequest a = prompt_of(1, iota_tokens(20), 2);

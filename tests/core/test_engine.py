@@ -278,16 +278,18 @@ def test_continuous_batching_with_stop_rules_and_chunked_prefill(frontend_factor
     assert all(int(p.sched_len.sum()) <= 64 for p in plans), "a step exceeded max_num_batched_tokens"
     assert all(len(p.sched_slots) <= 4 for p in plans), "more than max_num_seqs scheduled"
     assert any(len(p.sched_slots) >= 3 for p in plans), "requests were not batched together"
-    # Request 4's 150-token prompt went out once, then in chunks whose lengths add up to 150.
-    (new4,) = [n for p in plans for n in p.new_requests if len(n.token_ids) == 150]
+    # Request 4's 150-token prompt went out once, then in chunks whose lengths add up to what was not cached: it
+    # shares request 1's first 39 tokens, computed by request 1 in the step it waited for.
+    ((sent4, new4),) = [(p.step_id, n) for p in plans for n in p.new_requests if len(n.token_ids) == 150]
+    assert new4.num_computed_tokens == 39 // BLOCK_SIZE * BLOCK_SIZE > 0
     chunks = [
         (p.sched_len[i], p.sched_sample[i])
         for p in plans
-        if p.step_id >= plans[0].step_id
+        if p.step_id >= sent4
         for i in range(len(p.sched_slots))
         if p.sched_slots[i] == new4.slot and p.sched_start[i] < 150
     ]
-    assert len(chunks) > 1 and sum(n for n, _ in chunks) == 150
+    assert len(chunks) > 1 and sum(n for n, _ in chunks) == 150 - new4.num_computed_tokens
     assert [s for _, s in chunks] == [False] * (len(chunks) - 1) + [True]
     # Decodes of running requests are planned before new prompts in the same step.
     for p in plans:
