@@ -40,25 +40,27 @@ class VllmPeer:
 
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
-    def _generate(self, prompts: list[list[int]], max_tokens: int, salt: str) -> tuple[float, int]:
+    def _generate(self, prompts: list[list[int]], max_tokens: int, salt: str) -> tuple[float, int, int]:
+        """Seconds, generated tokens, prompt tokens found in the prefix cache."""
         from vllm.inputs import TokensPrompt
 
         inputs = [TokensPrompt(prompt_token_ids=ids, cache_salt=salt) for ids in prompts]
         start = time.perf_counter()
         outputs = self.llm.generate(inputs, self._params(max_tokens), use_tqdm=False)
         elapsed = time.perf_counter() - start
-        return elapsed, sum(len(output.outputs[0].token_ids) for output in outputs)
+        cached = sum(output.num_cached_tokens or 0 for output in outputs)
+        return elapsed, sum(len(output.outputs[0].token_ids) for output in outputs), cached
 
     def offline(self, prompts: list[list[int]], max_tokens: int, salt: str) -> dict[str, Any]:
-        elapsed, tokens = self._generate(prompts, max_tokens, salt)
-        return {"elapsed_s": elapsed, "tokens": tokens}
+        elapsed, tokens, cached = self._generate(prompts, max_tokens, salt)
+        return {"elapsed_s": elapsed, "tokens": tokens, "cached_tokens": cached}
 
     def single(self, prompt: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
-        elapsed, tokens = self._generate([prompt], max_tokens, salt)
+        elapsed, tokens, _ = self._generate([prompt], max_tokens, salt)
         return {"elapsed_s": elapsed, "tokens": tokens}
 
     def ttft(self, prompt: list[int], salt: str) -> dict[str, Any]:
-        elapsed, _ = self._generate([prompt], 1, salt)
+        elapsed, _, _ = self._generate([prompt], 1, salt)
         return {"ttft_s": elapsed}
 
 

@@ -101,8 +101,10 @@ class RingServe:
     def __init__(self, stub: pb_grpc.GenerationStub) -> None:
         self.stub = stub
 
-    async def _stream(self, prompt: list[int], max_tokens: int, salt: str, index: int) -> StreamResult:
+    async def _stream(self, prompt: list[int], max_tokens: int, salt: str, index: int) -> tuple[StreamResult, int]:
+        """The stream's timings and its prompt tokens found in the prefix cache."""
         result = StreamResult()
+        cached = 0
         request = pb.GenerateRequest(request_id=f"peers-{salt}-{index}", token_ids=pb.TokenIds(ids=prompt),
                                      sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                 ignore_eos=True), cache_salt=salt)  # fmt: skip
@@ -113,21 +115,23 @@ class RingServe:
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 if response.finish_reason == pb.FINISH_REASON_ABORT:
                     raise RuntimeError("RingServe aborted a benchmark request")
+                cached = response.usage.cached_tokens
                 break
-        return result
+        return result, cached
 
     async def offline(self, prompts: list[list[int]], max_tokens: int, salt: str) -> dict[str, Any]:
         start = time.perf_counter()
         results = await asyncio.gather(*(self._stream(p, max_tokens, salt, i) for i, p in enumerate(prompts)))
-        return {"elapsed_s": time.perf_counter() - start, "tokens": sum(r.tokens for r in results)}
+        return {"elapsed_s": time.perf_counter() - start, "tokens": sum(r.tokens for r, _ in results),
+                "cached_tokens": sum(cached for _, cached in results)}  # fmt: skip
 
     async def single(self, prompt: list[int], max_tokens: int, salt: str) -> dict[str, Any]:
-        result = await self._stream(prompt, max_tokens, salt, 0)
+        result, _ = await self._stream(prompt, max_tokens, salt, 0)
         assert result.ttft_s is not None
         return {"elapsed_s": result.ttft_s + sum(result.gaps_s), "tokens": result.tokens}
 
     async def ttft(self, prompt: list[int], salt: str) -> dict[str, Any]:
-        return {"ttft_s": (await self._stream(prompt, 1, salt, 0)).ttft_s}
+        return {"ttft_s": (await self._stream(prompt, 1, salt, 0))[0].ttft_s}
 
 
 # -- the peers, each a subprocess in its own environment -------------------------------------------------------------
@@ -319,6 +323,8 @@ async def measure(engine: Any, name: str, workload: Workload, round_index: int, 
     if name != "llamacpp":  # llama-cpp-python runs one sequence at a time: no offline batch
         offline = await engine.offline(workload.chat, workload.output_len, salt)
         samples["offline"].append(offline["tokens"] / offline["elapsed_s"])
+        if "cached_tokens" in offline:  # prompt tokens the engine found in its prefix cache (shared system prompt)
+            samples.setdefault("offline_cached_tokens", []).append(offline["cached_tokens"])
     single = await engine.single(workload.single, workload.single_len, salt + "-single")
     samples["single"].append(single["tokens"] / single["elapsed_s"])
     ttft = await engine.ttft(workload.long_prompt(round_index), salt + "-1k")
