@@ -1,6 +1,7 @@
 #include "kernels/cpu_attention.h"
 
 #include "kernels/parallel.h"
+#include "kernels/simd_avx2.h"
 #include "kernels/simd_avx512.h"
 
 #include <immintrin.h>
@@ -164,6 +165,79 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
   for (std::size_t h = 0; h < heads; ++h) {
     const float inv = 1.0F / sums[h];
     for (std::size_t d = 0; d < hd; ++d) store_scalar(out + h * hd + d, w.acc[h * hd + d] * inv);
+  }
+}
+
+// AVX2 + FMA path (head_dim a multiple of 8), one whole sequence: each token row of K and V (every KV head,
+// contiguous in the cache) is read once, in order, for all query heads. The passes reach the scratch memory through
+// plain pointers taken once: inside them, the thread-local itself would cost a TLS lookup per position and head.
+template <class T>
+__attribute__((target("avx2,fma"))) void attend_avx2(const Job<T>& job, std::size_t seq) {
+  constexpr std::size_t kLanes8 = 8;
+  const auto& s = job.shape;
+  const std::size_t heads = s.num_heads, group = s.num_heads / s.num_kv_heads, hd = s.head_dim;
+  const auto len = static_cast<std::size_t>(job.index.seq_lens[seq]);
+  const auto row = static_cast<std::size_t>(job.index.cu_seqlens_q[seq]);
+  Scratch& w = scratch();
+  w.query.resize(heads * hd);
+  w.scores.resize(heads * len);
+  w.acc.assign(heads * hd, 0.0F);
+  float* const query = w.query.data();
+  float* const all_scores = w.scores.data();
+  float* const all_acc = w.acc.data();
+  const T* q = job.q + row * s.q_row_stride;
+  for (std::size_t i = 0; i < heads * hd; i += kLanes8) {
+    _mm256_storeu_ps(query + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(job.scale)));
+  }
+  const T* const k_cache = job.k_cache;
+  const T* const v_cache = job.v_cache;
+  for_each_position<true>(job, seq, len, 0, k_cache,
+                          [=](std::size_t pos, std::size_t offset) __attribute__((target("avx2,fma"))) {
+    for (std::size_t kv = 0, h = 0; h < heads; ++kv) {
+      const T* k = k_cache + offset + kv * hd;
+      for (std::size_t g = 0; g < group; ++g, ++h) {
+        const float* qh = query + h * hd;
+        __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k));
+        for (std::size_t d = kLanes8; d < hd; d += kLanes8) {
+          dot = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), dot);
+        }
+        all_scores[h * len + pos] = sum8(dot);
+      }
+    }
+  });
+  float* const sums = query;  // the scaled queries are no longer needed: reuse for the softmax sums
+  for (std::size_t h = 0; h < heads; ++h) {
+    float* scores = all_scores + h * len;
+    float max = -std::numeric_limits<float>::infinity();
+    for (std::size_t pos = 0; pos < len; ++pos) max = std::max(max, scores[pos]);
+    __m256 total = _mm256_setzero_ps();
+    std::size_t pos = 0;
+    for (; pos + kLanes8 <= len; pos += kLanes8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + pos), _mm256_set1_ps(max)));
+      _mm256_storeu_ps(scores + pos, e);
+      total = _mm256_add_ps(total, e);
+    }
+    float tail = 0.0F;
+    for (; pos < len; ++pos) tail += (scores[pos] = std::exp(scores[pos] - max));
+    sums[h] = sum8(total) + tail;
+  }
+  for_each_position<true>(job, seq, len, 0, v_cache,
+                          [=](std::size_t pos, std::size_t offset) __attribute__((target("avx2,fma"))) {
+    for (std::size_t kv = 0, h = 0; h < heads; ++kv) {
+      const T* v = v_cache + offset + kv * hd;
+      for (std::size_t g = 0; g < group; ++g, ++h) {
+        const __m256 p = _mm256_set1_ps(all_scores[h * len + pos]);
+        float* acc = all_acc + h * hd;
+        for (std::size_t d = 0; d < hd; d += kLanes8) {
+          _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(v + d), _mm256_loadu_ps(acc + d)));
+        }
+      }
+    }
+  });
+  T* out = job.out + row * heads * hd;
+  for (std::size_t h = 0; h < heads; ++h) {
+    const float inv = 1.0F / sums[h];
+    for (std::size_t d = 0; d < hd; ++d) store_scalar(out + h * hd + d, all_acc[h * hd + d] * inv);
   }
 }
 
@@ -461,6 +535,7 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   check_paged_decode_index(shape, index);
   const Job<T> job{shape, index, q.data(), k_cache.data(), v_cache.data(), out.data(), scale};
   const bool vector = has_avx512f() && shape.head_dim % kLanes == 0;
+  const bool vector8 = !vector && has_avx2_fma() && shape.head_dim % 8 == 0;
   const std::size_t items = index.seq_ids.size();
   // `fed`: the previous sequence's feeder already brought this one's rows in; `next`: the sequence to feed.
   auto attend = [&](std::size_t item, bool fed, std::ptrdiff_t next) {
@@ -471,6 +546,8 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
       attend_avx512_fixed<T, 8>(job, seq, next, fed);
     } else if (vector) {
       attend_avx512(job, seq);
+    } else if (vector8) {
+      attend_avx2(job, seq);
     } else {
       for (std::size_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) attend_scalar(job, seq, kv_head);
     }

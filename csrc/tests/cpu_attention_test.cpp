@@ -1,7 +1,7 @@
 // The paged decode- and chunk-attention kernels against a float64 reference: float32 and bf16, grouped-query heads,
-// head sizes on the AVX-512 path and off it, shuffled block tables, a subset of the sequences, strided queries, causal
-// chunks with and without cached context (and whole steps mixing them with decode rows), and refusal of
-// out-of-range indices before anything is written.
+// head sizes on the AVX-512 path, on the AVX2 path and off both, shuffled block tables, a subset of the sequences,
+// strided queries, causal chunks with and without cached context (and whole steps mixing them with decode rows), and
+// refusal of out-of-range indices before anything is written.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -147,7 +147,8 @@ TEST(float32_and_bf16_match_the_reference) {
   for (int threads : {1, 2, 3}) {
     check_case({9, 3, 64, 16, {1, 5, 17, 40, 100, 3, 33}}, threads);  // SmolLM2's heads, AVX-512 path
     check_case({4, 4, 32, 8, {16, 2, 31, 9}}, threads);                 // no grouping
-    check_case({6, 2, 24, 16, {50, 7, 18}}, threads);                   // head_dim off the vector path
+    check_case({6, 2, 24, 16, {50, 7, 18}}, threads);                   // head_dim off AVX-512's path: AVX2's
+    check_case({6, 2, 20, 16, {50, 7, 18}}, threads);                   // head_dim off every vector path
     check_case({8, 2, 64, 16, std::vector<int32_t>(12, 300)}, threads); // enough work for two threads
     check_case({9, 3, 64, 16, {20, 44, 61}, 15 * 64}, threads);         // queries strided in a fused QKV row
     check_case({8, 1, 64, 16, {16, 17, 47}}, threads);                   // a group of 8: two chunks of 4 heads
