@@ -351,7 +351,6 @@ void rows_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, cons
   for (; j < j1; ++j) column_avx2<kType, 1>(s, block_bytes, act, w, epi, y, j);
 }
 
-
 // Weight rows [j0, j1) against every input row: from kPanelMinInputs input rows in 8-row panels
 // (kernels/cpu_quant_panels.cpp) as far as they go, the rest in rows_avx2's tiles.
 template <class T>
