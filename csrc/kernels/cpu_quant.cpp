@@ -1,5 +1,6 @@
 #include "kernels/cpu_quant.h"
 
+#include "kernels/cpu_quant_blocks.h"
 #include "kernels/parallel.h"
 
 #include <immintrin.h>
@@ -15,19 +16,11 @@ namespace ringserve::kernels {
 
 namespace {
 
-// One input block: its scale, its scale times the sum of its values (for formats with an offset), its int8 values.
-struct ActBlock {
-  float d;
-  float s;
-  int8_t q[kQuantBlock];
-};
-
-// What is added to each product before its one rounding to T: bias[n] and residual[m, n], either may be null.
-template <class T>
-struct EpilogueOf {
-  const T* bias;
-  const T* residual;
-};
+using quant::ActBlock;
+using quant::EpilogueOf;
+using quant::is_signed;
+using quant::kPanelMinInputs;
+using quant::kPanelRows;
 
 constexpr std::size_t kChunkRows = 16;  // weight rows per item handed to a thread
 // A matrix-vector product (one input row) uses every weight byte once, and the hardware prefetchers alone left a core
@@ -156,8 +149,6 @@ struct WeightBlock {
   float offset;
 };
 
-__attribute__((target("avx2,fma,f16c"))) inline float half_avx2(const uint8_t* p) { return _cvtsh_ss(read_block_u16(p)); }
-
 __attribute__((target("avx2,fma,f16c"))) inline __m256i nibbles(const uint8_t* qs) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
@@ -166,18 +157,15 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i nibbles(const uint8_t* q
 
 template <QuantType kType>
 __attribute__((target("avx2,fma,f16c"))) inline WeightBlock load_block(const uint8_t* b) {
-  if constexpr (kType == QuantType::kQ8_0) {
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_ps(half_avx2(b)), 0.0F};
-  } else if constexpr (kType == QuantType::kQ8_2F) {
-    const __m256 scale = _mm256_set_m128(_mm_set1_ps(read_block_f32(b + 4)), _mm_set1_ps(read_block_f32(b)));
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8)), scale, 0.0F};
+  if constexpr (is_signed(kType)) {
+    const quant::Q8Header h = quant::read_q8_header_f16c<kType>(b);
+    const __m256 scale = _mm256_set_m128(_mm_set1_ps(h.d1), _mm_set1_ps(h.d0));
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.qs)), scale, 0.0F};
   } else {
     const Q4Header h = read_q4_header_f16c<kType>(b);
     return {nibbles(h.qs), _mm256_set1_ps(h.d), h.m};
   }
 }
-
-constexpr bool is_signed(QuantType t) { return t == QuantType::kQ8_0 || t == QuantType::kQ8_2F; }
 
 // The 8 int32 partial sums of w's 32 values times the input's, as float32.
 template <QuantType kType>
@@ -363,250 +351,18 @@ void rows_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, cons
   for (; j < j1; ++j) column_avx2<kType, 1>(s, block_bytes, act, w, epi, y, j);
 }
 
-// ---- Many input rows: panels of 8 weight rows ----
-//
-// For a prompt chunk or a large batch each weight block meets many input blocks, so a chunk's weight rows are first
-// laid out again, 8 rows at a time, as a panel: per block, register g holds values 4g..4g+3 of each of the 8 rows
-// (row r in int32 lane r) as unsigned bytes, beside the rows' scales and offsets in float32. One input block's four
-// values 4g..4g+3, broadcast to every lane, meet register g in one maddubs; the 8 registers' int16 sums stay within
-// int16 (8 x 2 x 15 x 127 < 32768), so a block costs 8 maddubs, 8 int16 adds and one madd for 8 rows' 32-value dot
-// products, whose int32 results already sit one row per lane: no horizontal sums, and 8 outputs stored together.
-// The 8-bit formats' panels hold the int8 values themselves (signed_panel_tile): fewer instructions than their tiles,
-// though not fewer than a float32 GEMM's FMAs, which is why quant_ops dequantizes those weights where it can.
-
-constexpr std::size_t kPanelRows = 8;
-// From this many input rows every format takes panels. The 4-bit ones beat the tiles from 8 rows on SmolLM2's shapes
-// (1.7-2x), but they sum in another order, and the embedded model's greedy tokens with int8 inputs sit at the edge
-// of their accuracy bar (tests/workers/test_quant_ops.py): decode batches of fewer rows keep the tiles they had.
-constexpr std::size_t kPanelMinInputs = 32;
-
-struct PanelBlock {
-  uint8_t q[8][32];
-  float d[kPanelRows];
-  float m[kPanelRows];
-};
-
-template <QuantType kType>
-__attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w, std::size_t blocks,
-                                                               std::size_t block_bytes, std::size_t j0,
-                                                               PanelBlock* panel);
-
-// Weight rows [j0, j0 + 8) as a panel of `blocks` blocks.
-template <QuantType kType>
-__attribute__((target("avx2,fma,f16c"))) void pack_panel(const uint8_t* w, std::size_t blocks, std::size_t block_bytes,
-                                                         std::size_t j0, PanelBlock* panel) {
-  const std::size_t row_bytes = blocks * block_bytes;
-  if constexpr (is_signed(kType)) {  // int8 values as they are; d: the scale of values 0-15, m: of values 16-31
-    for (std::size_t b = 0; b < blocks; ++b) {
-      PanelBlock& out = panel[b];
-      for (std::size_t r = 0; r < kPanelRows; ++r) {
-        const uint8_t* blk = w + (j0 + r) * row_bytes + b * block_bytes;
-        const uint8_t* qs = blk + (kType == QuantType::kQ8_0 ? 2 : 8);
-        out.d[r] = kType == QuantType::kQ8_0 ? _cvtsh_ss(read_block_u16(blk)) : read_block_f32(blk);
-        out.m[r] = kType == QuantType::kQ8_0 ? out.d[r] : read_block_f32(blk + 4);
-        for (std::size_t g = 0; g < 8; ++g) std::memcpy(&out.q[g][4 * r], qs + 4 * g, 4);
-      }
-    }
-  } else {
-    pack_4_bit_panel<kType>(w, blocks, block_bytes, j0, panel);
-  }
-}
-
-template <QuantType kType>
-__attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w, std::size_t blocks,
-                                                               std::size_t block_bytes, std::size_t j0,
-                                                               PanelBlock* panel) {
-  const std::size_t row_bytes = blocks * block_bytes;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  for (std::size_t b = 0; b < blocks; ++b) {
-    PanelBlock& out = panel[b];
-    __m256i pair[4];  // rows r and r + 4: their 16 nibble bytes in the low and high 128-bit lanes
-    for (std::size_t r = 0; r < kPanelRows; ++r) {
-      const Q4Header h = read_q4_header_f16c<kType>(w + (j0 + r) * row_bytes + b * block_bytes);
-      out.d[r] = h.d;
-      out.m[r] = h.m;
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.qs));
-      pair[r % 4] = r < 4 ? _mm256_castsi128_si256(q) : _mm256_inserti128_si256(pair[r % 4], q, 1);
-    }
-    // A 4 x 4 transpose of int32s in each lane: t[g] then holds bytes 4g..4g+3 of rows 0-3 (low lane), 4-7 (high).
-    const __m256i lo01 = _mm256_unpacklo_epi32(pair[0], pair[1]);
-    const __m256i lo23 = _mm256_unpacklo_epi32(pair[2], pair[3]);
-    const __m256i hi01 = _mm256_unpackhi_epi32(pair[0], pair[1]);
-    const __m256i hi23 = _mm256_unpackhi_epi32(pair[2], pair[3]);
-    const __m256i t[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
-                          _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
-    for (std::size_t g = 0; g < 4; ++g) {  // low nibbles are values 0-15, high nibbles 16-31
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g]), _mm256_and_si256(t[g], mask));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g + 4]), _mm256_and_si256(_mm256_srli_epi16(t[g], 4), mask));
-    }
-  }
-}
-
-// Row i's 8 outputs from lane r of acc, with bias and residual, rounded once to T.
+// Weight rows [j0, j1) against every input row: from kPanelMinInputs input rows in 8-row panels
+// (kernels/cpu_quant_panels.cpp) as far as they go, the rest in rows_avx2's tiles.
 template <class T>
-__attribute__((target("avx2,fma,f16c"))) inline void store_panel_row(LinearShape s, __m256 acc,
-                                                                     const EpilogueOf<T>& epi, T* y, std::size_t i,
-                                                                     std::size_t j0) {
-  float out[kPanelRows];
-  _mm256_storeu_ps(out, acc);
-  for (std::size_t r = 0; r < kPanelRows; ++r) {
-    float v = out[r];
-    if (epi.bias != nullptr) v += load_scalar(epi.bias[j0 + r]);
-    if (epi.residual != nullptr) v += load_scalar(epi.residual[i * s.n + j0 + r]);
-    store_scalar(&y[i * s.n + j0 + r], v);
-  }
-}
-
-// The 8-bit formats' panels: maddubs takes |w| against x carrying w's sign, and its int16 pair sums (up to
-// 2 x 128 x 127) cannot be added in int16, so each goes to int32 at once; values 0-15 and 16-31 keep their own sums
-// for their own scales.
-template <QuantType kType, std::size_t kInputs, class T>
-__attribute__((target("avx2,fma,f16c"))) void signed_panel_tile(LinearShape s, const PanelBlock* panel,
-                                                                const ActBlock* act, const EpilogueOf<T>& epi, T* y,
-                                                                std::size_t i0, std::size_t j0) {
-  const std::size_t blocks = s.k / kQuantBlock;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[kInputs];
-  for (std::size_t i = 0; i < kInputs; ++i) acc[i] = _mm256_setzero_ps();
-  for (std::size_t b = 0; b < blocks; ++b) {
-    const PanelBlock& pb = panel[b];
-    const ActBlock* a[kInputs];
-    __m256i sums[kInputs][2];
-    for (std::size_t i = 0; i < kInputs; ++i) {
-      a[i] = act + (i0 + i) * blocks + b;
-      sums[i][0] = sums[i][1] = _mm256_setzero_si256();
-    }
-    for (std::size_t g = 0; g < 8; ++g) {
-      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.q[g]));
-      const __m256i wabs = _mm256_sign_epi8(wq, wq);
-      for (std::size_t i = 0; i < kInputs; ++i) {
-        int32_t four = 0;
-        std::memcpy(&four, a[i]->q + 4 * g, sizeof four);
-        const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(_mm256_set1_epi32(four), wq));
-        sums[i][g / 4] = _mm256_add_epi32(sums[i][g / 4], _mm256_madd_epi16(pairs, ones));
-      }
-    }
-    const __m256 d0 = _mm256_loadu_ps(pb.d);
-    const __m256 d1 = _mm256_loadu_ps(pb.m);
-    for (std::size_t i = 0; i < kInputs; ++i) {
-      const __m256 dx = _mm256_set1_ps(a[i]->d);
-      __m256 block;
-      if constexpr (kType == QuantType::kQ8_0) {
-        block = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[i][0], sums[i][1])), _mm256_mul_ps(d0, dx));
-      } else {
-        block = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][0]), d0,
-                                _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][1]), d1));
-        block = _mm256_mul_ps(block, dx);
-      }
-      acc[i] = _mm256_add_ps(acc[i], block);
-    }
-  }
-  for (std::size_t i = 0; i < kInputs; ++i) store_panel_row(s, acc[i], epi, y, i0 + i, j0);
-}
-
-template <std::size_t kInputs, class T>
-__attribute__((target("avx2,fma,f16c"))) void unsigned_panel_tile(LinearShape s, const PanelBlock* panel,
-                                                                  const ActBlock* act, const EpilogueOf<T>& epi, T* y,
-                                                                  std::size_t i0, std::size_t j0);
-
-// kInputs input rows from i0 against the panel of weight rows [j0, j0 + 8).
-template <QuantType kType, std::size_t kInputs, class T>
-__attribute__((target("avx2,fma,f16c"))) void panel_tile(LinearShape s, const PanelBlock* panel, const ActBlock* act,
-                                                         const EpilogueOf<T>& epi, T* y, std::size_t i0,
-                                                         std::size_t j0) {
-  if constexpr (is_signed(kType)) {
-    signed_panel_tile<kType, kInputs>(s, panel, act, epi, y, i0, j0);
-  } else {
-    unsigned_panel_tile<kInputs>(s, panel, act, epi, y, i0, j0);
-  }
-}
-
-template <std::size_t kInputs, class T>
-__attribute__((target("avx2,fma,f16c"))) void unsigned_panel_tile(LinearShape s, const PanelBlock* panel,
-                                                                  const ActBlock* act, const EpilogueOf<T>& epi, T* y,
-                                                                  std::size_t i0, std::size_t j0) {
-  const std::size_t blocks = s.k / kQuantBlock;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[kInputs];
-  for (std::size_t i = 0; i < kInputs; ++i) acc[i] = _mm256_setzero_ps();
-  for (std::size_t b = 0; b < blocks; ++b) {
-    const PanelBlock& pb = panel[b];
-    const ActBlock* a[kInputs];
-    __m256i sums[kInputs];
-    for (std::size_t i = 0; i < kInputs; ++i) {
-      a[i] = act + (i0 + i) * blocks + b;
-      sums[i] = _mm256_setzero_si256();
-    }
-    for (std::size_t g = 0; g < 8; ++g) {
-      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.q[g]));
-      for (std::size_t i = 0; i < kInputs; ++i) {
-        int32_t four = 0;
-        std::memcpy(&four, a[i]->q + 4 * g, sizeof four);
-        sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(four)));
-      }
-    }
-    const __m256 d = _mm256_loadu_ps(pb.d);
-    const __m256 m = _mm256_loadu_ps(pb.m);
-    for (std::size_t i = 0; i < kInputs; ++i) {
-      // The block's scaled dot product and its offset term (often of opposite signs and larger than their sum)
-      // meet before the running sum, which then rounds only what the block adds.
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
-      const __m256 offset = _mm256_mul_ps(m, _mm256_set1_ps(a[i]->s));
-      acc[i] = _mm256_add_ps(acc[i], _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a[i]->d)), offset));
-    }
-  }
-  for (std::size_t i = 0; i < kInputs; ++i) store_panel_row(s, acc[i], epi, y, i0 + i, j0);
-}
-
-// The calling thread's panel buffer (kept between calls).
-PanelBlock* panel_buffer(std::size_t blocks) {
-  thread_local std::vector<PanelBlock> buffer;
-  if (buffer.size() < blocks) buffer.resize(blocks);
-  return buffer.data();
-}
-
-// Weight rows [j0, j1) against every input row: panels of 8 rows, the last rows (fewer than 8) by rows_avx2.
-template <QuantType kType, class T>
-void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
-                 const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
-  const std::size_t blocks = s.k / kQuantBlock;
-  PanelBlock* panel = panel_buffer(blocks);
-  std::size_t j = j0;
-  for (; j + kPanelRows <= j1; j += kPanelRows) {
-    pack_panel<kType>(w, blocks, block_bytes, j, panel);
-    std::size_t i0 = 0;
-    for (; i0 + 4 <= s.m; i0 += 4) panel_tile<kType, 4>(s, panel, act, epi, y, i0, j);
-    switch (s.m - i0) {
-      case 3: panel_tile<kType, 3>(s, panel, act, epi, y, i0, j); break;
-      case 2: panel_tile<kType, 2>(s, panel, act, epi, y, i0, j); break;
-      case 1: panel_tile<kType, 1>(s, panel, act, epi, y, i0, j); break;
-      default: break;
-    }
-  }
-  if (j < j1) rows_avx2<kType>(s, block_bytes, act, w, epi, y, j, j1);
-}
-
-// Weight rows [j0, j1) against every input row: from kPanelMinInputs input rows in panels, else in rows_avx2's tiles.
-template <QuantType kType, class T>
-void products_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
+void products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
                    const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
   if (s.m >= kPanelMinInputs) {
-    panels_avx2<kType>(s, block_bytes, act, w, epi, y, j0, j1);
-  } else {
-    rows_avx2<kType>(s, block_bytes, act, w, epi, y, j0, j1);
+    const std::size_t panels_end = j0 + (j1 - j0) / kPanelRows * kPanelRows;
+    quant::panel_products_avx2<T>(type, s, block_bytes, act, w, epi, y, j0, panels_end);
+    j0 = panels_end;
   }
-}
-
-template <class T>
-void rows_avx2_any(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
-                   const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
-  switch (type) {
-    case QuantType::kQ8_0: return products_avx2<QuantType::kQ8_0>(s, block_bytes, act, w, epi, y, j0, j1);
-    case QuantType::kQ8_2F: return products_avx2<QuantType::kQ8_2F>(s, block_bytes, act, w, epi, y, j0, j1);
-    case QuantType::kQ4_0: return products_avx2<QuantType::kQ4_0>(s, block_bytes, act, w, epi, y, j0, j1);
-    case QuantType::kQ4_1: return products_avx2<QuantType::kQ4_1>(s, block_bytes, act, w, epi, y, j0, j1);
-    case QuantType::kQ4_1F: return products_avx2<QuantType::kQ4_1F>(s, block_bytes, act, w, epi, y, j0, j1);
-  }
+  if (j0 == j1) return;
+  quant::with_block_type(type, [&](auto t) { rows_avx2<decltype(t)::value>(s, block_bytes, act, w, epi, y, j0, j1); });
 }
 
 // The calling thread's activation buffer (kept between calls; every thread of the product reads it).
@@ -648,7 +404,7 @@ void linear_quant(const char* op, LinearShape s, QuantType type, std::span<const
     const std::size_t j0 = c * kChunkRows;
     const std::size_t j1 = std::min(s.n, j0 + kChunkRows);
     if (avx2) {
-      rows_avx2_any<T>(type, s, block_bytes, act, w.data(), epi, y.data(), j0, j1);
+      products_avx2<T>(type, s, block_bytes, act, w.data(), epi, y.data(), j0, j1);
     } else {
       rows_portable<T>(s, type, block_bytes, act, w.data(), epi, y.data(), j0, j1);
     }

@@ -1,0 +1,214 @@
+// Many input rows against quantized weights: panels of 8 weight rows (kernels/cpu_quant_blocks.h
+// panel_products_avx2).
+//
+// For a prompt chunk or a large batch each weight block meets many input blocks, so a chunk's weight rows are first
+// laid out again, 8 rows at a time, as a panel: per block, register g holds values 4g..4g+3 of each of the 8 rows
+// (row r in int32 lane r), beside the rows' scales and offsets in float32. One input block's four values 4g..4g+3,
+// broadcast to every lane, meet register g in one maddubs, whose sums already sit one row per lane: no horizontal
+// sums, and 8 outputs stored together. The 4-bit formats hold their nibbles as unsigned bytes; the 8-bit formats'
+// panels hold the int8 values themselves: fewer instructions than their tiles, though not fewer than a float32 GEMM's
+// FMAs, which is why quant_ops dequantizes those weights where it can.
+#include "kernels/cpu_quant_blocks.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace ringserve::kernels::quant {
+
+namespace {
+
+struct PanelBlock {
+  uint8_t q[8][32];
+  float d[kPanelRows];  // 8-bit formats: the scale of values 0-15
+  float m[kPanelRows];  // 8-bit formats: the scale of values 16-31
+};
+
+// Weight rows [j0, j0 + 8) of an 8-bit format as a panel of `blocks` blocks: int8 values as they are.
+template <QuantType kType>
+__attribute__((target("avx2,fma,f16c"))) void pack_8_bit_panel(const uint8_t* w, std::size_t blocks,
+                                                               std::size_t block_bytes, std::size_t j0,
+                                                               PanelBlock* panel) {
+  const std::size_t row_bytes = blocks * block_bytes;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    PanelBlock& out = panel[b];
+    for (std::size_t r = 0; r < kPanelRows; ++r) {
+      const Q8Header h = read_q8_header_f16c<kType>(w + (j0 + r) * row_bytes + b * block_bytes);
+      out.d[r] = h.d0;
+      out.m[r] = h.d1;
+      for (std::size_t g = 0; g < 8; ++g) std::memcpy(&out.q[g][4 * r], h.qs + 4 * g, 4);
+    }
+  }
+}
+
+// Weight rows [j0, j0 + 8) of a 4-bit format as a panel of `blocks` blocks: nibbles as unsigned bytes.
+template <QuantType kType>
+__attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w, std::size_t blocks,
+                                                               std::size_t block_bytes, std::size_t j0,
+                                                               PanelBlock* panel) {
+  const std::size_t row_bytes = blocks * block_bytes;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    PanelBlock& out = panel[b];
+    __m256i pair[4];  // rows r and r + 4: their 16 nibble bytes in the low and high 128-bit lanes
+    for (std::size_t r = 0; r < kPanelRows; ++r) {
+      const Q4Header h = read_q4_header_f16c<kType>(w + (j0 + r) * row_bytes + b * block_bytes);
+      out.d[r] = h.d;
+      out.m[r] = h.m;
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.qs));
+      pair[r % 4] = r < 4 ? _mm256_castsi128_si256(q) : _mm256_inserti128_si256(pair[r % 4], q, 1);
+    }
+    // A 4 x 4 transpose of int32s in each lane: t[g] then holds bytes 4g..4g+3 of rows 0-3 (low lane), 4-7 (high).
+    const __m256i lo01 = _mm256_unpacklo_epi32(pair[0], pair[1]);
+    const __m256i lo23 = _mm256_unpacklo_epi32(pair[2], pair[3]);
+    const __m256i hi01 = _mm256_unpackhi_epi32(pair[0], pair[1]);
+    const __m256i hi23 = _mm256_unpackhi_epi32(pair[2], pair[3]);
+    const __m256i t[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
+                          _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
+    for (std::size_t g = 0; g < 4; ++g) {  // low nibbles are values 0-15, high nibbles 16-31
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g]), _mm256_and_si256(t[g], mask));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g + 4]), _mm256_and_si256(_mm256_srli_epi16(t[g], 4), mask));
+    }
+  }
+}
+
+// How one input block's sums against a panel block are formed and scaled: the panel tile below is written once over
+// this policy. Each gives weights(wq) (what a panel register becomes before it meets inputs), add(g, w, x4) (register
+// g against 4 broadcast input values) and scaled(d, m, a) (the block's 8 products in float32).
+
+// The 4-bit formats: nibbles (0-15) against int8 inputs; the 8 registers' int16 sums stay within int16
+// (8 x 2 x 15 x 127 < 32768), so a block costs 8 maddubs, 8 int16 adds and one madd for 8 rows.
+struct NibbleSums {
+  __m256i sums{};
+
+  __attribute__((target("avx2,fma,f16c"))) static __m256i weights(__m256i wq) { return wq; }
+  __attribute__((target("avx2,fma,f16c"))) void add(std::size_t /*g*/, __m256i w, __m256i x4) {
+    sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(w, x4));
+  }
+  // The block's scaled dot product and its offset term (often of opposite signs and larger than their sum) meet
+  // before the running sum, which then rounds only what the block adds.
+  __attribute__((target("avx2,fma,f16c"))) __m256 scaled(__m256 d, __m256 m, const ActBlock& a) const {
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
+    return _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_mul_ps(m, _mm256_set1_ps(a.s)));
+  }
+};
+
+// The 8-bit formats: maddubs takes |w| against x carrying w's sign, and its int16 pair sums (up to 2 x 128 x 127)
+// cannot be added in int16, so each goes to int32 at once; values 0-15 (registers 0-3) and 16-31 keep their own sums
+// for their own scales.
+template <QuantType kType>
+struct SignedSums {
+  struct Weights {
+    __m256i abs;
+    __m256i sign;
+  };
+  __m256i sums[2]{};
+
+  __attribute__((target("avx2,fma,f16c"))) static Weights weights(__m256i wq) { return {_mm256_sign_epi8(wq, wq), wq}; }
+  __attribute__((target("avx2,fma,f16c"))) void add(std::size_t g, Weights w, __m256i x4) {
+    const __m256i pairs = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x4, w.sign));
+    sums[g / 4] = _mm256_add_epi32(sums[g / 4], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  __attribute__((target("avx2,fma,f16c"))) __m256 scaled(__m256 d0, __m256 d1, const ActBlock& a) const {
+    const __m256 dx = _mm256_set1_ps(a.d);
+    if constexpr (kType == QuantType::kQ8_0) {
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1])), _mm256_mul_ps(d0, dx));
+    } else {
+      const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0]), d0,
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(sums[1]), d1));
+      return _mm256_mul_ps(both, dx);
+    }
+  }
+};
+
+template <QuantType kType>
+using PanelSums = std::conditional_t<is_signed(kType), SignedSums<kType>, NibbleSums>;
+
+// Row i's 8 outputs from lane r of acc, with bias and residual, rounded once to T.
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) inline void store_panel_row(LinearShape s, __m256 acc,
+                                                                     const EpilogueOf<T>& epi, T* y, std::size_t i,
+                                                                     std::size_t j0) {
+  float out[kPanelRows];
+  _mm256_storeu_ps(out, acc);
+  for (std::size_t r = 0; r < kPanelRows; ++r) {
+    float v = out[r];
+    if (epi.bias != nullptr) v += load_scalar(epi.bias[j0 + r]);
+    if (epi.residual != nullptr) v += load_scalar(epi.residual[i * s.n + j0 + r]);
+    store_scalar(&y[i * s.n + j0 + r], v);
+  }
+}
+
+// kInputs input rows from i0 against the panel of weight rows [j0, j0 + 8).
+template <QuantType kType, std::size_t kInputs, class T>
+__attribute__((target("avx2,fma,f16c"))) void panel_tile(LinearShape s, const PanelBlock* panel, const ActBlock* act,
+                                                         const EpilogueOf<T>& epi, T* y, std::size_t i0,
+                                                         std::size_t j0) {
+  const std::size_t blocks = s.k / kQuantBlock;
+  __m256 acc[kInputs];
+  for (std::size_t i = 0; i < kInputs; ++i) acc[i] = _mm256_setzero_ps();
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const PanelBlock& pb = panel[b];
+    const ActBlock* a[kInputs];
+    PanelSums<kType> sums[kInputs];
+    for (std::size_t i = 0; i < kInputs; ++i) a[i] = act + (i0 + i) * blocks + b;
+    for (std::size_t g = 0; g < 8; ++g) {
+      const auto wg = PanelSums<kType>::weights(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.q[g])));
+      for (std::size_t i = 0; i < kInputs; ++i) {
+        int32_t four = 0;
+        std::memcpy(&four, a[i]->q + 4 * g, sizeof four);
+        sums[i].add(g, wg, _mm256_set1_epi32(four));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(pb.d);
+    const __m256 m = _mm256_loadu_ps(pb.m);
+    for (std::size_t i = 0; i < kInputs; ++i) acc[i] = _mm256_add_ps(acc[i], sums[i].scaled(d, m, *a[i]));
+  }
+  for (std::size_t i = 0; i < kInputs; ++i) store_panel_row(s, acc[i], epi, y, i0 + i, j0);
+}
+
+// The calling thread's panel buffer (kept between calls).
+PanelBlock* panel_buffer(std::size_t blocks) {
+  thread_local std::vector<PanelBlock> buffer;
+  if (buffer.size() < blocks) buffer.resize(blocks);
+  return buffer.data();
+}
+
+template <QuantType kType, class T>
+void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
+                 const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+  const std::size_t blocks = s.k / kQuantBlock;
+  PanelBlock* panel = panel_buffer(blocks);
+  for (std::size_t j = j0; j < j1; j += kPanelRows) {
+    if constexpr (is_signed(kType)) {
+      pack_8_bit_panel<kType>(w, blocks, block_bytes, j, panel);
+    } else {
+      pack_4_bit_panel<kType>(w, blocks, block_bytes, j, panel);
+    }
+    std::size_t i0 = 0;
+    for (; i0 + 4 <= s.m; i0 += 4) panel_tile<kType, 4>(s, panel, act, epi, y, i0, j);
+    switch (s.m - i0) {
+      case 3: panel_tile<kType, 3>(s, panel, act, epi, y, i0, j); break;
+      case 2: panel_tile<kType, 2>(s, panel, act, epi, y, i0, j); break;
+      case 1: panel_tile<kType, 1>(s, panel, act, epi, y, i0, j); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+template <class T>
+void panel_products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act,
+                         const uint8_t* w, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+  with_block_type(type, [&](auto t) { panels_avx2<decltype(t)::value>(s, block_bytes, act, w, epi, y, j0, j1); });
+}
+
+template void panel_products_avx2<float>(QuantType, LinearShape, std::size_t, const ActBlock*, const uint8_t*,
+                                         const EpilogueOf<float>&, float*, std::size_t, std::size_t);
+template void panel_products_avx2<bf16_bits>(QuantType, LinearShape, std::size_t, const ActBlock*, const uint8_t*,
+                                             const EpilogueOf<bf16_bits>&, bf16_bits*, std::size_t, std::size_t);
+
+}  // namespace ringserve::kernels::quant
