@@ -52,13 +52,14 @@ void futex_wake(std::atomic<std::uint32_t>& word, int count) {
 
 thread_local bool in_job = false;  // this thread is running a chunk (a nested call then runs in order)
 
-constexpr std::uint64_t pack(std::uint32_t chunks, std::uint32_t next) {
-  return std::uint64_t{chunks} << 32 | next;
+constexpr std::uint64_t pack(std::uint32_t end, std::uint32_t next) {
+  return std::uint64_t{end} << 32 | next;
 }
 
 }  // namespace
 
-WorkerPool::WorkerPool(std::function<void(int)> before_claim) : before_claim_(std::move(before_claim)) {}
+WorkerPool::WorkerPool(std::function<void(int)> before_claim)
+    : ranges_(std::make_unique<Range[]>(kMaxHelpers + 1)), before_claim_(std::move(before_claim)) {}
 
 WorkerPool::~WorkerPool() {
   stop_.store(true, std::memory_order_seq_cst);
@@ -97,18 +98,25 @@ void WorkerPool::run(std::size_t count, std::size_t chunk, int threads, ChunkBod
   context_ = context;
   count_ = count;
   chunk_ = chunk;
+  chunk_count_ = static_cast<std::uint32_t>(chunks);
   failed_.store(false, std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
   helpers_wanted_.store(helpers, std::memory_order_relaxed);
-  // Release: a thread whose claim reads this value (or a later one of its CASes) sees the job written above.
-  claims_.store(pack(static_cast<std::uint32_t>(chunks), 0), std::memory_order_release);
+  const auto threads_used = static_cast<std::uint32_t>(helpers + 1);
+  ranges_used_.store(threads_used, std::memory_order_relaxed);
+  // Release: a thread whose claim reads one of these values (or a later CAS of it) sees the job written above.
+  for (std::uint32_t t = 0; t < threads_used; ++t) {
+    ranges_[t].word.store(pack(static_cast<std::uint32_t>(chunks * (t + 1) / threads_used),
+                               static_cast<std::uint32_t>(chunks * t / threads_used)),
+                          std::memory_order_release);
+  }
   // seq_cst with the helpers' sleepers_ increment then epoch_ load: either they see the new epoch or we see them.
   epoch_.fetch_add(1, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(epoch_, kMaxHelpers);
 
-  drain();
+  drain(0);
   const auto total = static_cast<std::uint32_t>(chunks);
-  // Acquire: pairs with each chunk's release increment, so the chunks' writes are visible when we return.
+  // Acquire: pairs with each thread's release increment, so the chunks' writes are visible when we return.
   if (!spin_until([&] { return done_.load(std::memory_order_acquire) == total; }, kCallerSpin)) {
     // seq_cst with the helpers' increment then caller_sleeping_ load: either we see the last increment or they wake us.
     caller_sleeping_.store(true, std::memory_order_seq_cst);
@@ -128,23 +136,39 @@ void WorkerPool::run(std::size_t count, std::size_t chunk, int threads, ChunkBod
   }
 }
 
-void WorkerPool::drain() {
-  std::uint64_t word = claims_.load(std::memory_order_acquire);
-  for (;;) {
-    const auto chunks = static_cast<std::uint32_t>(word >> 32);
-    const auto next = static_cast<std::uint32_t>(word);
-    if (next >= chunks) return;
-    // Acquire on success: the job's fields, written before the caller's release store of this word, are visible.
-    if (claims_.compare_exchange_weak(word, pack(chunks, next + 1), std::memory_order_acquire,
-                                      std::memory_order_acquire)) {
-      run_chunk(next);
-      const std::uint32_t finished = done_.fetch_add(1, std::memory_order_seq_cst) + 1;
-      // The caller may return (and start the next job) as soon as the count reaches `chunks`: touch nothing of the
-      // job after the increment; a stale wake-up below is harmless.
-      if (finished == chunks && caller_sleeping_.load(std::memory_order_seq_cst)) futex_wake(done_, 1);
-      word = claims_.load(std::memory_order_acquire);
+void WorkerPool::drain(std::size_t own) {
+  // Chunks run here are added to done_ once, at the end: while this thread holds any, the job cannot end, so all its
+  // claims are of one job (a late thread's first claim may be of the next job: that is then the job it helps with).
+  std::uint32_t ran = 0;
+  auto claim_all = [&](std::atomic<std::uint64_t>& word, bool front) {
+    std::uint64_t seen = word.load(std::memory_order_acquire);
+    for (;;) {
+      const auto end = static_cast<std::uint32_t>(seen >> 32);
+      const auto next = static_cast<std::uint32_t>(seen);
+      if (next >= end) return;
+      // Acquire on success: the job's fields, written before the caller's release store of this word, are visible.
+      if (word.compare_exchange_weak(seen, front ? pack(end, next + 1) : pack(end - 1, next),
+                                     std::memory_order_acquire, std::memory_order_acquire)) {
+        run_chunk(front ? next : end - 1);
+        ++ran;
+        seen = word.load(std::memory_order_acquire);
+      }
     }
+  };
+  claim_all(ranges_[own].word, true);
+  // Then the others' ranges, each from its back. A stale count (a late thread's) only changes which empty ranges it
+  // reads: the caller, which knows its job's, empties every range before it waits.
+  const std::size_t used = std::max<std::uint32_t>(ranges_used_.load(std::memory_order_relaxed), 1);
+  for (std::size_t k = 1; k <= used; ++k) {
+    const std::size_t other = (own + k) % used;
+    if (other != own) claim_all(ranges_[other].word, false);
   }
+  if (ran == 0) return;
+  const std::uint32_t total = chunk_count_;  // read before the increment: after it the job may be over
+  const std::uint32_t finished = done_.fetch_add(ran, std::memory_order_seq_cst) + ran;
+  // The caller may return (and start the next job) as soon as the count reaches the total: touch nothing of the job
+  // after the increment; a stale wake-up below is harmless.
+  if (finished == total && caller_sleeping_.load(std::memory_order_seq_cst)) futex_wake(done_, 1);
 }
 
 void WorkerPool::run_chunk(std::uint32_t index) {
@@ -173,7 +197,7 @@ void WorkerPool::helper_loop(int helper, std::uint32_t seen) {
     if (stop_.load(std::memory_order_acquire)) return;
     if (helper >= helpers_wanted_.load(std::memory_order_relaxed)) continue;
     if (before_claim_) before_claim_(helper);
-    drain();
+    drain(static_cast<std::size_t>(helper) + 1);
   }
 }
 

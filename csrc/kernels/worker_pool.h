@@ -1,7 +1,9 @@
-// The kernels' own helper threads: a job's chunks are claimed one at a time from an atomic counter by the calling
-// thread and by whichever helpers are awake, so a helper that the OS has descheduled holds up nobody. The caller
-// returns once every claimed chunk has run; a helper that wakes late finds nothing left and goes back to sleep
-// (there is no barrier it must join). Helpers spin briefly after a job, then sleep on a futex.
+// The kernels' own helper threads. A job's chunks are dealt out as one contiguous range per thread (the caller and the
+// helpers it wants); each thread claims its own range's chunks one at a time from the front, then takes the others'
+// remaining chunks one at a time from their backs (work stealing), so a helper that the OS has descheduled, or that
+// wakes late, holds up nobody: the others take its share. The caller returns once every claimed chunk has run; a
+// helper that wakes late finds nothing left and goes back to sleep (there is no barrier it must join). Helpers spin
+// briefly after a job, then sleep on a futex.
 #pragma once
 
 #include <atomic>
@@ -9,6 +11,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -36,21 +39,29 @@ class WorkerPool {
 
  private:
   void helper_loop(int helper, std::uint32_t seen);
-  // Claims and runs the current job's chunks until none is left.
-  void drain();
+  // Claims and runs the current job's chunks until none is left: range `own`'s from the front, then the others'
+  // from their backs.
+  void drain(std::size_t own);
   void run_chunk(std::uint32_t index);
   void add_helpers(int wanted);
 
-  // The current job, written by the caller before it publishes the job in `claims_`: a thread reads it only after a
+  // The current job, written by the caller before it publishes the job in `ranges_`: a thread reads it only after a
   // successful claim, which the caller waits for before it writes the next job's, so these need no atomics.
   ChunkBody body_ = nullptr;
   void* context_ = nullptr;
   std::size_t count_ = 0;
   std::size_t chunk_ = 1;
+  std::uint32_t chunk_count_ = 0;
 
-  // chunks << 32 | next chunk to claim. Claiming is a CAS from (c, i) to (c, i + 1) with i < c: whatever job the word
-  // holds at that instant, chunk i of it is then ours and its caller waits for it. Between jobs next == chunks.
-  alignas(64) std::atomic<std::uint64_t> claims_{0};
+  // Each thread's range of chunks, end << 32 | next, on a cache line of its own (slot 0 the caller's, slot h + 1
+  // helper h's): its owner claims chunk i by a CAS from (e, i) to (e, i + 1), another thread chunk e - 1 by a CAS from
+  // (e, i) to (e - 1, i), both with i < e. Whatever job the word holds at that instant, the chunk is then ours and its
+  // caller waits for it. Between jobs every range is empty (next == end).
+  struct alignas(64) Range {
+    std::atomic<std::uint64_t> word{0};
+  };
+  std::unique_ptr<Range[]> ranges_;
+  alignas(64) std::atomic<std::uint32_t> ranges_used_{0};  // the current job's thread count (ranges 0 .. used - 1)
   alignas(64) std::atomic<std::uint32_t> done_{0};  // chunks of the current job finished (run or skipped)
   std::atomic<bool> caller_sleeping_{false};
   std::atomic<bool> failed_{false};

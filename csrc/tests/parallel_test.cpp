@@ -1,5 +1,6 @@
 // The kernels' worker pool: every item once for any thread count, exceptions, nested and concurrent calls, a helper
-// held back (as a descheduled one would be) not holding up the call, and a forked child. Run under TSan too.
+// held back (as a descheduled one would be) not holding up the call, a held caller's range taken from its back by the
+// helpers, and a forked child. Run under TSan too.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -7,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -125,6 +127,51 @@ TEST(a_held_back_helper_does_not_hold_up_the_call) {
     auto visit_again = [&](std::size_t i) { again.counts[i].fetch_add(1); };
     run_items(pool, 257, 2, 2, visit_again);
     CHECK(again.each_once());
+  }
+}
+
+TEST(each_thread_starts_on_its_own_range_and_then_takes_the_others_from_their_backs) {
+  std::atomic<bool> caller_started{false};
+  WorkerPool pool([&](int) { wait_for(caller_started); });  // no helper claims before the caller has its first item
+  for (int threads = 2; threads <= 4; ++threads) {
+    caller_started.store(false);
+    constexpr std::size_t kItems = 64;
+    Visits v(kItems);
+    std::mutex order_mutex;
+    std::vector<std::size_t> on_helpers;  // items the helpers ran, in the order they ran them
+    std::atomic<std::size_t> helper_items{0};
+    const std::thread::id caller = std::this_thread::get_id();
+    bool rest_taken = true;
+    auto visit = [&](std::size_t i) {
+      if (std::this_thread::get_id() == caller) {
+        // The caller holds its first item until the helpers have run every other one: its own range's rest too.
+        if (i == 0) {
+          caller_started.store(true);
+          const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (helper_items.load() < kItems - 1 && std::chrono::steady_clock::now() < end) std::this_thread::yield();
+          rest_taken = helper_items.load() == kItems - 1;
+        }
+      } else {
+        std::lock_guard<std::mutex> guard(order_mutex);
+        on_helpers.push_back(i);
+        helper_items.fetch_add(1);
+      }
+      v.counts[i].fetch_add(1);
+    };
+    run_items(pool, kItems, 1, threads, visit);
+    CHECK(v.each_once());
+    CHECK(rest_taken);
+    // The caller's range is [0, 64 / threads): the helpers took all of it but item 0; one helper takes it from the
+    // back, in descending order (several may record theirs out of order).
+    const std::size_t caller_end = kItems / static_cast<std::size_t>(threads);
+    std::vector<std::size_t> taken;
+    for (const std::size_t i : on_helpers) {
+      if (i < caller_end) taken.push_back(i);
+    }
+    CHECK(taken.size() == caller_end - 1);
+    if (threads == 2) {
+      for (std::size_t k = 0; k < taken.size(); ++k) CHECK(taken[k] == caller_end - 1 - k);
+    }
   }
 }
 
