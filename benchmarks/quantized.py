@@ -9,11 +9,13 @@ Last line: one JSON object.
   (above 1: the quantized path is faster).
 - kernels: per projection shape of the model (fused qkv, o, gate_up, down, lm_head) and row count (1, 16, 32, 64, 256
   and the prompt's; the LM head, which sees one row per sequence, up to 256), milliseconds per call: `float_ms` the
-  float path's F.linear / native kernel on float weights, `quant_ms` quant_ops.linear as the model calls it (the int8
-  kernel, with 8-row weight panels for the 4-bit kinds from 32 rows; for DEQUANTIZED_KINDS from DEQUANTIZE_MIN_ROWS
-  rows the float GEMM on the dequantized weight), `int8_ms` and `dequant_gemm_ms` each of those two forced for any kind
-  (a weight over DEQUANTIZE_MAX_VALUES, the LM head, keeps the int8 kernel in both); `speedup` = float_ms / quant_ms.
-  `dequantize_ms`: the weight's native dequantization alone.
+  float path's F.linear / native kernel on float weights, `quant_ms` quant_ops.linear (the int8 kernel, with 8-row
+  weight panels from 32 rows), `dequant_gemm_ms` the other route: the weight's native dequantization and the float32
+  GEMM; `speedup` = float_ms / quant_ms. `dequantize_ms`: the weight's native dequantization alone.
+- routes (`--routes` alone: only this): for each block format (`--formats`), on the model's projection shapes (random
+  blocks) and input rows (`--rows`, default 32-1,024), `int8_ms` (quant_ops.linear) against `dequant_gemm_ms`,
+  alternating rounds, best of the repeats; `int8_speedup` = dequant_gemm_ms / int8_ms; per format, `layer_m*` sums
+  one layer's four projections.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,18 +57,15 @@ def best_ms(fn, repeats: int) -> float:
     return min(times) * 1e3
 
 
+def dequantized_product(x: torch.Tensor, weight: Any, values: torch.Tensor) -> torch.Tensor:
+    """x @ W^T by the float32 GEMM on W dequantized natively into `values` (the route quant_ops does not take)."""
+    from ringserve.workers.model import cpu_ops, quant_ops
+
+    return cpu_ops.linear(x, quant_ops.dequantize(weight, out=values))
+
+
 def kernel_profile(float_model, quant_model, rows: tuple[int, ...], repeats: int) -> dict[str, dict[str, float]]:
     from ringserve.workers.model import quant_ops
-
-    int8_only = 1 << 30
-    every_kind = tuple(quant_ops.BLOCK_BYTES)
-
-    def dequantized(x: torch.Tensor, wq: quant_ops.QuantizedWeight) -> torch.Tensor:
-        kinds, quant_ops.DEQUANTIZED_KINDS = quant_ops.DEQUANTIZED_KINDS, every_kind
-        try:
-            return quant_ops.linear(x, wq, dequantize_min_rows=1)
-        finally:
-            quant_ops.DEQUANTIZED_KINDS = kinds
 
     layer_f, layer_q = float_model.model.layers[0], quant_model.model.layers[0]
     pairs = {
@@ -87,12 +87,65 @@ def kernel_profile(float_model, quant_model, rows: tuple[int, ...], repeats: int
             times = {
                 "float_ms": best_ms(lambda x=x, wf=wf: quant_ops.linear(x, wf), repeats),
                 "quant_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq), repeats),
-                "int8_ms": best_ms(lambda x=x, wq=wq: quant_ops.linear(x, wq, dequantize_min_rows=int8_only), repeats),
-                "dequant_gemm_ms": best_ms(lambda x=x, wq=wq: dequantized(x, wq), repeats),
+                "dequant_gemm_ms": best_ms(lambda x=x, wq=wq, v=values: dequantized_product(x, wq, v), repeats),
             }
             row: dict[str, float] = {key: round(value, 3) for key, value in times.items()}
             row["speedup"] = round(times["float_ms"] / times["quant_ms"], 2)
             out[f"{name}_m{m}"] = row
+    return out
+
+
+def random_weight(kind: int, rows: int, cols: int, rng: np.random.Generator) -> Any:
+    """A QuantizedWeight of `kind` with random values and small finite scales (timing does not depend on them)."""
+    from ringserve.workers.model import quant_ops
+
+    block_bytes = quant_ops.BLOCK_BYTES[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)
+    half, single = np.float16, np.float32  # each block's leading scale (and offset) fields
+    fields = {quant_ops.Q8_0: (half, 1), quant_ops.Q4_0: (half, 1), quant_ops.Q4_1: (half, 2),
+              quant_ops.Q4_1F: (single, 2), quant_ops.Q8_2F: (single, 2)}  # fmt: skip
+    dtype, count = fields[kind]
+    header = np.frombuffer(np.full(count, 0.01, dtype).tobytes(), np.uint8)
+    raw[..., : header.size] = header
+    return quant_ops.QuantizedWeight(kind, torch.from_numpy(raw.reshape(rows, -1)), cols)
+
+
+def route_profile(model: Any, rows: tuple[int, ...], repeats: int, formats: list[str], rounds: int) -> dict[str, Any]:
+    """Both routes of every block format on the shapes of `model`'s (fast-path) layer 0 (see the module docstring)."""
+    from ringserve.workers.model import quant_ops
+
+    layer = model.model.layers[0]
+    shapes = {"qkv": layer.self_attn.qkv_weight.shape, "o": layer.self_attn.o_proj.weight.shape,
+              "gate_up": layer.mlp.gate_up_weight.shape, "down": layer.mlp.down_proj.weight.shape}  # fmt: skip
+    names = {quant_ops.Q8_0: "Q8_0", quant_ops.Q8_2F: "Q6_K", quant_ops.Q4_0: "Q4_0", quant_ops.Q4_1: "Q4_1",
+             quant_ops.Q4_1F: "Q4_K"}  # fmt: skip
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    for kind, label in names.items():
+        if label not in formats:
+            continue
+        totals = {m: [0.0, 0.0] for m in rows}
+        for shape_name, (n, k) in shapes.items():
+            weight = random_weight(kind, n, k, rng)
+            for m in rows:
+                x = torch.randn(m, k)
+                values = torch.empty(n, k)
+                int8 = lambda x=x, w=weight: quant_ops.linear(x, w)  # noqa: E731
+                dequantized = lambda x=x, w=weight, v=values: dequantized_product(x, w, v)  # noqa: E731
+                times: dict[str, list[float]] = {"int8": [], "dequant": []}
+                for _ in range(rounds):  # alternating
+                    times["int8"].append(best_ms(int8, repeats))
+                    times["dequant"].append(best_ms(dequantized, repeats))
+                int8_ms, dequant_ms = min(times["int8"]), min(times["dequant"])
+                totals[m][0] += int8_ms
+                totals[m][1] += dequant_ms
+                out[f"{label}_{shape_name}_m{m}"] = {"int8_ms": round(int8_ms, 3),
+                                                      "dequant_gemm_ms": round(dequant_ms, 3),
+                                                      "int8_speedup": round(dequant_ms / int8_ms, 2)}  # fmt: skip
+                print(label, shape_name, m, out[f"{label}_{shape_name}_m{m}"], file=sys.stderr, flush=True)
+        for m, (int8_ms, dequant_ms) in totals.items():
+            out[f"{label}_layer_m{m}"] = {"int8_ms": round(int8_ms, 3), "dequant_gemm_ms": round(dequant_ms, 3),
+                                          "total_speedup": round(dequant_ms / int8_ms, 2)}  # fmt: skip
     return out
 
 
@@ -103,13 +156,26 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, quick 1)")
     p.add_argument("--quick", action="store_true", help="one round, 32 decode tokens, 512-token prompt")
+    p.add_argument("--routes", action="store_true", help="only the int8-or-dequantized route profile")
+    p.add_argument("--formats", default="Q8_0,Q6_K,Q4_0,Q4_1,Q4_K", help="--routes: the block formats measured")
+    p.add_argument("--rows", default=None, help="--routes: input row counts (default 32,64,256,512,1024)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.routes:
+        from ringserve.workers.loader import load_model
+        from ringserve.workers.model.fast_paths import apply_fast_paths
+
+        model_path = Path(args.model or os.environ.get("RINGSERVE_TEST_GGUF") or embedded_model_path())
+        model = apply_fast_paths(load_model(model_path, torch.float32, quantization="none"))
+        rows = tuple(int(m) for m in (args.rows or ("32,64,256" if args.quick else "32,64,256,512,1024")).split(","))
+        print(json.dumps({"threads": torch.get_num_threads(), "load_avg_1min": round(os.getloadavg()[0], 2),
+                          "routes": route_profile(model, rows, 3 if args.quick else 5, args.formats.split(","),
+                                                  args.rounds or (1 if args.quick else 3))}))  # fmt: skip
+        return
     rounds = args.rounds or (1 if args.quick else 3)
     gen, prompt_len = (32, 512) if args.quick else (128, 1024)
 
     from ringserve.workers.loader import load_model, parse_dtype
-    from ringserve.workers.model import quant_ops
     from ringserve.workers.model_runner import ModelRunner
 
     dtype = parse_dtype(args.dtype)
@@ -138,8 +204,6 @@ def main() -> None:
         "model": model_path.name,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "dequantize_min_rows": quant_ops.DEQUANTIZE_MIN_ROWS,
-        "dequantized_kinds": list(quant_ops.DEQUANTIZED_KINDS),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "prompt_len": prompt_len,
         "single_tok_s": round(single["gguf"], 2),

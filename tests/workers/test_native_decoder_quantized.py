@@ -1,6 +1,6 @@
 """The one-call native decoder over quantized GGUF projections (`DecoderF32` / `DecoderBf16` with blocks): decode
-steps bit-identical to the layer-by-layer path, which it replaces except where a projection takes the float GEMM on
-dequantized weights (8-bit blocks from DEQUANTIZE_MIN_ROWS rows). Runs wherever the int8 kernel has its AVX2 path."""
+steps bit-identical to the layer-by-layer path, which it replaces, a few rows or many (the kernel's weight panels).
+Runs wherever the int8 kernel has its AVX2 path."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def gguf_path(tmp_path_factory) -> Path:
     return path
 
 
-def quantized_model(path: Path, dtype: torch.dtype, native: bool) -> tuple[LlamaForCausalLM, KVCache]:
+def quantized_model(path: Path, dtype: torch.dtype, native: bool, blocks: int = 32) -> tuple[LlamaForCausalLM, KVCache]:
     model = apply_fast_paths(load_model(path, dtype, quantization="gguf"))
     model.native_decode = native
-    cache = KVCache.allocate(model.config, 32, BLOCK, dtype, "cpu")
+    cache = KVCache.allocate(model.config, blocks, BLOCK, dtype, "cpu")
     model.bind_kv_cache(cache, torch_sdpa.TorchSdpaBackend())
     return model, cache
 
@@ -69,22 +69,19 @@ def test_quantized_decode_steps_give_the_same_bits_as_the_layer_by_layer_path(gg
     assert_same_bits(plain_logits, plain_cache, native_logits, native_cache)
 
 
-def test_steps_of_dequantize_min_rows_keep_the_layer_by_layer_path(gguf_path, monkeypatch):
+def test_steps_of_many_rows_take_the_native_decoder_with_the_same_bits(gguf_path, monkeypatch):
+    """40 sequences, one token each, then a decode step of all 40: rows enough for the kernel's weight panels, the
+    Q8_0 O projection's among them."""
     calls = count_native_calls(monkeypatch)
-    model, _ = quantized_model(gguf_path, torch.float32, native=True)
-    decoder = model.native_decoder()
-    assert decoder is not None and decoder.quantized
-    forward_packed(model, [(p, 0, t) for p, t in zip(PROMPTS, TABLES, strict=True)], BLOCK)
-    monkeypatch.setattr(quant_ops, "DEQUANTIZE_MIN_ROWS", 3)  # three decode rows: the Q8_0 O projection dequantized
-    forward_packed(model, [([1], len(p), t) for p, t in zip(PROMPTS, TABLES, strict=True)], BLOCK)
-    assert calls[0] == 0
-    forward_packed(model, [([1], len(p) + 1, t) for p, t in zip(PROMPTS[:2], TABLES[:2], strict=True)], BLOCK)
-    assert calls[0] == 1
-    # Without Q8_0 among the dequantized kinds every projection keeps the int8 kernel at any row count (the 4-bit
-    # kinds' case): three rows go to the native decoder again.
-    monkeypatch.setattr(quant_ops, "DEQUANTIZED_KINDS", (quant_ops.Q8_2F,))
-    forward_packed(model, [([1], len(p) + 2, t) for p, t in zip(PROMPTS, TABLES, strict=True)], BLOCK)
-    assert calls[0] == 2
+    runs = []
+    for native in (False, True):
+        model, cache = quantized_model(gguf_path, torch.float32, native, blocks=40)
+        steps = [forward_packed(model, [([3 + i], 0, [i]) for i in range(40)], BLOCK)]
+        tokens = [int(rows[-1].argmax()) for rows in steps[0]]
+        steps.append(forward_packed(model, [([t], 1, [i]) for i, t in enumerate(tokens)], BLOCK))
+        runs += [steps, cache]
+        assert calls[0] == (2 if native else 0)
+    assert_same_bits(*runs)
 
 
 def test_a_model_mixing_dense_and_quantized_projections_keeps_the_layer_by_layer_path(gguf_path):

@@ -52,12 +52,9 @@ def quantized_inputs(x: np.ndarray) -> np.ndarray:
     return (np.rint(blocks * inverse) * d.astype(np.float64)).reshape(x.shape)
 
 
-INT8_ONLY = 1 << 30  # dequantize_min_rows that keeps every product on the int8 kernel
-
-
 def check_product(qtype: Q, m: int, n: int, k: int, threads: int = 1, dtype: torch.dtype = torch.float32,
-                  portable: bool = False, dequantize_min_rows: int = INT8_ONLY) -> None:  # fmt: skip
-    """The int8 kernel's product, or with dequantize_min_rows <= m the float path's, against float64 references."""
+                  portable: bool = False) -> None:  # fmt: skip
+    """The int8 kernel's product against float64 references."""
     raw = random_blocks(n, k, qtype, seed=m * 31 + n + k)
     weight = quant_ops.from_gguf(raw, qtype, n, k)
     w = quants.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
@@ -66,15 +63,11 @@ def check_product(qtype: Q, m: int, n: int, k: int, threads: int = 1, dtype: tor
     bias = torch.randn(n, generator=gen).to(dtype)
     residual = torch.randn(m, n, generator=gen).to(dtype)
     with torch_threads(threads):
-        y = quant_ops.linear(x, weight, bias, residual, force_portable=portable,
-                             dequantize_min_rows=dequantize_min_rows).double().numpy()  # fmt: skip
+        y = quant_ops.linear(x, weight, bias, residual, force_portable=portable).double().numpy()
     xd = x.double().numpy()
     extra = bias.double().numpy() + residual.double().numpy()
     magnitude = np.abs(xd) @ np.abs(w).T + np.abs(extra)
     rel = 2e-5 if dtype is torch.float32 else 8e-3
-    if quant_ops.dequantizes(weight, m, dequantize_min_rows):  # the float path: only float32 sums (and bf16 outputs)
-        np.testing.assert_array_less(np.abs(y - (xd @ w.T + extra)), rel * magnitude + 1e-6)
-        return
     # Tight: the same int8 inputs in float64, so only float32 sums (and bf16 outputs) differ.
     exact = quantized_inputs(xd) @ w.T + extra
     np.testing.assert_array_less(np.abs(y - exact), rel * magnitude + 1e-6)
@@ -110,42 +103,27 @@ def test_dequantize_gives_gguf_values_bit_for_bit(qtype, portable):
         np.testing.assert_array_equal(got.numpy(), quants.dequantize(raw, qtype).reshape(n, k))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
-def test_many_rows_of_4_bit_blocks_take_the_int8_panels(qtype):
-    k = 256 if qtype is Q.Q4_K else 96
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_many_rows_take_the_int8_panels(qtype):
+    k = 256 if qtype in (Q.Q4_K, Q.Q6_K) else 96
     for m in (32, 33, 34, 71):  # 8-row weight panels (from 32 rows), every tail of 4-row input tiles
-        check_product(qtype, m, 45, k, dequantize_min_rows=quant_ops.DEQUANTIZE_MIN_ROWS)
+        check_product(qtype, m, 45, k)
     check_product(qtype, 35, 37, 2 * k, dtype=torch.bfloat16)
     for threads in (2, 3):
         check_product(qtype, 33, 61, k, threads=threads)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
-def test_many_rows_multiply_the_dequantized_weight_in_float32(qtype, monkeypatch):
-    k = 256 if qtype in (Q.Q4_K, Q.Q6_K) else 96
-    m = quant_ops.DEQUANTIZE_MIN_ROWS
-    check_product(qtype, m, 37, k, dequantize_min_rows=m)  # whole weight in one panel
-    check_product(qtype, m + 3, 37, k, dtype=torch.bfloat16, dequantize_min_rows=m)
-    check_product(qtype, 7, 37, k, dequantize_min_rows=1, portable=True)
-    check_product(qtype, m, 37, k, threads=2, dtype=torch.bfloat16, dequantize_min_rows=m)
-    monkeypatch.setattr(quant_ops, "DEQUANTIZE_MAX_VALUES", 37 * k - 1)  # a weight over the limit keeps int8
-    weight = quant_ops.from_gguf(random_blocks(37, k, qtype, seed=0), qtype, 37, k)
-    assert not quant_ops.dequantizes(weight, m)
-    check_product(qtype, m, 37, k)  # held to the int8 inputs' exact product, which the float path would miss
-
-
-def test_the_float_path_agrees_with_the_int8_kernel_on_a_prompt_chunk():
+def test_a_batch_of_prompt_chunks_with_a_residual_takes_the_int8_kernel():
     raw = random_blocks(40, 128, Q.Q8_0, seed=3)
     weight = quant_ops.from_gguf(raw, Q.Q8_0, 40, 128)
-    x = torch.randn(quant_ops.DEQUANTIZE_MIN_ROWS, 128, generator=torch.Generator().manual_seed(4))
-    floats = quant_ops.linear(x, weight)
-    int8 = quant_ops.linear(x, weight, dequantize_min_rows=INT8_ONLY)
-    assert not torch.equal(floats, int8)  # the default took the float path at this many rows
-    torch.testing.assert_close(floats, x @ quant_ops.dequantize(weight).T, rtol=1e-5, atol=1e-5)
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
+    int8 = quant_ops.linear(x, weight)
+    floats = x @ quant_ops.dequantize(weight).T
+    assert not torch.equal(int8, floats)  # the inputs' int8 rounding: close, not equal
     torch.testing.assert_close(int8, floats, atol=0.02 * floats.abs().max().item(), rtol=0)
-    residual = torch.randn(2, 16, 40)  # a batch of prompt chunks, with a residual shaped like the output
+    residual = torch.randn(2, 16, 40)  # two prompt chunks, with a residual shaped like the output
     chunked = quant_ops.linear(x.view(2, 16, 128), weight, residual=residual)
-    torch.testing.assert_close(chunked, floats.view(2, 16, 40) + residual)
+    torch.testing.assert_close(chunked, int8.view(2, 16, 40) + residual)
 
 
 def test_quantized_linear_refuses_bad_inputs():
@@ -204,20 +182,37 @@ TEXT = ("The river ran quietly past the old mill, where the miller's daughter sa
         "weather in the mountains could change in an hour.")  # fmt: skip
 
 
+def requantize_to_q8_0(float_model: torch.nn.Module, quantized: torch.nn.Module) -> None:
+    """Every Q4_1 projection of `quantized` requantized to Q8_0 from its values, and the same Q8_0 values, dequantized,
+    as the weights of `float_model` (loaded from the same file, before the fast paths fuse them)."""
+    dense = dict(float_model.named_modules())
+    for name, module in quantized.named_modules():
+        if isinstance(module, quant_ops.QuantizedLinear) and module.qweight.kind == quant_ops.Q4_1:
+            rows, cols = module.qweight.shape
+            blocks = quants.quantize(quant_ops.dequantize(module.qweight).numpy(), Q.Q8_0)
+            module.qweight = quant_ops.from_gguf(blocks, Q.Q8_0, rows, cols)
+            dense[name].weight.data = quant_ops.dequantize(module.qweight)
+
+
 @pytest.mark.skipif(not os.environ.get(GGUF_ENV), reason=f"set {GGUF_ENV} to the embedded model's .gguf file")
-def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity(monkeypatch):
+@pytest.mark.parametrize("weights", ["embedded", "q8_0"])
+def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity(weights):
+    """The embedded model (Q4_1 projections, a Q8_0 LM head), and the same with its projections requantized to Q8_0:
+    each against the float32 path on its own dequantized weights."""
     from ringserve.frontend.text.tokenizer import tokenizer_from_gguf
 
-    path = Path(os.environ[GGUF_ENV])
     if not quant_ops.available():
         pytest.skip("this CPU has no AVX2 (the portable kernel would take minutes on a whole model)")
+    path = Path(os.environ[GGUF_ENV])
     tokenizer = tokenizer_from_gguf(path)
-    models = {}
-    for setting in ("none", "gguf"):
-        model = apply_fast_paths(load_model(path, torch.float32, quantization=setting))
+    models = {setting: load_model(path, torch.float32, quantization=setting) for setting in ("none", "gguf")}
+    if weights == "q8_0":
+        requantize_to_q8_0(models["none"], models["gguf"])
+    for model in models.values():
+        apply_fast_paths(model)
         bind_cache(model, num_blocks=64, block_size=16)
-        models[setting] = model
-    assert any(isinstance(m, quant_ops.QuantizedLinear) for m in models["gguf"].modules())
+    kinds = {m.qweight.kind for m in models["gguf"].modules() if isinstance(m, quant_ops.QuantizedLinear)}
+    assert kinds == ({quant_ops.Q4_1, quant_ops.Q8_0} if weights == "embedded" else {quant_ops.Q8_0})
 
     def greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
         (logits,) = forward_packed(model, [(prompt, 0, list(range(8)))], 16)
@@ -249,9 +244,5 @@ def test_embedded_model_quantized_path_keeps_greedy_tokens_and_perplexity(monkey
 
     want_ppl, got_ppl = perplexity(models["none"]), perplexity(models["gguf"])
     assert abs(got_ppl / want_ppl - 1) <= 0.01, f"perplexity {got_ppl:.4f} vs float32 {want_ppl:.4f}"
-    # The text is one prompt chunk, whose 4-bit projections take the int8 kernel's panels; the float GEMM on
-    # dequantized weights (the route of the 8-bit kinds) must hold too.
-    assert len(ids) >= quant_ops.DEQUANTIZE_MIN_ROWS
-    monkeypatch.setattr(quant_ops, "DEQUANTIZED_KINDS", tuple(quant_ops.BLOCK_BYTES))
-    float_ppl = perplexity(models["gguf"])
-    assert float_ppl != got_ppl and abs(float_ppl / want_ppl - 1) <= 0.01, f"dequantized: perplexity {float_ppl:.4f}"
+    # The text is one prompt chunk (32 rows or more): every projection took the int8 kernel's weight panels.
+    assert len(ids) >= 32

@@ -6,8 +6,7 @@ projections are quantized GGUF blocks (`--quantization gguf`, on CPUs with the i
 It runs the same kernels, in the same order and with the same roundings, as the fused layer-by-layer path, so it
 gives the same bits without a dozen Python-dispatched operators per layer. Steps it does not take (a prefill chunk
 longer than NATIVE_MAX_CHUNK or with a speculative tree, another dtype or device, tensor parallelism, the kernels
-missing; with quantized projections, steps where one of them takes the float GEMM on dequantized weights,
-`quant_ops.dequantizes`) run layer by layer.
+missing) run layer by layer.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from typing import Any
 
 import torch
 from ringserve.workers.attention import AttentionBackend, get_attention_metadata
-from ringserve.workers.model import quant_ops
 from ringserve.workers.model.cpu_ops import native_chunk_attention, native_decoder_module
 from ringserve.workers.model.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from ringserve.workers.model.quant_ops import QuantizedLinear, QuantizedWeight
@@ -61,7 +59,7 @@ class NativeDecodingLlama(LlamaForCausalLM):
         if long:
             return None
         decoder = self.native_decoder()
-        if decoder is None or any(quant_ops.dequantizes(w, input_ids.shape[0]) for w in decoder.quantized_weights):
+        if decoder is None:
             return None
         for index in (md.slot_mapping, md.block_tables, md.seq_lens, md.cu_seqlens_q):
             if index.device.type != "cpu" or not index.is_contiguous():
@@ -83,8 +81,6 @@ class NativeDecoder:
         assert k0 is not None
         self.quantized = NativeDecoder.quantized(model)
         self._tensors: list[torch.Tensor] = []
-        self.quantized_weights = [w for layer in layers for w in self._projections(layer)
-                                  if isinstance(w, QuantizedWeight)]  # fmt: skip
         addresses, kinds = [], []
         for layer in layers:
             parts = self._layer_tensors(layer)

@@ -9,17 +9,14 @@ with float32 scales (`repack`). The GGUF loader builds these instead of dequanti
 of one block type into one QuantizedWeight as it fuses float weights.
 
 For many input rows (prompt chunks, large decode batches: 32 or more) the kernel lays weight rows out again in panels
-of 8 rows (kernels/cpu_quant.h), which beat a float32 GEMM on dequantized 4-bit weights there. Projections of the
-8-bit formats (DEQUANTIZED_KINDS) take another route from DEQUANTIZE_MIN_ROWS input rows: `linear` dequantizes them
-natively (`_kernels.dequantize`, gguf's values bit for bit) into a per-thread float32 buffer and multiplies with
-cpu_ops.linear; the weight itself stays in blocks. Weights of more than DEQUANTIZE_MAX_VALUES values (a large
-vocabulary's LM head) stay on the int8 kernel, in panels from 32 rows whatever their format.
+of 8 rows (kernels/cpu_quant.h). Every block format takes the int8 kernel at every row count: a float32 GEMM on the
+natively dequantized weight (`dequantize`) measured slower for each of them, the 8-bit ones included, at 32-2,048 rows
+on SmolLM2's shapes (`benchmarks/quantized.py --routes`, docs/serving.md#quantized-gguf-weights).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import numpy as np
@@ -34,17 +31,6 @@ BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q4_1F: 24, Q8_2F: 40}
 _FROM_GGUF = {GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q4_0: Q4_0, GGMLQuantizationType.Q4_1: Q4_1,
               GGMLQuantizationType.Q4_K: Q4_1F, GGMLQuantizationType.Q6_K: Q8_2F}  # fmt: skip
 QUANTIZED_GGUF_TYPES = tuple(_FROM_GGUF)
-# The kinds whose products with many input rows take the float GEMM on dequantized weights: the 8-bit ones, whose int8
-# products need a sign fix per multiply on AVX2; the 4-bit kinds' weight panels (the kernel's, from 32 rows) beat that
-# route 1.5-2x at 32-1,024 rows (benchmarks/quantized.py on SmolLM2's shapes, docs/serving.md#quantized-gguf-weights).
-DEQUANTIZED_KINDS = (Q8_0, Q8_2F)
-# Input rows from which `linear` dequantizes a weight of those kinds: the crossover measured as above.
-DEQUANTIZE_MIN_ROWS = 32
-# The largest weight (in values) that path takes, bounding its per-thread buffer at 16 MiB of float32: every
-# projection of a small model; not SmolLM2's LM head (28 M values), where dequantizing in panels of rows measured no
-# faster than the int8 kernel at 32-256 rows.
-DEQUANTIZE_MAX_VALUES = 1 << 22
-_buffers = threading.local()
 
 
 def available() -> bool:
@@ -150,47 +136,9 @@ def dequantize(
         out = torch.empty(weight.shape, dtype=torch.float32)
     elif out.dtype is not torch.float32 or tuple(out.shape) != weight.shape or not out.is_contiguous():
         raise ValueError(f"dequantize: out must be a contiguous float32 tensor of shape {weight.shape}")
-    _dequantize_into(weight, out, force_portable)
-    return out
-
-
-def dequantizes(weight: QuantizedWeight, rows: int, min_rows: int | None = None) -> bool:
-    """Whether `linear` multiplies `weight` by the float GEMM on its dequantized values at `rows` input rows
-    (`min_rows`: DEQUANTIZE_MIN_ROWS unless given)."""
-    min_rows = DEQUANTIZE_MIN_ROWS if min_rows is None else min_rows
-    return (weight.kind in DEQUANTIZED_KINDS and rows > 0 and rows >= min_rows
-            and weight.rows * weight.cols <= DEQUANTIZE_MAX_VALUES)  # fmt: skip
-
-
-def _dequantize_into(weight: QuantizedWeight, out: torch.Tensor, force_portable: bool) -> None:
-    """Every row of the weight into `out` (float32, contiguous, [rows, cols]), on the worker pool's threads."""
     cpu_ops._MODULE.dequantize(weight.kind, weight.data.data_ptr(), weight.data.numel(), out.data_ptr(), weight.rows,
                        weight.cols, force_portable=force_portable, threads=torch.get_num_threads())  # fmt: skip
-
-
-def _float_buffer(values: int) -> torch.Tensor:
-    """This thread's float32 buffer for dequantized weights (kept between calls, grown as needed)."""
-    buffer: torch.Tensor | None = getattr(_buffers, "weights", None)
-    if buffer is None or buffer.numel() < values:
-        buffer = torch.empty(values, dtype=torch.float32)
-        _buffers.weights = buffer
-    return buffer[:values]
-
-
-def _float_product(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None, force_portable: bool) -> torch.Tensor:  # fmt: skip
-    """x2 [rows, k] @ W^T (+ bias) (+ residual) in float32 on W dequantized, rounded once to x2's dtype."""
-    n, k = weight.shape
-    w = _float_buffer(n * k).view(n, k)
-    _dequantize_into(weight, w, force_portable)
-    if x2.dtype is torch.float32:
-        return cpu_ops.linear(x2, w, bias, residual)
-    out = cpu_ops.linear(x2.float(), w)
-    if bias is not None:
-        out += bias
-    if residual is not None:
-        out += residual
-    return out.to(x2.dtype)
+    return out
 
 
 def linear(
@@ -200,11 +148,9 @@ def linear(
     residual: torch.Tensor | None = None,
     *,
     force_portable: bool = False,
-    dequantize_min_rows: int | None = None,
 ) -> torch.Tensor:
     """cpu_ops.linear for a float weight; for a QuantizedWeight, x @ W^T (+ bias) (+ residual) by the native int8
-    kernel, or where `dequantizes` (with `dequantize_min_rows`) by the float GEMM on the dequantized weight (x float32
-    or bfloat16 on the CPU; the output has x's dtype)."""
+    kernel (x float32 or bfloat16 on the CPU; the output has x's dtype)."""
     if not isinstance(weight, QuantizedWeight):
         return cpu_ops.linear(x, weight, bias, residual)
     if cpu_ops._MODULE is None:
@@ -222,10 +168,6 @@ def linear(
             if t.dtype is not x.dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"quantized linear: {name} must be {x.dtype} of shape {tuple(shape)}")
             extras[name] = t.contiguous()
-    if dequantizes(weight, rows, dequantize_min_rows):
-        residual2 = extras["residual"].view(rows, n) if "residual" in extras else None
-        product = _float_product(x2, weight, extras.get("bias"), residual2, force_portable)
-        return product.view(*x.shape[:-1], n)
     out = torch.empty((rows, n), dtype=x.dtype)
     if rows:
         cpu_ops._MODULE.linear_quant(
