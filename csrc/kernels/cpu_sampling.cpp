@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/simd_avx2.h"
 #include "kernels/simd_avx512.h"
 
 namespace ringserve::kernels {
@@ -83,6 +84,52 @@ __attribute__((target("avx512f"))) RowResult row_avx512(const T* row, std::size_
   return {id, -std::log(sum)};
 }
 
+// The same two passes on 8 lanes (AVX2 + FMA, CPUs without AVX-512).
+template <class T>
+__attribute__((target("avx2,fma"))) RowResult row_avx2(const T* row, std::size_t vocab) {
+  if (vocab < 8) return row_portable(row, vocab);
+  __m256 best = load8(row);
+  __m256i best_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  __m256i index = best_index;
+  const __m256i step = _mm256_set1_epi32(8);
+  std::size_t i = 8;
+  for (; i + 8 <= vocab; i += 8) {
+    index = _mm256_add_epi32(index, step);
+    const __m256 v = load8(row + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strictly: earlier indices win ties
+    best = _mm256_blendv_ps(best, v, greater);
+    best_index = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(best_index), _mm256_castsi256_ps(index), greater));
+  }
+  if (_mm256_movemask_ps(nan) != 0) return row_portable(row, vocab);
+  alignas(32) float lane_best[8];
+  alignas(32) int32_t lane_index[8];
+  _mm256_store_ps(lane_best, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_index), best_index);
+  float max_value = lane_best[0];
+  int64_t id = lane_index[0];
+  for (int l = 1; l < 8; ++l) {
+    if (lane_best[l] > max_value || (lane_best[l] == max_value && lane_index[l] < id)) {
+      max_value = lane_best[l], id = lane_index[l];
+    }
+  }
+  for (; i < vocab; ++i) {  // the tail
+    const float v = load_scalar(row[i]);
+    if (std::isnan(v)) return row_portable(row, vocab);
+    if (v > max_value) max_value = v, id = static_cast<int64_t>(i);
+  }
+  if (std::isinf(max_value) && max_value < 0) return {id, std::numeric_limits<float>::quiet_NaN()};
+  const __m256 shift = _mm256_set1_ps(max_value);
+  __m256 sums = _mm256_setzero_ps();
+  std::size_t j = 0;
+  for (; j + 8 <= vocab; j += 8) sums = _mm256_add_ps(sums, exp8(_mm256_sub_ps(load8(row + j), shift)));
+  float sum = sum8(sums);
+  for (; j < vocab; ++j) sum += std::exp(load_scalar(row[j]) - max_value);
+  return {id, -std::log(sum)};
+}
+
 template <class T>
 void argmax_logprob_rows(std::size_t rows, std::size_t vocab, std::span<const T> logits, std::span<int64_t> ids,
                          std::span<float> logprobs, int threads) {
@@ -90,10 +137,13 @@ void argmax_logprob_rows(std::size_t rows, std::size_t vocab, std::span<const T>
   require_size(kOp, "logits", logits.size(), rows * vocab);
   require_size(kOp, "ids", ids.size(), rows);
   require_size(kOp, "logprobs", logprobs.size(), rows);
-  const bool vector = has_avx512f();
+  const bool vector16 = has_avx512f();
+  const bool vector8 = !vector16 && has_avx2_fma();
   const auto one = [&](std::size_t r) {
     const T* row = logits.data() + r * vocab;
-    const RowResult result = vector ? row_avx512(row, vocab) : row_portable(row, vocab);
+    const RowResult result = vector16  ? row_avx512(row, vocab)
+                             : vector8 ? row_avx2(row, vocab)
+                                       : row_portable(row, vocab);
     ids[r] = result.id;
     logprobs[r] = result.logprob;
   };

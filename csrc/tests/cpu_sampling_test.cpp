@@ -1,4 +1,5 @@
-// The greedy argmax / log-probability kernel against a float64 reference: ties, tails, NaN, all -inf, threads.
+// The greedy argmax / log-probability kernel (the AVX-512, AVX2 or portable path, whichever this CPU takes) against a
+// float64 reference: ties, tails, NaN, all -inf, threads.
 #include <cmath>
 #include <limits>
 #include <random>
