@@ -333,7 +333,7 @@ PYBIND11_MODULE(_kernels, m) {
                  "A step's causal attention by its own index: listed sequences with one query row take the decode "
                  "kernel, those with more the chunk kernel.");
   m.def("chunk_attention_vectorized", &ringserve::kernels::paged_chunk_attention_is_vectorized, py::arg("head_dim"),
-        "True when chunks of this head size run the AVX-512 tiles here (else portable loops, slower than SDPA).");
+        "True when chunks of this head size run the AVX-512 or AVX2 tiles here (else portable loops, slower than SDPA).");
   m.def("rms_norm", &rms_norm, py::arg("bf16"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"),
         py::arg("dim"), py::arg("eps"), py::arg("threads") = 1,
         "out[rows, dim] = weight * (x * rsqrt(mean(x^2) + eps)) as Hugging Face's LlamaRMSNorm computes it, on "

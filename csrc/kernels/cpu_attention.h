@@ -73,7 +73,7 @@ void paged_chunk_attention_bf16(const PagedDecodeShape& shape, const PagedDecode
                                 std::span<const bf16_bits> q, std::span<const bf16_bits> k_cache,
                                 std::span<const bf16_bits> v_cache, std::span<bf16_bits> out, float scale,
                                 int threads = 1);
-// True when chunks of this head size run the AVX-512 tiles (head_dim 64 or 128 on an AVX-512F CPU); else the
+// True when chunks of this head size run vector tiles (head_dim 64 or 128 on an AVX-512F or AVX2+FMA CPU); else the
 // portable loops, correct but far slower than PyTorch's SDPA.
 bool paged_chunk_attention_is_vectorized(std::size_t head_dim);
 

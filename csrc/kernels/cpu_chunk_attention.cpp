@@ -8,6 +8,7 @@
 #include "kernels/cpu_attention.h"
 
 #include "kernels/parallel.h"
+#include "kernels/simd_avx2.h"
 #include "kernels/simd_avx512.h"
 
 #include <immintrin.h>
@@ -29,7 +30,7 @@ constexpr std::size_t kMinItemVectors = 16;
 // Query vectors scored together (kScoreTile x kSub independent FMA chains over head_dim); the buffers are padded by
 // this many.
 constexpr std::size_t kScoreTile = 4;
-// Context positions per key tile (AVX-512 path): four registers of 16, so a tile's online-softmax bookkeeping (maxima,
+// Context positions per key tile (both vector paths): four registers of 16, so a tile's online-softmax bookkeeping (maxima,
 // sums, rescaling the running outputs) is shared by 64 positions, and each broadcast query value feeds four FMAs.
 // Measured against 16- and 32-position tiles: 1.3x and ~1.05x faster deep into a context, ~10 us slower on tiny
 // prompts (masked lanes).
@@ -37,7 +38,7 @@ constexpr std::size_t kSub = 4;
 constexpr std::size_t kTile = kSub * kLanes;
 // Below this many query-key products (over all heads) a call stays on the calling thread.
 constexpr std::size_t kParallelWork = 8192;
-// Context positions one work item covers at most (AVX-512 path). The ranges start at fixed multiples of this, so a
+// Context positions one work item covers at most (both vector paths). The ranges start at fixed multiples of this, so a
 // row's result depends on its own length only, not on how the rows or the threads divide the work.
 constexpr std::size_t kKeyRange = 512;
 // Partial results kept allocated between calls (per calling thread). They take (head_dim + 2) floats per query vector
@@ -290,6 +291,151 @@ __attribute__((target("avx512f"))) void chunk_avx512(const Job<T>& job, const It
   }
 }
 
+// AVX2 + FMA path for the same head sizes (CPUs without AVX-512): the same items, 64-position key tiles and online
+// softmax on 8 lanes. Each phase takes two query vectors at a time over 32 positions or 32 dimensions (8
+// accumulators of the 16 registers): raw scores go to `probs`, then each vector's softmax rewrites its row there, then
+// the weighted values. The tile's keys are transposed by plain stores, once for every query vector of the item.
+template <class T, std::size_t kHd>
+__attribute__((target("avx2,fma"))) void chunk_avx2(const Job<T>& job, const Item& item) {
+  constexpr std::size_t kL = 8;      // float32 lanes
+  constexpr std::size_t kSlab = 32;  // positions scored, or dimensions weighed, per pass: 4 registers
+  constexpr std::size_t kRegs = kSlab / kL;
+  static_assert(kTile % kSlab == 0 && kHd % kSlab == 0 && kScoreTile >= 2, "two vectors over whole slabs");
+  const auto& s = job.shape;
+  const std::size_t group = s.num_heads / s.num_kv_heads;
+  const std::size_t rows = item.row_end - item.row_begin, vectors = rows * group;
+  const std::size_t padded = vectors + kScoreTile;
+  const std::size_t first_pos = job.context_len(item.seq) - job.query_len(item.seq) + item.row_begin;
+  const std::size_t end = std::min(first_pos + rows, item.key_end);
+  Scratch& w = scratch();
+  w.query.assign(padded * kHd, 0.0F);
+  w.output.assign(padded * kHd, 0.0F);
+  w.max.assign(vectors, -std::numeric_limits<float>::infinity());
+  w.sum.assign(vectors, 0.0F);
+  w.rescale.assign(padded, 0.0F);
+  w.probs.assign(padded * kTile, 0.0F);
+  w.keys.resize(kHd * kTile);
+  w.values.resize(kTile * kHd);
+  float* const query = w.query.data();
+  float* const output = w.output.data();
+  float* const probs = w.probs.data();
+  float* const keys = w.keys.data();
+  float* const values = w.values.data();
+  const std::size_t first_row = job.first_row(item.seq) + item.row_begin;
+  const __m256 scale = _mm256_set1_ps(job.scale);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const T* q = job.q + (first_row + r) * s.q_row_stride + item.kv_head * group * kHd;
+    for (std::size_t i = 0; i < group * kHd; i += kL) {
+      _mm256_storeu_ps(query + r * group * kHd + i, _mm256_mul_ps(load8(q + i), scale));
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (std::size_t tile = item.key_begin; tile < end; tile += kTile) {
+    const std::size_t n = std::min(kTile, end - tile);
+    for (std::size_t j = 0; j < kTile; ++j) {
+      if (j >= n) {
+        for (std::size_t d = 0; d < kHd; ++d) keys[d * kTile + j] = 0.0F;
+        continue;
+      }
+      const std::size_t at = job.offset(item.seq, tile + j, item.kv_head);
+      for (std::size_t d = 0; d < kHd; ++d) keys[d * kTile + j] = load_scalar(job.k_cache[at + d]);
+      for (std::size_t d = 0; d < kHd; d += kL) _mm256_storeu_ps(values + j * kHd + d, load8(job.v_cache + at + d));
+    }
+    const std::size_t first = (tile > first_pos ? tile - first_pos : 0) * group;  // the first vector seeing the tile
+    // Raw scores, two vectors at a time (a padding vector's zero query scores zeros, never read).
+    for (std::size_t i = first; i < vectors; i += 2) {
+      const float* q0 = query + i * kHd;
+      const float* q1 = q0 + kHd;
+      for (std::size_t slab = 0; slab < kTile; slab += kSlab) {
+        __m256 a0[kRegs], a1[kRegs];
+        for (std::size_t u = 0; u < kRegs; ++u) a0[u] = a1[u] = _mm256_setzero_ps();
+        for (std::size_t d = 0; d < kHd; ++d) {
+          const __m256 b0 = _mm256_set1_ps(q0[d]), b1 = _mm256_set1_ps(q1[d]);
+          for (std::size_t u = 0; u < kRegs; ++u) {
+            const __m256 k = _mm256_loadu_ps(keys + d * kTile + slab + u * kL);
+            a0[u] = _mm256_fmadd_ps(b0, k, a0[u]);
+            a1[u] = _mm256_fmadd_ps(b1, k, a1[u]);
+          }
+        }
+        for (std::size_t u = 0; u < kRegs; ++u) {
+          _mm256_storeu_ps(probs + i * kTile + slab + u * kL, a0[u]);
+          _mm256_storeu_ps(probs + (i + 1) * kTile + slab + u * kL, a1[u]);
+        }
+      }
+    }
+    // Each vector's online softmax over the positions it sees (at least one from `first` on).
+    const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (std::size_t vec = first; vec < vectors; ++vec) {
+      const auto visible = static_cast<int>(std::min(n, first_pos + vec / group + 1 - tile));
+      float* p = probs + vec * kTile;
+      __m256 top = minus_inf;
+      for (std::size_t u = 0; u < kTile; u += kL) {
+        const __m256i index = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(u)));
+        const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(visible), index));
+        top = _mm256_max_ps(top, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(p + u), seen));
+      }
+      __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+      half = _mm_max_ss(half, _mm_movehdup_ps(half));
+      const float old_max = w.max[vec];
+      const float new_max = std::max(old_max, _mm_cvtss_f32(half));
+      w.max[vec] = new_max;
+      const __m256 shift = _mm256_set1_ps(new_max);
+      __m256 total = _mm256_setzero_ps();
+      for (std::size_t u = 0; u < kTile; u += kL) {
+        const __m256i index = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(u)));
+        const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(visible), index));
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(p + u), shift)), seen);
+        _mm256_storeu_ps(p + u, e);
+        total = _mm256_add_ps(total, e);
+      }
+      const float factor = std::exp(old_max - new_max);  // a first tile's -inf old max gives 0 times a zero sum
+      w.sum[vec] = w.sum[vec] * factor + sum8(total);
+      w.rescale[vec] = factor;
+    }
+    // Weighted values: rescale the running outputs, add this tile's; two vectors, 32 dimensions at a time.
+    for (std::size_t i = first; i < vectors; i += 2) {
+      const __m256 f0 = _mm256_set1_ps(w.rescale[i]), f1 = _mm256_set1_ps(w.rescale[i + 1]);
+      const float* p0 = probs + i * kTile;
+      const float* p1 = p0 + kTile;
+      for (std::size_t slab = 0; slab < kHd; slab += kSlab) {
+        float* out0 = output + i * kHd + slab;
+        float* out1 = out0 + kHd;
+        __m256 a0[kRegs], a1[kRegs];
+        for (std::size_t v = 0; v < kRegs; ++v) {
+          a0[v] = _mm256_mul_ps(_mm256_loadu_ps(out0 + v * kL), f0);
+          a1[v] = _mm256_mul_ps(_mm256_loadu_ps(out1 + v * kL), f1);
+        }
+        for (std::size_t j = 0; j < n; ++j) {
+          const __m256 b0 = _mm256_set1_ps(p0[j]), b1 = _mm256_set1_ps(p1[j]);
+          for (std::size_t v = 0; v < kRegs; ++v) {
+            const __m256 val = _mm256_loadu_ps(values + j * kHd + slab + v * kL);
+            a0[v] = _mm256_fmadd_ps(b0, val, a0[v]);
+            a1[v] = _mm256_fmadd_ps(b1, val, a1[v]);
+          }
+        }
+        for (std::size_t v = 0; v < kRegs; ++v) {
+          _mm256_storeu_ps(out0 + v * kL, a0[v]);
+          _mm256_storeu_ps(out1 + v * kL, a1[v]);
+        }
+      }
+    }
+  }
+  if (item.partial >= 0) {  // rows that saw none of the range keep max -inf, sum 0: the merge weighs them 0
+    float* slot = job.partials + static_cast<std::size_t>(item.partial) * job.slot_values();
+    std::copy_n(output, vectors * kHd, slot);
+    std::copy_n(w.max.data(), vectors, slot + job.slot_vectors * kHd);
+    std::copy_n(w.sum.data(), vectors, slot + job.slot_vectors * (kHd + 1));
+    return;
+  }
+  for (std::size_t vec = 0; vec < vectors; ++vec) {
+    const std::size_t row = first_row + vec / group, head = item.kv_head * group + vec % group;
+    const __m256 inv = _mm256_set1_ps(1.0F / w.sum[vec]);
+    T* out = job.out + (row * s.num_heads + head) * kHd;
+    for (std::size_t d = 0; d < kHd; d += kL) store8(out + d, _mm256_mul_ps(_mm256_loadu_ps(output + vec * kHd + d), inv));
+  }
+}
+
 // Combines a split tile's partial results: each range's sums weighed by e^(its max - the overall max), divided by the
 // weighed denominators, rounded once (a row that only one range saw gets exactly the unsplit result).
 template <class T>
@@ -348,6 +494,7 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
     per_item = std::clamp((rows * shape.num_kv_heads + wanted - 1) / wanted, std::min(fewest, most), most);
   }
   const bool vector = paged_chunk_attention_is_vectorized(shape.head_dim);
+  const bool wide = has_avx512f();  // else the AVX2 path
   thread_local std::vector<Item> items;
   thread_local std::vector<Merge> merges;
   thread_local std::vector<float> partials;
@@ -383,10 +530,14 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
   const Item* const all = items.data();  // the caller's: in the parallel region the thread_locals are each thread's
   for_each_item_dynamic(items.size(), threads, split, [&](std::size_t i) {
     const Item& item = all[i];
-    if (vector && shape.head_dim == 64) {
+    if (vector && wide && shape.head_dim == 64) {
       chunk_avx512<T, 4>(job, item);
-    } else if (vector && shape.head_dim == 128) {
+    } else if (vector && wide && shape.head_dim == 128) {
       chunk_avx512<T, 8>(job, item);
+    } else if (vector && shape.head_dim == 64) {
+      chunk_avx2<T, 64>(job, item);
+    } else if (vector && shape.head_dim == 128) {
+      chunk_avx2<T, 128>(job, item);
     } else {
       chunk_scalar(job, item);
     }
@@ -399,7 +550,7 @@ void run(const PagedDecodeShape& shape, const PagedDecodeIndex& index, std::span
 }  // namespace
 
 bool paged_chunk_attention_is_vectorized(std::size_t head_dim) {
-  return has_avx512f() && (head_dim == 64 || head_dim == 128);
+  return (has_avx512f() || has_avx2_fma()) && (head_dim == 64 || head_dim == 128);
 }
 
 void paged_chunk_attention_f32(const PagedDecodeShape& shape, const PagedDecodeIndex& index,

@@ -67,7 +67,8 @@ def test_bfloat16_decode_stays_close_to_the_reference() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_and_pytorch_paths_agree_in_a_mixed_step(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     # Chunks between the decode rows (fresh, with a cached prefix, deep into one, one of exactly NATIVE_MAX_CHUNK
-    # rows) go native where the chunk kernel has AVX-512 tiles for the head size; a longer one goes to SDPA either way.
+    # rows) go native where the chunk kernel has AVX-512 or AVX2 tiles for the head size; a longer one goes to SDPA
+    # either way.
     longest = NATIVE_MAX_CHUNK
     step = paged_step([(1, 40), (5, 5), (1, 3), (4, 30), (longest + 1, longest + 20), (longest, longest + 7), (1, 64),
                        (20, 1500)], group=3, head_dim=64, dtype=dtype)  # fmt: skip

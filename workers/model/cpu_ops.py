@@ -130,8 +130,9 @@ def native_decoder_module(quantized: bool = False) -> Any | None:
 
 
 def native_chunk_attention(head_dim: int) -> bool:
-    """True when prefill chunks of this head size should take the native paged kernel: its AVX-512 tiles (head_dim
-    64 or 128 on an AVX-512F CPU). Its portable loops are correct but slower than SDPA, which keeps the rest."""
+    """True when prefill chunks of this head size should take the native paged kernel: its AVX-512 or AVX2 tiles
+    (head_dim 64 or 128 on an AVX-512F or AVX2+FMA CPU). Its portable loops are correct but slower than SDPA, which
+    keeps the rest."""
     return _ATTENTION is not None and bool(_ATTENTION.chunk_attention_vectorized(head_dim))
 
 
