@@ -114,6 +114,35 @@ Scratch& scratch() {
   return s;
 }
 
+// The calling thread's scratch, sized and cleared for an item of `vectors` query vectors (vector paths; the buffers
+// are padded by kScoreTile vectors, which compute on zeros).
+Scratch& start_item(std::size_t vectors, std::size_t hd) {
+  const std::size_t padded = vectors + kScoreTile;
+  Scratch& w = scratch();
+  w.query.assign(padded * hd, 0.0F);
+  w.output.assign(padded * hd, 0.0F);
+  w.max.assign(vectors, -std::numeric_limits<float>::infinity());
+  w.sum.assign(vectors, 0.0F);
+  w.rescale.assign(padded, 0.0F);
+  w.probs.assign(padded * kTile, 0.0F);
+  w.keys.resize(hd * kTile);
+  w.values.resize(kTile * hd);
+  return w;
+}
+
+// An item of a split tile leaves its unnormalized sums, maxima and denominators in its slot for the merge (rows that
+// saw none of the range keep max -inf, sum 0: the merge weighs them 0). False for an item that writes `out` itself.
+template <class T>
+bool kept_partial(const Job<T>& job, const Item& item, const Scratch& w, std::size_t vectors) {
+  if (item.partial < 0) return false;
+  const std::size_t hd = job.shape.head_dim;
+  float* slot = job.partials + static_cast<std::size_t>(item.partial) * job.slot_values();
+  std::copy_n(w.output.data(), vectors * hd, slot);
+  std::copy_n(w.max.data(), vectors, slot + job.slot_vectors * hd);
+  std::copy_n(w.sum.data(), vectors, slot + job.slot_vectors * (hd + 1));
+  return true;
+}
+
 // Portable path: any head_dim, any x86-64 CPU. Two passes per query vector (scores, then weighted values).
 template <class T>
 void chunk_scalar(const Job<T>& job, const Item& item) {
@@ -159,19 +188,10 @@ __attribute__((target("avx512f"))) void chunk_avx512(const Job<T>& job, const It
   const auto& s = job.shape;
   const std::size_t group = s.num_heads / s.num_kv_heads;
   const std::size_t rows = item.row_end - item.row_begin, vectors = rows * group;
-  const std::size_t padded = vectors + kScoreTile;
   // Row r of the tile is at position first_pos + r and sees positions [0, first_pos + r].
   const std::size_t first_pos = job.context_len(item.seq) - job.query_len(item.seq) + item.row_begin;
   const std::size_t end = std::min(first_pos + rows, item.key_end);
-  Scratch& w = scratch();
-  w.query.assign(padded * kHd, 0.0F);
-  w.output.assign(padded * kHd, 0.0F);
-  w.max.assign(vectors, -std::numeric_limits<float>::infinity());
-  w.sum.assign(vectors, 0.0F);
-  w.rescale.assign(padded, 0.0F);
-  w.probs.assign(padded * kTile, 0.0F);
-  w.keys.resize(kHd * kTile);
-  w.values.resize(kTile * kHd);
+  Scratch& w = start_item(vectors, kHd);
   const std::size_t first_row = job.first_row(item.seq) + item.row_begin;
   const __m512 scale = _mm512_set1_ps(job.scale);
   for (std::size_t r = 0; r < rows; ++r) {
@@ -274,13 +294,7 @@ __attribute__((target("avx512f"))) void chunk_avx512(const Job<T>& job, const It
       }
     }
   }
-  if (item.partial >= 0) {  // rows that saw none of the range keep max -inf, sum 0: the merge weighs them 0
-    float* slot = job.partials + static_cast<std::size_t>(item.partial) * job.slot_values();
-    std::copy_n(w.output.data(), vectors * kHd, slot);
-    std::copy_n(w.max.data(), vectors, slot + job.slot_vectors * kHd);
-    std::copy_n(w.sum.data(), vectors, slot + job.slot_vectors * (kHd + 1));
-    return;
-  }
+  if (kept_partial(job, item, w, vectors)) return;
   for (std::size_t vec = 0; vec < vectors; ++vec) {
     const std::size_t row = first_row + vec / group, head = item.kv_head * group + vec % group;
     const __m512 inv = _mm512_set1_ps(1.0F / w.sum[vec]);
@@ -304,18 +318,9 @@ __attribute__((target("avx2,fma"))) void chunk_avx2(const Job<T>& job, const Ite
   const auto& s = job.shape;
   const std::size_t group = s.num_heads / s.num_kv_heads;
   const std::size_t rows = item.row_end - item.row_begin, vectors = rows * group;
-  const std::size_t padded = vectors + kScoreTile;
   const std::size_t first_pos = job.context_len(item.seq) - job.query_len(item.seq) + item.row_begin;
   const std::size_t end = std::min(first_pos + rows, item.key_end);
-  Scratch& w = scratch();
-  w.query.assign(padded * kHd, 0.0F);
-  w.output.assign(padded * kHd, 0.0F);
-  w.max.assign(vectors, -std::numeric_limits<float>::infinity());
-  w.sum.assign(vectors, 0.0F);
-  w.rescale.assign(padded, 0.0F);
-  w.probs.assign(padded * kTile, 0.0F);
-  w.keys.resize(kHd * kTile);
-  w.values.resize(kTile * kHd);
+  Scratch& w = start_item(vectors, kHd);
   float* const query = w.query.data();
   float* const output = w.output.data();
   float* const probs = w.probs.data();
@@ -421,13 +426,7 @@ __attribute__((target("avx2,fma"))) void chunk_avx2(const Job<T>& job, const Ite
       }
     }
   }
-  if (item.partial >= 0) {  // rows that saw none of the range keep max -inf, sum 0: the merge weighs them 0
-    float* slot = job.partials + static_cast<std::size_t>(item.partial) * job.slot_values();
-    std::copy_n(output, vectors * kHd, slot);
-    std::copy_n(w.max.data(), vectors, slot + job.slot_vectors * kHd);
-    std::copy_n(w.sum.data(), vectors, slot + job.slot_vectors * (kHd + 1));
-    return;
-  }
+  if (kept_partial(job, item, w, vectors)) return;
   for (std::size_t vec = 0; vec < vectors; ++vec) {
     const std::size_t row = first_row + vec / group, head = item.kv_head * group + vec % group;
     const __m256 inv = _mm256_set1_ps(1.0F / w.sum[vec]);
