@@ -142,7 +142,8 @@ class OpenStreams:
         self.cut_message = message
         for task in list(self._tasks):
             task.cancel()
-        deadline = time.monotonic() + 2.0  # each cut stream answers its status, then ends
+        # Each cut stream answers its status, then ends: at once on a served machine, in seconds on a starved one.
+        deadline = time.monotonic() + 5.0
         while self._tasks and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
