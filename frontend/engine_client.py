@@ -430,8 +430,11 @@ class EngineClient:
     def _on_events_ready(self) -> None:
         if self._notifier is None:
             return
-        received_ns = time.time_ns()  # one read of the clock per drained batch
-        for raw in self._notifier.drain():
+        batch = self._notifier.drain()
+        # One read of the clock per drained batch, after the drain: every event in it was in the ring by then, so no
+        # receive time precedes its engine emit time (a read before the drain missed events published meanwhile).
+        received_ns = time.time_ns()
+        for raw in batch:
             try:
                 event = self._core.decode_engine_event(raw)
             except self._core.RecordError as exc:
