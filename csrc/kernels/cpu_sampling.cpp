@@ -35,6 +35,26 @@ RowResult row_portable(const T* row, std::size_t vocab) {
   return {static_cast<int64_t>(best), -std::log(sum)};  // logits[best] - (max + log(sum)), with logits[best] = max
 }
 
+// The end of the vector paths' first pass: the row's maximum and its first index, from the lanes' maxima (each with
+// the first index reaching it) and the scalar tail [i, vocab). False when the tail holds a NaN.
+template <class T>
+bool finish_max(const float* lane_best, const int32_t* lane_index, int lanes, const T* row, std::size_t i,
+                std::size_t vocab, float& max_value, int64_t& id) {
+  max_value = lane_best[0];
+  id = lane_index[0];
+  for (int l = 1; l < lanes; ++l) {
+    if (lane_best[l] > max_value || (lane_best[l] == max_value && lane_index[l] < id)) {
+      max_value = lane_best[l], id = lane_index[l];
+    }
+  }
+  for (; i < vocab; ++i) {  // the tail
+    const float v = load_scalar(row[i]);
+    if (std::isnan(v)) return false;
+    if (v > max_value) max_value = v, id = static_cast<int64_t>(i);
+  }
+  return true;
+}
+
 template <class T>
 __attribute__((target("avx512f"))) RowResult row_avx512(const T* row, std::size_t vocab) {
   if (vocab < 16) return row_portable(row, vocab);
@@ -58,18 +78,9 @@ __attribute__((target("avx512f"))) RowResult row_avx512(const T* row, std::size_
   alignas(64) int32_t lane_index[16];
   _mm512_store_ps(lane_best, best);
   _mm512_store_si512(lane_index, best_index);
-  float max_value = lane_best[0];
-  int64_t id = lane_index[0];
-  for (int l = 1; l < 16; ++l) {
-    if (lane_best[l] > max_value || (lane_best[l] == max_value && lane_index[l] < id)) {
-      max_value = lane_best[l], id = lane_index[l];
-    }
-  }
-  for (; i < vocab; ++i) {  // the tail
-    const float v = load_scalar(row[i]);
-    if (std::isnan(v)) return row_portable(row, vocab);
-    if (v > max_value) max_value = v, id = static_cast<int64_t>(i);
-  }
+  float max_value = 0.0F;
+  int64_t id = 0;
+  if (!finish_max(lane_best, lane_index, 16, row, i, vocab, max_value, id)) return row_portable(row, vocab);
   if (std::isinf(max_value) && max_value < 0) return {id, std::numeric_limits<float>::quiet_NaN()};
   // Pass 2: the sum of exp(x - max), from cache.
   const __m512 shift = _mm512_set1_ps(max_value);
@@ -108,18 +119,9 @@ __attribute__((target("avx2,fma"))) RowResult row_avx2(const T* row, std::size_t
   alignas(32) int32_t lane_index[8];
   _mm256_store_ps(lane_best, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(lane_index), best_index);
-  float max_value = lane_best[0];
-  int64_t id = lane_index[0];
-  for (int l = 1; l < 8; ++l) {
-    if (lane_best[l] > max_value || (lane_best[l] == max_value && lane_index[l] < id)) {
-      max_value = lane_best[l], id = lane_index[l];
-    }
-  }
-  for (; i < vocab; ++i) {  // the tail
-    const float v = load_scalar(row[i]);
-    if (std::isnan(v)) return row_portable(row, vocab);
-    if (v > max_value) max_value = v, id = static_cast<int64_t>(i);
-  }
+  float max_value = 0.0F;
+  int64_t id = 0;
+  if (!finish_max(lane_best, lane_index, 8, row, i, vocab, max_value, id)) return row_portable(row, vocab);
   if (std::isinf(max_value) && max_value < 0) return {id, std::numeric_limits<float>::quiet_NaN()};
   const __m256 shift = _mm256_set1_ps(max_value);
   __m256 sums = _mm256_setzero_ps();
