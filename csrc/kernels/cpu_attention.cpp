@@ -171,39 +171,82 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
 // AVX2 + FMA path (head_dim a multiple of 8), one whole sequence: each token row of K and V (every KV head,
 // contiguous in the cache) is read once, in order, for all query heads. The passes reach the scratch memory through
 // plain pointers taken once: inside them, the thread-local itself would cost a TLS lookup per position and head.
+// kVecs x 8 dimensions from d0 of query head h's output: its context's values weighed by the softmaxed scores,
+// summed in registers over every position, then divided by the scores' sum.
+template <std::size_t kVecs, class T>
+__attribute__((target("avx2,fma"))) void weigh_values_avx2(const Job<T>& job, std::size_t seq, std::size_t len,
+                                                           std::size_t h, std::size_t d0, const float* scores,
+                                                           float sum, bool prefetch) {
+  const auto& s = job.shape;
+  const std::size_t kv = h / (s.num_heads / s.num_kv_heads);
+  __m256 acc[kVecs];
+  for (std::size_t c = 0; c < kVecs; ++c) acc[c] = _mm256_setzero_ps();
+  auto weigh = [&](std::size_t pos, std::size_t offset) __attribute__((target("avx2,fma"))) {
+    const __m256 p = _mm256_set1_ps(scores[pos]);
+    const T* v = job.v_cache + offset + d0;
+    for (std::size_t c = 0; c < kVecs; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+  };
+  if (prefetch) {  // the first pass over the values brings the next block's rows in
+    for_each_position<true>(job, seq, len, kv, job.v_cache, weigh);
+  } else {
+    for_each_position<false>(job, seq, len, kv, job.v_cache, weigh);
+  }
+  const auto row = static_cast<std::size_t>(job.index.cu_seqlens_q[seq]);
+  T* out = job.out + row * s.num_heads * s.head_dim + h * s.head_dim + d0;
+  const __m256 inv = _mm256_set1_ps(1.0F / sum);
+  for (std::size_t c = 0; c < kVecs; ++c) store8(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+// AVX2 path: head_dim a multiple of 8. Scores: within a block, 8 positions at a time meet each query head (the 8 dot
+// products reduced together), the rest one by one; then the softmax; then each head's output in registers, 64
+// dimensions at a time.
 template <class T>
 __attribute__((target("avx2,fma"))) void attend_avx2(const Job<T>& job, std::size_t seq) {
   constexpr std::size_t kLanes8 = 8;
   const auto& s = job.shape;
   const std::size_t heads = s.num_heads, group = s.num_heads / s.num_kv_heads, hd = s.head_dim;
+  const std::size_t token_stride = s.num_kv_heads * hd;
   const auto len = static_cast<std::size_t>(job.index.seq_lens[seq]);
   const auto row = static_cast<std::size_t>(job.index.cu_seqlens_q[seq]);
   Scratch& w = scratch();
   w.query.resize(heads * hd);
   w.scores.resize(heads * len);
-  w.acc.assign(heads * hd, 0.0F);
   float* const query = w.query.data();
   float* const all_scores = w.scores.data();
-  float* const all_acc = w.acc.data();
   const T* q = job.q + row * s.q_row_stride;
   for (std::size_t i = 0; i < heads * hd; i += kLanes8) {
     _mm256_storeu_ps(query + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(job.scale)));
   }
   const T* const k_cache = job.k_cache;
-  const T* const v_cache = job.v_cache;
+  std::size_t run_end = 0;  // positions before it were scored 8 at a time
   for_each_position<true>(job, seq, len, 0, k_cache,
-                          [=](std::size_t pos, std::size_t offset) __attribute__((target("avx2,fma"))) {
+                          [&](std::size_t pos, std::size_t offset) __attribute__((target("avx2,fma"))) {
+    if (pos < run_end) return;
+    const bool eight = pos % s.block_size + kLanes8 <= s.block_size && pos + kLanes8 <= len;
     for (std::size_t kv = 0, h = 0; h < heads; ++kv) {
       const T* k = k_cache + offset + kv * hd;
       for (std::size_t g = 0; g < group; ++g, ++h) {
         const float* qh = query + h * hd;
-        __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k));
-        for (std::size_t d = kLanes8; d < hd; d += kLanes8) {
-          dot = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), dot);
+        if (eight) {
+          __m256 dot[kLanes8];
+          for (std::size_t p = 0; p < kLanes8; ++p) dot[p] = _mm256_setzero_ps();
+          for (std::size_t d = 0; d < hd; d += kLanes8) {
+            const __m256 qv = _mm256_loadu_ps(qh + d);
+            for (std::size_t p = 0; p < kLanes8; ++p) {
+              dot[p] = _mm256_fmadd_ps(qv, load8(k + p * token_stride + d), dot[p]);
+            }
+          }
+          _mm256_storeu_ps(all_scores + h * len + pos, sum8x8(dot));
+        } else {
+          __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k));
+          for (std::size_t d = kLanes8; d < hd; d += kLanes8) {
+            dot = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), dot);
+          }
+          all_scores[h * len + pos] = sum8(dot);
         }
-        all_scores[h * len + pos] = sum8(dot);
       }
     }
+    if (eight) run_end = pos + kLanes8;
   });
   float* const sums = query;  // the scaled queries are no longer needed: reuse for the softmax sums
   for (std::size_t h = 0; h < heads; ++h) {
@@ -221,23 +264,15 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Job<T>& job, std::siz
     for (; pos < len; ++pos) tail += (scores[pos] = std::exp(scores[pos] - max));
     sums[h] = sum8(total) + tail;
   }
-  for_each_position<true>(job, seq, len, 0, v_cache,
-                          [=](std::size_t pos, std::size_t offset) __attribute__((target("avx2,fma"))) {
-    for (std::size_t kv = 0, h = 0; h < heads; ++kv) {
-      const T* v = v_cache + offset + kv * hd;
-      for (std::size_t g = 0; g < group; ++g, ++h) {
-        const __m256 p = _mm256_set1_ps(all_scores[h * len + pos]);
-        float* acc = all_acc + h * hd;
-        for (std::size_t d = 0; d < hd; d += kLanes8) {
-          _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(v + d), _mm256_loadu_ps(acc + d)));
-        }
-      }
-    }
-  });
-  T* out = job.out + row * heads * hd;
   for (std::size_t h = 0; h < heads; ++h) {
-    const float inv = 1.0F / sums[h];
-    for (std::size_t d = 0; d < hd; ++d) store_scalar(out + h * hd + d, all_acc[h * hd + d] * inv);
+    for (std::size_t d0 = 0; d0 < hd; d0 += 8 * kLanes8) {
+      const float* scores = all_scores + h * len;
+      const bool first = h == 0 && d0 == 0;
+      const std::size_t vecs = std::min<std::size_t>(hd - d0, 8 * kLanes8) / kLanes8;  // 1..8
+      [&]<std::size_t... kV>(std::index_sequence<kV...>) {
+        ((vecs == kV + 1 ? weigh_values_avx2<kV + 1>(job, seq, len, h, d0, scores, sums[h], first) : void()), ...);
+      }(std::make_index_sequence<kLanes8>{});
+    }
   }
 }
 

@@ -46,6 +46,14 @@ __attribute__((target("avx2,fma"))) inline float sum8(__m256 v) {
   return _mm_cvtss_f32(r);
 }
 
+// The lane sums of 8 vectors, in order (lane i: the sum of v[i]'s lanes), by pairwise horizontal adds.
+__attribute__((target("avx2,fma"))) inline __m256 sum8x8(const __m256* v) {
+  // u0: the sums of lanes 0-3 of v[0..3] (low half) and of lanes 4-7 (high half); u1 the same for v[4..7].
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // e^x as exp16 (simd_avx512.h) computes it: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
 // polynomial (relative error ~1e-7), times 2^n built in the exponent bits. Arguments below -87 give e^-87 (~1.6e-38),
 // above 88 give e^88.
