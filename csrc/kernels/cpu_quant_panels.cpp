@@ -28,7 +28,19 @@ struct PanelBlock {
   float m[kPanelRows];  // 8-bit formats: the scale of values 16-31
 };
 
-// Weight rows [j0, j0 + 8) of an 8-bit format as a panel of `blocks` blocks: int8 values as they are.
+// The 8 rows' half-precision field at byte `field` of each row's block at `at`, as 8 float32 lanes.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 halves8(const uint8_t* at, std::size_t row_bytes,
+                                                              std::size_t field) {
+  uint16_t h[kPanelRows];
+  for (std::size_t r = 0; r < kPanelRows; ++r) h[r] = read_block_u16(at + r * row_bytes + field);
+  return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(h[0]), static_cast<int16_t>(h[1]),
+                                        static_cast<int16_t>(h[2]), static_cast<int16_t>(h[3]),
+                                        static_cast<int16_t>(h[4]), static_cast<int16_t>(h[5]),
+                                        static_cast<int16_t>(h[6]), static_cast<int16_t>(h[7])));
+}
+
+// Weight rows [j0, j0 + 8) of an 8-bit format as a panel of `blocks` blocks: int8 values as they are, each row's
+// 32 bytes one register, the 8 registers transposed as 8 x 8 int32s.
 template <QuantType kType>
 __attribute__((target("avx2,fma,f16c"))) void pack_8_bit_panel(const uint8_t* w, std::size_t blocks,
                                                                std::size_t block_bytes, std::size_t j0,
@@ -36,11 +48,35 @@ __attribute__((target("avx2,fma,f16c"))) void pack_8_bit_panel(const uint8_t* w,
   const std::size_t row_bytes = blocks * block_bytes;
   for (std::size_t b = 0; b < blocks; ++b) {
     PanelBlock& out = panel[b];
+    const uint8_t* at = w + j0 * row_bytes + b * block_bytes;
+    if constexpr (kType == QuantType::kQ8_0) {
+      const __m256 d = halves8(at, row_bytes, 0);
+      _mm256_storeu_ps(out.d, d);
+      _mm256_storeu_ps(out.m, d);
+    } else {
+      for (std::size_t r = 0; r < kPanelRows; ++r) {
+        const Q8Header h = read_q8_header_f16c<kType>(at + r * row_bytes);
+        out.d[r] = h.d0;
+        out.m[r] = h.d1;
+      }
+    }
+    __m256i row[kPanelRows];
     for (std::size_t r = 0; r < kPanelRows; ++r) {
-      const Q8Header h = read_q8_header_f16c<kType>(w + (j0 + r) * row_bytes + b * block_bytes);
-      out.d[r] = h.d0;
-      out.m[r] = h.d1;
-      for (std::size_t g = 0; g < 8; ++g) std::memcpy(&out.q[g][4 * r], h.qs + 4 * g, 4);
+      row[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(read_q8_header_f16c<kType>(at + r * row_bytes).qs));
+    }
+    // t: rows 2i and 2i + 1 interleaved; u: 4 rows' int32 g (low lane) and g + 4 (high lane).
+    __m256i t[kPanelRows];
+    for (std::size_t i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_epi32(row[2 * i], row[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_epi32(row[2 * i], row[2 * i + 1]);
+    }
+    const __m256i u[kPanelRows] = {
+        _mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]), _mm256_unpacklo_epi64(t[1], t[3]),
+        _mm256_unpackhi_epi64(t[1], t[3]), _mm256_unpacklo_epi64(t[4], t[6]), _mm256_unpackhi_epi64(t[4], t[6]),
+        _mm256_unpacklo_epi64(t[5], t[7]), _mm256_unpackhi_epi64(t[5], t[7])};
+    for (std::size_t g = 0; g < 4; ++g) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g]), _mm256_permute2x128_si256(u[g], u[g + 4], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q[g + 4]), _mm256_permute2x128_si256(u[g], u[g + 4], 0x31));
     }
   }
 }
@@ -55,10 +91,21 @@ __attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w,
   for (std::size_t b = 0; b < blocks; ++b) {
     PanelBlock& out = panel[b];
     __m256i pair[4];  // rows r and r + 4: their 16 nibble bytes in the low and high 128-bit lanes
+    const uint8_t* at = w + j0 * row_bytes + b * block_bytes;
+    if constexpr (kType == QuantType::kQ4_1F) {
+      for (std::size_t r = 0; r < kPanelRows; ++r) {
+        const Q4Header h = read_q4_header_f16c<kType>(at + r * row_bytes);
+        out.d[r] = h.d;
+        out.m[r] = h.m;
+      }
+    } else {  // half-precision fields, converted 8 at a time (Q4_0: no offset field, m = -8 d)
+      const __m256 d = halves8(at, row_bytes, 0);
+      _mm256_storeu_ps(out.d, d);
+      _mm256_storeu_ps(out.m, kType == QuantType::kQ4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0F))
+                                                        : halves8(at, row_bytes, 2));
+    }
     for (std::size_t r = 0; r < kPanelRows; ++r) {
-      const Q4Header h = read_q4_header_f16c<kType>(w + (j0 + r) * row_bytes + b * block_bytes);
-      out.d[r] = h.d;
-      out.m[r] = h.m;
+      const Q4Header h = read_q4_header_f16c<kType>(at + r * row_bytes);
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.qs));
       pair[r % 4] = r < 4 ? _mm256_castsi128_si256(q) : _mm256_inserti128_si256(pair[r % 4], q, 1);
     }
