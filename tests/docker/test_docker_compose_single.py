@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -28,11 +29,18 @@ def request(max_tokens: int) -> pb.GenerateRequest:
                               sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-def generation_tokens(metrics_port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "ringserve_generation_tokens_total")  # fmt: skip
+def generation_tokens(metrics_port: int, at_least: float, timeout_s: float = 30.0) -> float:
+    """ringserve_generation_tokens_total, once it reaches `at_least` or timeout_s passes: a request is counted when
+    its call ends, which may come just after its client read the last byte."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        total = sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                    if s.name == "ringserve_generation_tokens_total")  # fmt: skip
+        if total >= at_least or time.monotonic() > deadline:
+            return total
+        time.sleep(0.2)
 
 
 def streamed_completion(http_port: int, max_tokens: int) -> list[dict]:
@@ -74,7 +82,7 @@ def test_single_profile_serves_through_published_ports_and_drains_on_docker_stop
         assert len(chunks) > 1, f"the HTTP reply came in one piece, not streamed: {chunks}"
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).strip(), chunks
 
-        assert generation_tokens(project.ports["METRICS"]) >= 8 + 6
+        assert generation_tokens(project.ports["METRICS"], 8 + 6) >= 8 + 6
 
         # `docker stop` while a stream is running: the server drains it (RINGSERVE_SHUTDOWN_GRACE, under compose's
         # stop_grace_period), then stops the engine and workers and exits 0.
