@@ -168,9 +168,6 @@ __attribute__((target("avx512f"))) void attend_avx512(const Job<T>& job, std::si
   }
 }
 
-// AVX2 + FMA path (head_dim a multiple of 8), one whole sequence: each token row of K and V (every KV head,
-// contiguous in the cache) is read once, in order, for all query heads. The passes reach the scratch memory through
-// plain pointers taken once: inside them, the thread-local itself would cost a TLS lookup per position and head.
 // kVecs x 8 dimensions from d0 of query head h's output: its context's values weighed by the softmaxed scores,
 // summed in registers over every position, then divided by the scores' sum.
 template <std::size_t kVecs, class T>
@@ -197,9 +194,11 @@ __attribute__((target("avx2,fma"))) void weigh_values_avx2(const Job<T>& job, st
   for (std::size_t c = 0; c < kVecs; ++c) store8(out + 8 * c, _mm256_mul_ps(acc[c], inv));
 }
 
-// AVX2 path: head_dim a multiple of 8. Scores: within a block, 8 positions at a time meet each query head (the 8 dot
-// products reduced together), the rest one by one; then the softmax; then each head's output in registers, 64
-// dimensions at a time.
+// AVX2 + FMA path (head_dim a multiple of 8), one whole sequence. Scores: each token row of K (every KV head,
+// contiguous in the cache) is read once, in order, for all query heads; within a block, 8 positions at a time meet a
+// query head (the 8 dot products reduced together), the rest one by one. Then the softmax; then each head's output
+// summed in registers, 64 dimensions at a time (weigh_values_avx2). The passes reach the scratch memory through plain
+// pointers taken once: inside them, the thread-local itself would cost a TLS lookup per position and head.
 template <class T>
 __attribute__((target("avx2,fma"))) void attend_avx2(const Job<T>& job, std::size_t seq) {
   constexpr std::size_t kLanes8 = 8;
