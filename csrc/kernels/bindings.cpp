@@ -162,13 +162,14 @@ void argmax_logprob(bool bf16, std::uintptr_t logits, std::uintptr_t ids, std::u
 
 // A decoder's borrowed memory by address: per layer [input_norm, qkv_weight, qkv_bias (0 = none), o_weight,
 // post_norm, gate_up_weight, down_weight, k_cache, v_cache]; the Python side keeps the tensors alive. quant_types, when
-// given, has per layer the block type (kernels/cpu_quant.h QuantType) of [qkv, o, gate_up, down], -1 for a dense one.
+// given, has per layer the block type (kernels/cpu_quant.h QuantType) of [qkv, o, gate_up, down], -1 for a dense one;
+// quant_panels, when given, the address of each of those projections' panels (pack_quant_panels), 0 for none.
 template <class T>
 std::unique_ptr<ringserve::kernels::Decoder<T>> make_decoder(
     std::size_t hidden, std::size_t num_heads, std::size_t num_kv_heads, std::size_t head_dim,
     std::size_t intermediate, std::size_t num_blocks, std::size_t block_size, std::size_t max_position, float rms_eps,
     float attention_scale, const std::vector<std::vector<std::uintptr_t>>& layers, std::uintptr_t final_norm,
-    const std::vector<std::vector<int>>& quant_types) {
+    const std::vector<std::vector<int>>& quant_types, const std::vector<std::vector<std::uintptr_t>>& quant_panels) {
   namespace k = ringserve::kernels;
   const k::DecoderDims d{hidden,     num_heads,    num_kv_heads, head_dim, intermediate,
                          num_blocks, block_size,   max_position, rms_eps,  attention_scale};
@@ -176,14 +177,20 @@ std::unique_ptr<ringserve::kernels::Decoder<T>> make_decoder(
   if (!quant_types.empty() && quant_types.size() != layers.size()) {
     throw py::value_error("quant_types needs one entry per decoder layer");
   }
-  // A projection [n, k] at `address`: dense values, or n rows of k / 32 blocks of the layer's type for it.
-  const auto projection = [](std::uintptr_t address, int type, std::size_t n, std::size_t k) {
+  if (!quant_panels.empty() && quant_panels.size() != layers.size()) {
+    throw py::value_error("quant_panels needs one entry per decoder layer");
+  }
+  // A projection [n, k] at `address`: dense values, or n rows of k / 32 blocks of the layer's type for it (with the
+  // panels at `panels`, 0 for none).
+  const auto projection = [](std::uintptr_t address, int type, std::uintptr_t panels, std::size_t n, std::size_t k) {
     if (type < 0) return k::Projection<T>::of_dense(view<const T>(address, n * k));
     if (type > static_cast<int>(k::QuantType::kQ8_2F)) throw py::value_error("unknown weight block type");
     if (k % k::kQuantBlock != 0) throw py::value_error("quantized projections need widths that are multiples of 32");
     const auto qtype = static_cast<k::QuantType>(type);
     const std::size_t bytes = n * (k / k::kQuantBlock) * k::quant_block_bytes(qtype);
-    return k::Projection<T>::of_blocks(qtype, view<const uint8_t>(address, bytes));
+    const auto panel_span = panels == 0 ? std::span<const uint8_t>{}
+                                        : view<const uint8_t>(panels, k::quant_panel_bytes(qtype, n, k));
+    return k::Projection<T>::of_blocks(qtype, view<const uint8_t>(address, bytes), panel_span);
   };
   std::vector<k::DecoderLayer<T>> spans;
   spans.reserve(layers.size());
@@ -191,13 +198,16 @@ std::unique_ptr<ringserve::kernels::Decoder<T>> make_decoder(
     const auto& a = layers[i];
     if (a.size() != 9) throw py::value_error("each decoder layer needs 9 addresses");
     const std::vector<int> dense(4, -1);
+    const std::vector<std::uintptr_t> no_panels(4, 0);
     const std::vector<int>& types = quant_types.empty() ? dense : quant_types[i];
+    const std::vector<std::uintptr_t>& panels = quant_panels.empty() ? no_panels : quant_panels[i];
     if (types.size() != 4) throw py::value_error("each layer's quant_types needs 4 entries");
-    spans.push_back({view<const T>(a[0], hidden), projection(a[1], types[0], qkv, hidden),
+    if (panels.size() != 4) throw py::value_error("each layer's quant_panels needs 4 entries");
+    spans.push_back({view<const T>(a[0], hidden), projection(a[1], types[0], panels[0], qkv, hidden),
                      a[2] == 0 ? std::span<const T>{} : view<const T>(a[2], qkv),
-                     projection(a[3], types[1], hidden, num_heads * head_dim), view<const T>(a[4], hidden),
-                     projection(a[5], types[2], 2 * intermediate, hidden),
-                     projection(a[6], types[3], hidden, intermediate), view<T>(a[7], d.cache_values()),
+                     projection(a[3], types[1], panels[1], hidden, num_heads * head_dim), view<const T>(a[4], hidden),
+                     projection(a[5], types[2], panels[2], 2 * intermediate, hidden),
+                     projection(a[6], types[3], panels[3], hidden, intermediate), view<T>(a[7], d.cache_values()),
                      view<T>(a[8], d.cache_values())});
   }
   return std::make_unique<k::Decoder<T>>(d, std::move(spans), view<const T>(final_norm, hidden));
@@ -233,7 +243,8 @@ void bind_decoder(py::module_& m, const char* name, const char* doc) {
       .def(py::init(&make_decoder<T>), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("max_position"), py::arg("rms_eps"), py::arg("attention_scale"), py::arg("layers"),
-           py::arg("final_norm"), py::arg("quant_types") = std::vector<std::vector<int>>{})
+           py::arg("final_norm"), py::arg("quant_types") = std::vector<std::vector<int>>{},
+           py::arg("quant_panels") = std::vector<std::vector<std::uintptr_t>>{})
       .def_property_readonly("num_layers", &D::num_layers)
       .def("decode", &decoder_decode<T>, py::arg("hidden"), py::arg("normed"), py::arg("positions"), py::arg("slots"),
            py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("rows"),
@@ -248,11 +259,12 @@ void bind_decoder(py::module_& m, const char* name, const char* doc) {
 // The weight blocks' byte count is checked against m, n, k and the type by the kernel.
 void linear_quant(bool bf16, int type, std::uintptr_t x, std::uintptr_t w, std::size_t w_bytes, std::uintptr_t bias,
                   std::uintptr_t y, std::size_t m, std::size_t n, std::size_t k, bool force_portable, int threads,
-                  std::uintptr_t residual) {
+                  std::uintptr_t residual, std::uintptr_t panels, std::size_t panel_bytes) {
   namespace k_ = ringserve::kernels;
   const auto qtype = static_cast<k_::QuantType>(type);
   if (type < 0 || type > static_cast<int>(k_::QuantType::kQ8_2F)) throw py::value_error("unknown weight block type");
   const auto ws = view<const uint8_t>(w, w_bytes);
+  const auto ps = panels == 0 ? std::span<const uint8_t>{} : view<const uint8_t>(panels, panel_bytes);
   const k_::QuantPath path = force_portable ? k_::QuantPath::kPortable : k_::QuantPath::kFastest;
   const auto run = [&](auto tag, auto fn) {
     using T = decltype(tag);
@@ -261,13 +273,23 @@ void linear_quant(bool bf16, int type, std::uintptr_t x, std::uintptr_t w, std::
     const auto xs = view<const T>(x, m * k);
     const auto ys = view<T>(y, m * n);
     py::gil_scoped_release release;
-    fn({m, n, k}, qtype, xs, ws, bs, ys, path, threads, rs);
+    fn({m, n, k}, qtype, xs, ws, bs, ys, path, threads, rs, ps);
   };
   if (bf16) {
     run(bf16_bits{}, k_::linear_quant_bf16);
   } else {
     run(float{}, k_::linear_quant_f32);
   }
+}
+
+void pack_quant_panels(int type, std::uintptr_t w, std::size_t w_bytes, std::uintptr_t out, std::size_t out_bytes,
+                       std::size_t n, std::size_t k, int threads) {
+  namespace k_ = ringserve::kernels;
+  if (type < 0 || type > static_cast<int>(k_::QuantType::kQ8_2F)) throw py::value_error("unknown weight block type");
+  const auto ws = view<const uint8_t>(w, w_bytes);
+  const auto outs = view<uint8_t>(out, out_bytes);
+  py::gil_scoped_release release;
+  k_::pack_quant_panels(static_cast<k_::QuantType>(type), n, k, ws, outs, threads);
 }
 
 void dequantize(int type, std::uintptr_t w, std::size_t w_bytes, std::uintptr_t out, std::size_t n, std::size_t k,
@@ -302,10 +324,22 @@ PYBIND11_MODULE(_kernels, m) {
   }, py::arg("type"), "Bytes per 32-value weight block of a QuantType value.");
   m.def("linear_quant", &linear_quant, py::arg("bf16"), py::arg("type"), py::arg("x"), py::arg("w"),
         py::arg("w_bytes"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
-        py::arg("force_portable") = false, py::arg("threads") = 1, py::arg("residual") = 0,
+        py::arg("force_portable") = false, py::arg("threads") = 1, py::arg("residual") = 0, py::arg("panels") = 0,
+        py::arg("panel_bytes") = 0,
         "y[m, n] = x[m, k] @ W^T (+ bias) (+ residual), W being n rows of quantized weight blocks (kernels/cpu_quant.h; "
         "type: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_1F, 4 Q8_2F), on contiguous float32 or bfloat16 memory given by address; "
-        "the input rows are quantized per 32 values to int8. force_portable picks the portable loops for tests.");
+        "the input rows are quantized per 32 values to int8. panels: W's panels (pack_quant_panels), 0 for none. "
+        "force_portable picks the portable loops for tests.");
+  m.def("quant_panel_bytes", [](int type, std::size_t n, std::size_t k) {
+    if (type < 0 || type > static_cast<int>(ringserve::kernels::QuantType::kQ8_2F)) {
+      throw py::value_error("unknown weight block type");
+    }
+    return ringserve::kernels::quant_panel_bytes(static_cast<ringserve::kernels::QuantType>(type), n, k);
+  }, py::arg("type"), py::arg("n"), py::arg("k"), "Bytes of pack_quant_panels' output for n rows [n, k] of `type`.");
+  m.def("pack_quant_panels", &pack_quant_panels, py::arg("type"), py::arg("w"), py::arg("w_bytes"), py::arg("out"),
+        py::arg("out_bytes"), py::arg("n"), py::arg("k"), py::arg("threads") = 1,
+        "Lays out n rows of quantized weight blocks (w) once as the 8-row panels that linear_quant reads for products "
+        "of many input rows (out: quant_panel_bytes(type, n, k) bytes; the AVX2 path only).");
   m.def("dequantize", &dequantize, py::arg("type"), py::arg("w"), py::arg("w_bytes"), py::arg("out"), py::arg("n"),
         py::arg("k"), py::arg("force_portable") = false, py::arg("threads") = 1,
         "out[n, k] (float32) = the values of n rows of quantized weight blocks of `type` (as linear_quant), given by "

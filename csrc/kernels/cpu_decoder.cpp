@@ -41,6 +41,11 @@ template <class T>
 void check_projection(const std::string& layer, const char* what, const Projection<T>& w, std::size_t n,
                       std::size_t k) {
   check_projection(layer, what, !w.quantized(), w.dense.size(), w.blocks.size(), w.type, n, k);
+  if (!w.panels.empty()) {
+    const std::size_t want = quant_panel_bytes(w.type, n, k);
+    check(w.panels.size() == want, layer + what + " has " + std::to_string(w.panels.size()) +
+                                       " bytes of panels, expected " + std::to_string(want));
+  }
 }
 
 // The kernels for one storage type: y = x @ w^T (+ bias) (+ residual), and the small per-layer operations.
@@ -50,9 +55,9 @@ void project(LinearShape s, std::span<const T> x, const Projection<T>& w, std::s
   constexpr bool kBf16 = std::is_same_v<T, bf16_bits>;
   if (w.quantized()) {
     if constexpr (kBf16) {
-      linear_quant_bf16(s, w.type, x, w.blocks, bias, y, QuantPath::kFastest, threads, residual);
+      linear_quant_bf16(s, w.type, x, w.blocks, bias, y, QuantPath::kFastest, threads, residual, w.panels);
     } else {
-      linear_quant_f32(s, w.type, x, w.blocks, bias, y, QuantPath::kFastest, threads, residual);
+      linear_quant_f32(s, w.type, x, w.blocks, bias, y, QuantPath::kFastest, threads, residual, w.panels);
     }
   } else if constexpr (kBf16) {
     linear_bf16(s, x, w.dense, bias, y, LinearPath::kFastest, threads, residual);

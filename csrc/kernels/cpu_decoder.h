@@ -42,15 +42,18 @@ struct DecoderDims {
 };
 
 // A projection's weight [n, k]: n dense rows of T, or (when `blocks` is not empty) n rows of k / 32 blocks of
-// `type`, multiplied by the int8 kernel (linear_quant_*).
+// `type`, multiplied by the int8 kernel (linear_quant_*), with their panels (pack_quant_panels) or none.
 template <class T>
 struct Projection {
   std::span<const T> dense;
   std::span<const uint8_t> blocks;
   QuantType type = QuantType::kQ8_0;
+  std::span<const uint8_t> panels;
 
-  static Projection of_dense(std::span<const T> w) { return {w, {}, QuantType::kQ8_0}; }
-  static Projection of_blocks(QuantType t, std::span<const uint8_t> b) { return {{}, b, t}; }
+  static Projection of_dense(std::span<const T> w) { return {w, {}, QuantType::kQ8_0, {}}; }
+  static Projection of_blocks(QuantType t, std::span<const uint8_t> b, std::span<const uint8_t> panels = {}) {
+    return {{}, b, t, panels};
+  }
   bool quantized() const { return !blocks.empty(); }
 };
 

@@ -355,10 +355,10 @@ void rows_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, cons
 // (kernels/cpu_quant_panels.cpp) as far as they go, the rest in rows_avx2's tiles.
 template <class T>
 void products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
-                   const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+                   const uint8_t* panels, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
   if (s.m >= kPanelMinInputs) {
     const std::size_t panels_end = j0 + (j1 - j0) / kPanelRows * kPanelRows;
-    quant::panel_products_avx2<T>(type, s, block_bytes, act, w, epi, y, j0, panels_end);
+    quant::panel_products_avx2<T>(type, s, block_bytes, act, w, panels, epi, y, j0, panels_end);
     j0 = panels_end;
   }
   if (j0 == j1) return;
@@ -374,7 +374,8 @@ ActBlock* activation_buffer(std::size_t count) {
 
 template <class T>
 void linear_quant(const char* op, LinearShape s, QuantType type, std::span<const T> x, std::span<const uint8_t> w,
-                  std::span<const T> bias, std::span<T> y, QuantPath path, int threads, std::span<const T> residual) {
+                  std::span<const T> bias, std::span<T> y, QuantPath path, int threads, std::span<const T> residual,
+                  std::span<const uint8_t> panels) {
   const std::size_t block_bytes = quant_block_bytes(type);
   require(s.k % kQuantBlock == 0, op, "k (" + std::to_string(s.k) + ") is not a multiple of 32");
   const std::size_t blocks = s.k / kQuantBlock;
@@ -384,6 +385,7 @@ void linear_quant(const char* op, LinearShape s, QuantType type, std::span<const
   require_size(op, "y", y.size(), s.m * s.n);
   if (!bias.empty()) require_size(op, "bias", bias.size(), s.n);
   if (!residual.empty()) require_size(op, "residual", residual.size(), s.m * s.n);
+  if (!panels.empty()) require_size(op, "panels", panels.size(), quant_panel_bytes(type, s.n, s.k));
   if (s.m == 0 || s.n == 0) return;
   const bool avx2 = path == QuantPath::kFastest && has_avx2_quant();
   ActBlock* act = activation_buffer(s.m * blocks);
@@ -404,7 +406,8 @@ void linear_quant(const char* op, LinearShape s, QuantType type, std::span<const
     const std::size_t j0 = c * kChunkRows;
     const std::size_t j1 = std::min(s.n, j0 + kChunkRows);
     if (avx2) {
-      products_avx2<T>(type, s, block_bytes, act, w.data(), epi, y.data(), j0, j1);
+      products_avx2<T>(type, s, block_bytes, act, w.data(), panels.empty() ? nullptr : panels.data(), epi, y.data(),
+                       j0, j1);
     } else {
       rows_portable<T>(s, type, block_bytes, act, w.data(), epi, y.data(), j0, j1);
     }
@@ -447,14 +450,14 @@ bool has_avx2_quant() {
 
 void linear_quant_f32(LinearShape shape, QuantType type, std::span<const float> x, std::span<const uint8_t> w,
                       std::span<const float> bias, std::span<float> y, QuantPath path, int threads,
-                      std::span<const float> residual) {
-  linear_quant<float>("linear_quant_f32", shape, type, x, w, bias, y, path, threads, residual);
+                      std::span<const float> residual, std::span<const uint8_t> panels) {
+  linear_quant<float>("linear_quant_f32", shape, type, x, w, bias, y, path, threads, residual, panels);
 }
 
 void linear_quant_bf16(LinearShape shape, QuantType type, std::span<const bf16_bits> x, std::span<const uint8_t> w,
                        std::span<const bf16_bits> bias, std::span<bf16_bits> y, QuantPath path, int threads,
-                       std::span<const bf16_bits> residual) {
-  linear_quant<bf16_bits>("linear_quant_bf16", shape, type, x, w, bias, y, path, threads, residual);
+                       std::span<const bf16_bits> residual, std::span<const uint8_t> panels) {
+  linear_quant<bf16_bits>("linear_quant_bf16", shape, type, x, w, bias, y, path, threads, residual, panels);
 }
 
 }  // namespace ringserve::kernels

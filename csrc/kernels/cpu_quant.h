@@ -48,12 +48,24 @@ enum class QuantPath { kFastest, kPortable };
 // x: m*k, w: n rows of k/32 blocks, y: m*n, bias: n or empty, residual: m*n or empty (may be y itself). K must be a
 // multiple of 32. Throws std::invalid_argument on a size mismatch. Weight rows are split in chunks over `threads`
 // threads when the product is large enough.
+// panels: the weight's panels as pack_quant_panels lays them out, or empty (each product of many input rows then
+// lays out the rows it needs itself).
 void linear_quant_f32(LinearShape shape, QuantType type, std::span<const float> x, std::span<const uint8_t> w,
                       std::span<const float> bias, std::span<float> y, QuantPath path = QuantPath::kFastest,
-                      int threads = 1, std::span<const float> residual = {});
+                      int threads = 1, std::span<const float> residual = {}, std::span<const uint8_t> panels = {});
 void linear_quant_bf16(LinearShape shape, QuantType type, std::span<const bf16_bits> x, std::span<const uint8_t> w,
                        std::span<const bf16_bits> bias, std::span<bf16_bits> y, QuantPath path = QuantPath::kFastest,
-                       int threads = 1, std::span<const bf16_bits> residual = {});
+                       int threads = 1, std::span<const bf16_bits> residual = {},
+                       std::span<const uint8_t> panels = {});
+
+// The weight's panels, laid out once: products of many input rows on the AVX2 path read every weight row in 8-row
+// panels (kernels/cpu_quant_panels.cpp), which they otherwise build again on every call (7% of a 64-row decode step
+// on SmolLM2). quant_panel_bytes is their size for n rows of k / 32 blocks of `type` (the first n / 8 * 8 rows; the
+// rest never take panels); pack_quant_panels writes them into out (exactly that size), over `threads` threads. Both
+// throw std::invalid_argument on a size mismatch, pack_quant_panels also where the AVX2 path does not run.
+std::size_t quant_panel_bytes(QuantType type, std::size_t n, std::size_t k);
+void pack_quant_panels(QuantType type, std::size_t n, std::size_t k, std::span<const uint8_t> w,
+                       std::span<uint8_t> out, int threads = 1);
 
 // The float32 values of n weight rows of k / 32 blocks of `type` (w: exactly those rows' bytes), row-major into out
 // (n * k): gguf's dequantization, bit for bit (kernels/cpu_dequant.cpp). For products with many input rows, where a

@@ -67,17 +67,19 @@ constexpr std::size_t kPanelRows = 8;  // weight rows per panel
 // of their accuracy bar (tests/workers/test_quant_ops.py): decode batches of fewer rows keep the tiles they had.
 constexpr std::size_t kPanelMinInputs = 32;
 
-// Weight rows [j0, j1) of `type` (j1 - j0 a multiple of kPanelRows) against every input row of s.m, in panels of 8
-// rows (kernels/cpu_quant_panels.cpp). act: s.m rows of s.k / 32 blocks; y: s.m * s.n.
+// Weight rows [j0, j1) of `type` (j0 and j1 - j0 multiples of kPanelRows) against every input row of s.m, in panels
+// of 8 rows (kernels/cpu_quant_panels.cpp): read from `panels` (pack_quant_panels' layout of all of w) when it is not
+// null, else laid out here. act: s.m rows of s.k / 32 blocks; y: s.m * s.n.
 template <class T>
 void panel_products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act,
-                         const uint8_t* w, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1);
+                         const uint8_t* w, const uint8_t* panels, const EpilogueOf<T>& epi, T* y, std::size_t j0,
+                         std::size_t j1);
 
 extern template void panel_products_avx2<float>(QuantType, LinearShape, std::size_t, const ActBlock*,
-                                                const uint8_t*, const EpilogueOf<float>&, float*, std::size_t,
-                                                std::size_t);
+                                                const uint8_t*, const uint8_t*, const EpilogueOf<float>&, float*,
+                                                std::size_t, std::size_t);
 extern template void panel_products_avx2<bf16_bits>(QuantType, LinearShape, std::size_t, const ActBlock*,
-                                                    const uint8_t*, const EpilogueOf<bf16_bits>&, bf16_bits*,
-                                                    std::size_t, std::size_t);
+                                                    const uint8_t*, const uint8_t*, const EpilogueOf<bf16_bits>&,
+                                                    bf16_bits*, std::size_t, std::size_t);
 
 }  // namespace ringserve::kernels::quant

@@ -9,11 +9,14 @@
 // panels hold the int8 values themselves. A tile keeps 4 input rows' sums in registers (and, for the 4-bit formats,
 // two panels' worth), so every register loaded meets several others before it is dropped.
 #include "kernels/cpu_quant_blocks.h"
+#include "kernels/parallel.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -249,41 +252,66 @@ void panel_rows(LinearShape s, const PanelBlock* const* panels, const ActBlock* 
   }(std::make_index_sequence<kInputs - 1>{});
 }
 
+// Weight rows [j0, j0 + 8) as a panel of `blocks` blocks.
+template <QuantType kType>
+void pack_panel(const uint8_t* w, std::size_t blocks, std::size_t block_bytes, std::size_t j0, PanelBlock* out) {
+  if constexpr (is_signed(kType)) {
+    pack_8_bit_panel<kType>(w, blocks, block_bytes, j0, out);
+  } else {
+    pack_4_bit_panel<kType>(w, blocks, block_bytes, j0, out);
+  }
+}
+
+// The memory from `from` to `to` on its way into the cache level `kHint` names (a hint: the hardware may drop it).
+template <_mm_hint kHint>
+__attribute__((target("avx2,fma,f16c"))) inline void prefetch_range(const uint8_t* from, const uint8_t* to) {
+  for (const uint8_t* at = from; at < to; at += 64) _mm_prefetch(reinterpret_cast<const char*>(at), kHint);
+}
+
 // A tile holds 4 input rows; the 4-bit formats' tiles span two panels (16 weight rows), so each broadcast input group
 // meets two weight registers (20% faster on SmolLM2's shapes), while the 8-bit formats' sums (two registers per
 // input row and panel) leave room for one.
 template <QuantType kType, class T>
 void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
-                 const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+                 const PanelBlock* packed, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
   constexpr std::size_t kInputs = 4;
   constexpr std::size_t kPanels = is_signed(kType) ? 1 : 2;
+  constexpr std::size_t kTileRows = kPanels * kPanelRows;
   const std::size_t blocks = s.k / kQuantBlock;
-  PanelBlock* buffer = panel_buffer(kPanels * blocks);
+  const std::size_t row_bytes = blocks * block_bytes;
+  PanelBlock* buffer = packed == nullptr ? panel_buffer(kPanels * blocks) : nullptr;
   const PanelBlock* panels[kPanels];
-  for (std::size_t p = 0; p < kPanels; ++p) panels[p] = buffer + p * blocks;
-  auto pack = [&](std::size_t j, PanelBlock* out) {
-    if constexpr (is_signed(kType)) {
-      pack_8_bit_panel<kType>(w, blocks, block_bytes, j, out);
+  // The panels of weight rows [j, j + 8 count): the packed ones, or laid out into the buffer now. Meanwhile the next
+  // tile's bytes (contiguous; past j1 they are most often this thread's next chunk) are prefetched: the rows to pack
+  // into L1 (a layer's projections 1.05-1.1x faster), packed panels into L2 (the tile's own panels, read again for
+  // every 4 input rows, keep L1).
+  auto take = [&](std::size_t j, std::size_t count) {
+    const std::size_t end = packed != nullptr ? s.n / kPanelRows * kPanelRows : s.n;
+    const std::size_t next = std::min(end, j + count * kPanelRows + kTileRows);
+    for (std::size_t p = 0; p < count; ++p) {
+      if (packed != nullptr) {
+        panels[p] = packed + (j / kPanelRows + p) * blocks;
+      } else {
+        pack_panel<kType>(w, blocks, block_bytes, j + p * kPanelRows, buffer + p * blocks);
+        panels[p] = buffer + p * blocks;
+      }
+    }
+    const std::size_t after = j + count * kPanelRows;
+    if (packed != nullptr) {
+      prefetch_range<_MM_HINT_T1>(reinterpret_cast<const uint8_t*>(packed + after / kPanelRows * blocks),
+                     reinterpret_cast<const uint8_t*>(packed + std::max(next, after) / kPanelRows * blocks));
     } else {
-      pack_4_bit_panel<kType>(w, blocks, block_bytes, j, out);
+      prefetch_range<_MM_HINT_T0>(w + after * row_bytes, w + std::max(next, after) * row_bytes);
     }
   };
   std::size_t j = j0;
-  const std::size_t row_bytes = blocks * block_bytes;
-  for (; j + kPanels * kPanelRows <= j1; j += kPanels * kPanelRows) {
-    for (std::size_t p = 0; p < kPanels; ++p) pack(j + p * kPanelRows, buffer + p * blocks);
-    // The next tile's weight rows (contiguous; past j1 they are most often this thread's next chunk) stream into L1
-    // while these meet every input row: the packing then reads them from cache (a layer's projections 1.05-1.1x
-    // faster).
-    const std::size_t next = std::min(s.n, j + 2 * kPanels * kPanelRows);
-    for (std::size_t off = (j + kPanels * kPanelRows) * row_bytes; off < next * row_bytes; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + off), _MM_HINT_T0);
-    }
+  for (; j + kTileRows <= j1; j += kTileRows) {
+    take(j, kPanels);
     panel_rows<kType, kInputs, kPanels>(s, panels, act, epi, y, j);
   }
   if constexpr (kPanels > 1) {
     for (; j < j1; j += kPanelRows) {  // the rows short of a whole tile, one panel at a time
-      pack(j, buffer);
+      take(j, 1);
       panel_rows<kType, kInputs, 1>(s, panels, act, epi, y, j);
     }
   }
@@ -293,13 +321,50 @@ void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, co
 
 template <class T>
 void panel_products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act,
-                         const uint8_t* w, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
-  with_block_type(type, [&](auto t) { panels_avx2<decltype(t)::value>(s, block_bytes, act, w, epi, y, j0, j1); });
+                         const uint8_t* w, const uint8_t* panels, const EpilogueOf<T>& epi, T* y, std::size_t j0,
+                         std::size_t j1) {
+  const auto* packed = reinterpret_cast<const PanelBlock*>(panels);
+  with_block_type(type, [&](auto t) {
+    panels_avx2<decltype(t)::value>(s, block_bytes, act, w, packed, epi, y, j0, j1);
+  });
 }
 
 template void panel_products_avx2<float>(QuantType, LinearShape, std::size_t, const ActBlock*, const uint8_t*,
-                                         const EpilogueOf<float>&, float*, std::size_t, std::size_t);
+                                         const uint8_t*, const EpilogueOf<float>&, float*, std::size_t, std::size_t);
 template void panel_products_avx2<bf16_bits>(QuantType, LinearShape, std::size_t, const ActBlock*, const uint8_t*,
-                                             const EpilogueOf<bf16_bits>&, bf16_bits*, std::size_t, std::size_t);
+                                             const uint8_t*, const EpilogueOf<bf16_bits>&, bf16_bits*, std::size_t,
+                                             std::size_t);
 
 }  // namespace ringserve::kernels::quant
+
+namespace ringserve::kernels {
+
+std::size_t quant_panel_bytes(QuantType type, std::size_t n, std::size_t k) {
+  quant_block_bytes(type);  // throws for a value outside the enum
+  if (k % kQuantBlock != 0) {
+    throw std::invalid_argument("quant_panel_bytes: k (" + std::to_string(k) + ") is not a multiple of 32");
+  }
+  return n / quant::kPanelRows * (k / kQuantBlock) * sizeof(quant::PanelBlock);
+}
+
+void pack_quant_panels(QuantType type, std::size_t n, std::size_t k, std::span<const uint8_t> w,
+                       std::span<uint8_t> out, int threads) {
+  const std::size_t bytes = quant_panel_bytes(type, n, k);
+  const std::size_t blocks = k / kQuantBlock;
+  const std::size_t block_bytes = quant_block_bytes(type);
+  if (w.size() != n * blocks * block_bytes || out.size() != bytes) {
+    throw std::invalid_argument("pack_quant_panels: w holds " + std::to_string(w.size()) + " bytes (expected " +
+                                std::to_string(n * blocks * block_bytes) + "), out " + std::to_string(out.size()) +
+                                " (expected " + std::to_string(bytes) + ")");
+  }
+  if (!has_avx2_quant()) throw std::invalid_argument("pack_quant_panels: the panels are read by the AVX2 path only");
+  auto* panels = reinterpret_cast<quant::PanelBlock*>(out.data());
+  quant::with_block_type(type, [&](auto t) {
+    constexpr QuantType kType = decltype(t)::value;
+    for_each_item(n / quant::kPanelRows, threads, bytes >= kParallelValues, [&](std::size_t p) {
+      quant::pack_panel<kType>(w.data(), blocks, block_bytes, p * quant::kPanelRows, panels + p * blocks);
+    });
+  });
+}
+
+}  // namespace ringserve::kernels

@@ -194,6 +194,52 @@ TEST(avx2_matches_portable_for_every_tile_and_thread_split) {
   }
 }
 
+TEST(packed_panels_give_the_same_bits_as_panels_laid_out_per_call) {
+  if (!has_avx2_quant()) {
+    std::fprintf(stderr, "  skipped: the panels are read by the AVX2 path only\n");
+    return;
+  }
+  // n = 7 has no whole panel, 45 leaves a chunk of 16 with a panel and 5 rows more, 61 a lone panel past the
+  // 4-bit formats' 16-row tiles; 32 and 67 inputs reach every input tail of the panel tiles.
+  for (const QuantType type : kTypes) {
+    for (const std::size_t n : {7, 45, 61}) {
+      const std::size_t k = 160;
+      std::mt19937 gen(static_cast<unsigned>(static_cast<int>(type) * 7 + n));
+      std::vector<uint8_t> w;
+      std::vector<double> values;
+      for (std::size_t b = 0; b < n * k / 32; ++b) random_block(type, gen, w, values);
+      std::vector<uint8_t> panels(quant_panel_bytes(type, n, k));
+      CHECK(panels.size() == n / 8 * 5 * (8 * 32 + 2 * 8 * sizeof(float)));
+      for (const int threads : {1, 3}) {
+        std::fill(panels.begin(), panels.end(), uint8_t{0xA5});
+        pack_quant_panels(type, n, k, w, panels, threads);
+        for (const std::size_t m : {32, 67}) {
+          std::normal_distribution<float> normal;
+          std::vector<float> x(m * k), bias(n), residual(m * n);
+          for (auto& v : x) v = normal(gen);
+          for (auto& v : bias) v = normal(gen);
+          for (auto& v : residual) v = normal(gen);
+          std::vector<float> laid_out(m * n), packed(m * n);
+          linear_quant_f32({m, n, k}, type, x, w, bias, laid_out, QuantPath::kFastest, threads, residual);
+          linear_quant_f32({m, n, k}, type, x, w, bias, packed, QuantPath::kFastest, threads, residual, panels);
+          CHECK(std::memcmp(laid_out.data(), packed.data(), packed.size() * sizeof(float)) == 0);
+          std::vector<bf16_bits> xb(m * k), yb(m * n), yb_packed(m * n);
+          for (std::size_t e = 0; e < x.size(); ++e) xb[e] = from_float<bf16_bits>(x[e]);
+          linear_quant_bf16({m, n, k}, type, xb, w, {}, yb, QuantPath::kFastest, threads);
+          linear_quant_bf16({m, n, k}, type, xb, w, {}, yb_packed, QuantPath::kFastest, threads, {}, panels);
+          CHECK(std::memcmp(yb.data(), yb_packed.data(), yb.size() * sizeof(bf16_bits)) == 0);
+        }
+      }
+      // Panels of another size are refused, and so is a destination of the wrong size.
+      std::vector<uint8_t> short_panels(panels.size() + 1);
+      std::vector<float> x(32 * k), y(32 * n);
+      CHECK_THROWS(std::invalid_argument, linear_quant_f32({32, n, k}, type, x, w, {}, y, QuantPath::kFastest, 1, {},
+                                                           short_panels));
+      CHECK_THROWS(std::invalid_argument, pack_quant_panels(type, n, k, w, short_panels));
+    }
+  }
+}
+
 TEST(dequantize_gives_every_types_values_on_both_paths) {
   if (!has_avx2_quant()) std::fprintf(stderr, "  (no AVX2 here: only the portable dequantization runs)\n");
   for (const QuantType type : kTypes) {

@@ -113,6 +113,36 @@ def test_many_rows_take_the_int8_panels(qtype):
         check_product(qtype, 33, 61, k, threads=threads)
 
 
+@pytest.mark.skipif(not quant_ops.available(), reason="the panels are read by the AVX2 path only")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_panels_laid_out_at_load_give_the_same_bits_and_follow_fusing(qtype):
+    k = 256 if qtype in (Q.Q4_K, Q.Q6_K) else 96
+    parts = [quant_ops.from_gguf(random_blocks(n, k, qtype, seed=n), qtype, n, k) for n in (16, 24, 13)]
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5))
+    for weight in parts:
+        packed = weight.with_panels()
+        assert weight.panels is None and packed.panels is not None and packed.panels.shape[0] == weight.rows // 8
+        assert torch.equal(quant_ops.linear(x, packed), quant_ops.linear(x, weight))
+        assert torch.equal(quant_ops.linear(x[:3], packed), quant_ops.linear(x[:3], weight))  # tiles: no panels
+
+    def fresh(weight: quant_ops.QuantizedWeight) -> torch.Tensor:
+        return quant_ops.QuantizedWeight(weight.kind, weight.data.clone(), weight.cols).with_panels().panels
+
+    # Fusing whole panels concatenates them; a part that ends in a partial panel makes the whole be laid out again.
+    fused = quant_ops.QuantizedWeight.cat([p.with_panels() for p in parts])
+    assert torch.equal(fused.panels, fresh(fused))
+    odd_first = quant_ops.QuantizedWeight.cat([parts[2].with_panels(), parts[0].with_panels()])
+    assert odd_first.rows == 29 and torch.equal(odd_first.panels, fresh(odd_first))
+    # Row slices on panel boundaries are views of the panels; others are laid out again.
+    for index in (slice(16, 40), slice(40, 53), slice(5, 30), slice(0, 53)):
+        part = fused.slice_rows(index)
+        assert torch.equal(part.panels, fresh(part))
+        if index.start % 8 == 0:
+            assert part.panels.untyped_storage().data_ptr() == fused.panels.untyped_storage().data_ptr()
+        plain = quant_ops.QuantizedWeight(part.kind, part.data, part.cols)
+        assert torch.equal(quant_ops.linear(x, part), quant_ops.linear(x, plain))
+
+
 def test_a_batch_of_prompt_chunks_with_a_residual_takes_the_int8_kernel():
     raw = random_blocks(40, 128, Q.Q8_0, seed=3)
     weight = quant_ops.from_gguf(raw, Q.Q8_0, 40, 128)
@@ -155,6 +185,7 @@ def test_loader_keeps_blocks_and_fast_paths_fuse_them(tmp_path, tied):
     quantized = load_model(tmp_path / "q.gguf", quantization="gguf")
     linears = [m for m in quantized.modules() if isinstance(m, quant_ops.QuantizedLinear)]
     assert len(linears) == 2 * 7 + 1  # every projection and the LM head
+    assert all((m.qweight.panels is not None) == quant_ops.available() for m in linears)
     assert quantized.lm_head.qweight.kind == (quant_ops.Q8_0 if tied else quant_ops.Q4_0)
     assert "lm_head.weight" not in dict(quantized.named_parameters())
     for model in (plain, quantized):
@@ -162,6 +193,7 @@ def test_loader_keeps_blocks_and_fast_paths_fuse_them(tmp_path, tied):
         bind_cache(model, num_blocks=16, block_size=BLOCK)
     attn = quantized.model.layers[0].self_attn
     assert isinstance(attn, FusedAttention) and isinstance(attn.qkv_weight, quant_ops.QuantizedWeight)
+    assert (attn.qkv_weight.panels is not None) == quant_ops.available()
     seq = [7, 1, 200, 31, 9, 44, 3, 120, 18]
     (want,) = forward_packed(plain, [(seq, 0, [9, 2, 4])], BLOCK)
     (got,) = forward_packed(quantized, [(seq, 0, [9, 2, 4])], BLOCK)

@@ -81,19 +81,23 @@ class NativeDecoder:
         assert k0 is not None
         self.quantized = NativeDecoder.quantized(model)
         self._tensors: list[torch.Tensor] = []
-        addresses, kinds = [], []
+        addresses, kinds, panels = [], [], []
         for layer in layers:
             parts = self._layer_tensors(layer)
             addresses.append([0 if t is None else t.data_ptr() for t in parts])
             self._tensors += [t for t in parts if t is not None]
-            kinds.append([w.kind if isinstance(w, QuantizedWeight) else -1 for w in self._projections(layer)])
+            projections = self._projections(layer)
+            kinds.append([w.kind if isinstance(w, QuantizedWeight) else -1 for w in projections])
+            layer_panels = [w.panels if isinstance(w, QuantizedWeight) else None for w in projections]
+            panels.append([0 if p is None else p.data_ptr() for p in layer_panels])
+            self._tensors += [p for p in layer_panels if p is not None]
         self._tensors.append(model.model.norm.weight)
         native = module.DecoderBf16 if model.model.norm.weight.dtype is torch.bfloat16 else module.DecoderF32
         self._decoder = native(
             hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, num_blocks=k0.shape[0], block_size=k0.shape[1],
             max_position=cfg.max_position, rms_eps=cfg.rms_eps, attention_scale=layers[0].self_attn.scale,
-            layers=addresses, final_norm=model.model.norm.weight.data_ptr(), quant_types=kinds,
+            layers=addresses, final_norm=model.model.norm.weight.data_ptr(), quant_types=kinds, quant_panels=panels,
         )  # fmt: skip
         self._embed = model.model.embed_tokens
         self._rotary = model.model.rotary

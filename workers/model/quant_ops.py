@@ -8,10 +8,12 @@ with float32 scales (`repack`). The GGUF loader builds these instead of dequanti
 `QuantizedLinear` (a cpu_ops.Linear without a float weight) computes with them; fast_paths fuses q/k/v and gate/up
 of one block type into one QuantizedWeight as it fuses float weights.
 
-For many input rows (prompt chunks, large decode batches: 32 or more) the kernel lays weight rows out again in panels
-of 8 rows (kernels/cpu_quant.h). Every block format takes the int8 kernel at every row count: a float32 GEMM on the
-natively dequantized weight (`dequantize`) measured slower for each of them, the 8-bit ones included, at 32-2,048 rows
-on SmolLM2's shapes (`benchmarks/quantized.py --routes`, docs/serving.md#quantized-gguf-weights).
+For many input rows (prompt chunks, large decode batches: 32 or more) the kernel reads weight rows in panels of 8 rows
+(kernels/cpu_quant.h), laid out once at load (`QuantizedWeight.panels`, beside the blocks, which one to 31 input rows
+read: about as many bytes again, 7-9% off a 64-row step's products). Every block format takes the int8 kernel at
+every row count: a float32 GEMM on the natively dequantized weight (`dequantize`) measured slower for each of them,
+the 8-bit ones included, at 32-2,048 rows on SmolLM2's shapes (`benchmarks/quantized.py --routes`,
+docs/serving.md#quantized-gguf-weights).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 # The kernel's block formats (kernels/cpu_quant.h QuantType) and the GGUF type each comes from.
 Q8_0, Q4_0, Q4_1, Q4_1F, Q8_2F = range(5)
 BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q4_1F: 24, Q8_2F: 40}
+PANEL_ROWS = 8  # weight rows per panel (kernels/cpu_quant_blocks.h kPanelRows)
 _FROM_GGUF = {GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q4_0: Q4_0, GGMLQuantizationType.Q4_1: Q4_1,
               GGMLQuantizationType.Q4_K: Q4_1F, GGMLQuantizationType.Q6_K: Q8_2F}  # fmt: skip
 QUANTIZED_GGUF_TYPES = tuple(_FROM_GGUF)
@@ -41,11 +44,13 @@ def available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """`data`: uint8 [rows, blocks * BLOCK_BYTES[kind]], row-major; the matrix is [rows, cols] with cols = 32 blocks."""
+    """`data`: uint8 [rows, blocks * BLOCK_BYTES[kind]], row-major; the matrix is [rows, cols] with cols = 32 blocks.
+    `panels`: None, or uint8 [rows // 8, panel bytes] holding each 8 rows as the kernel's panels (`with_panels`)."""
 
     kind: int
     data: torch.Tensor
     cols: int
+    panels: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -55,14 +60,37 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 
+    def with_panels(self) -> QuantizedWeight:
+        """This weight with its panels laid out (where the AVX2 kernel runs; else as it is)."""
+        if self.panels is not None or not available():
+            return self
+        per_panel = cpu_ops._MODULE.quant_panel_bytes(self.kind, PANEL_ROWS, self.cols)
+        panels = torch.empty((self.rows // PANEL_ROWS, per_panel), dtype=torch.uint8)
+        data = self.data.contiguous()
+        cpu_ops._MODULE.pack_quant_panels(self.kind, data.data_ptr(), data.numel(), panels.data_ptr(), panels.numel(),
+                                          self.rows, self.cols, threads=torch.get_num_threads())  # fmt: skip
+        return QuantizedWeight(self.kind, data, self.cols, panels)
+
     def slice_rows(self, index: slice) -> QuantizedWeight:
-        return QuantizedWeight(self.kind, self.data[index].contiguous(), self.cols)
+        start, stop, step = index.indices(self.rows)
+        part = QuantizedWeight(self.kind, self.data[index].contiguous(), self.cols)
+        if self.panels is None:
+            return part
+        if step == 1 and start % PANEL_ROWS == 0 and (stop % PANEL_ROWS == 0 or stop == self.rows):
+            # Whole panels (and the unpanelled rows past the last one): a view of these panels.
+            return dataclasses.replace(part, panels=self.panels[start // PANEL_ROWS : stop // PANEL_ROWS])
+        return part.with_panels()
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         if len({(p.kind, p.cols) for p in parts}) != 1:
             raise ValueError("only weights of one block type and width can be fused")
-        return QuantizedWeight(parts[0].kind, torch.cat([p.data for p in parts]).contiguous(), parts[0].cols)
+        whole = QuantizedWeight(parts[0].kind, torch.cat([p.data for p in parts]).contiguous(), parts[0].cols)
+        if all(p.panels is None for p in parts):
+            return whole
+        if all(p.panels is not None for p in parts) and all(p.rows % PANEL_ROWS == 0 for p in parts[:-1]):
+            return dataclasses.replace(whole, panels=torch.cat([p.panels for p in parts]))  # type: ignore[misc]
+        return whole.with_panels()
 
 
 def can_quantize(gguf_type: GGMLQuantizationType, cols: int) -> bool:
@@ -169,12 +197,14 @@ def linear(
                 raise ValueError(f"quantized linear: {name} must be {x.dtype} of shape {tuple(shape)}")
             extras[name] = t.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype)
+    panels = weight.panels
     if rows:
         cpu_ops._MODULE.linear_quant(
             x.dtype is torch.bfloat16, weight.kind, x2.data_ptr(), weight.data.data_ptr(), weight.data.numel(),
             extras["bias"].data_ptr() if "bias" in extras else 0, out.data_ptr(), rows, n, k,
             force_portable=force_portable, threads=torch.get_num_threads(),
             residual=extras["residual"].data_ptr() if "residual" in extras else 0,
+            panels=0 if panels is None else panels.data_ptr(), panel_bytes=0 if panels is None else panels.numel(),
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -189,13 +219,13 @@ class QuantizedLinear(cpu_ops.Linear):
 
 
 def become_quantized(module: nn.Linear, weight: QuantizedWeight) -> None:
-    """Turns a loaded nn.Linear into a QuantizedLinear over `weight`, dropping its float weight."""
+    """Turns a loaded nn.Linear into a QuantizedLinear over `weight` (with its panels), dropping its float weight."""
     if type(module) is not nn.Linear or weight.shape != tuple(module.weight.shape):
         raise ValueError(f"cannot quantize {type(module).__name__} of shape {tuple(module.weight.shape)} with blocks "
                          f"of shape {weight.shape}")  # fmt: skip
     del module.weight
     module.__class__ = QuantizedLinear
-    module.qweight = weight
+    module.qweight = weight.with_panels()
 
 
 def quantization_enabled(setting: str, device: torch.device | str, world_size: int) -> bool:
