@@ -10,10 +10,11 @@
 //
 // Decode rows (a few inputs) read each weight block once for every input row; for a single input row the 4-bit
 // formats put two weight rows' nibbles in one register, so each maddubs covers two rows, and the next tile of weight
-// rows is prefetched while one is computed. Prompt chunks and large batches (32 input rows or more) first lay each 8
-// weight rows out as a panel that holds 4 values of every row per register, so that one maddubs against 4 broadcast
-// input values covers 8 rows and the int32 sums come out one row per lane (for the 4-bit formats 1.5-2x a float32 GEMM
-// on dequantized weights). Threads take chunks of 16 weight rows as they free up.
+// rows is prefetched while one is computed. Prompt chunks and large batches (32 input rows or more) read each 8 weight
+// rows as a panel that holds 4 values of every row per register (laid out once by pack_quant_panels, or per call),
+// so that one maddubs against 4 broadcast input values covers 8 rows and the int32 sums come out one row per lane (for
+// the 4-bit formats 1.5-2x a float32 GEMM on dequantized weights). Threads take chunks of 16 weight rows as they free
+// up.
 #pragma once
 
 #include <cstddef>

@@ -10,10 +10,10 @@ of one block type into one QuantizedWeight as it fuses float weights.
 
 For many input rows (prompt chunks, large decode batches: 32 or more) the kernel reads weight rows in panels of 8 rows
 (kernels/cpu_quant.h), laid out once at load (`QuantizedWeight.panels`, beside the blocks, which one to 31 input rows
-read: about as many bytes again, 7-9% off a 64-row step's products). Every block format takes the int8 kernel at
-every row count: a float32 GEMM on the natively dequantized weight (`dequantize`) measured slower for each of them,
-the 8-bit ones included, at 32-2,048 rows on SmolLM2's shapes (`benchmarks/quantized.py --routes`,
-docs/serving.md#quantized-gguf-weights).
+read: one byte per value and float32 scales, 1-2.2x the blocks' own bytes, for 7-9% off a 64-row step's products).
+Every block format takes the int8 kernel at every row count: a float32 GEMM on the natively dequantized weight
+(`dequantize`) measured slower for each of them, the 8-bit ones included, at 32-2,048 rows on SmolLM2's shapes
+(`benchmarks/quantized.py --routes`, docs/serving.md#quantized-gguf-weights).
 """
 
 from __future__ import annotations
