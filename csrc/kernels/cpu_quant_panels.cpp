@@ -1,8 +1,9 @@
 // Many input rows against quantized weights: panels of 8 weight rows (kernels/cpu_quant_blocks.h
 // panel_products_avx2).
 //
-// For a prompt chunk or a large batch each weight block meets many input blocks, so a chunk's weight rows are first
-// laid out again, 8 rows at a time, as a panel: per block, register g holds values 4g..4g+3 of each of the 8 rows
+// For a prompt chunk or a large batch each weight block meets many input blocks, so the weight rows are laid out
+// again, 8 rows at a time, as panels (once for the whole weight by pack_quant_panels, or a chunk's rows per call): per
+// block, register g holds values 4g..4g+3 of each of the 8 rows
 // (row r in int32 lane r), beside the rows' scales and offsets in float32. One input block's four values 4g..4g+3,
 // broadcast to every lane, meet register g in one maddubs, whose sums already sit one row per lane: no horizontal
 // sums, and 8 outputs stored together. The 4-bit formats hold their nibbles as unsigned bytes; the 8-bit formats'
@@ -298,8 +299,9 @@ void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, co
     }
     const std::size_t after = j + count * kPanelRows;
     if (packed != nullptr) {
-      prefetch_range<_MM_HINT_T1>(reinterpret_cast<const uint8_t*>(packed + after / kPanelRows * blocks),
-                     reinterpret_cast<const uint8_t*>(packed + std::max(next, after) / kPanelRows * blocks));
+      const PanelBlock* from = packed + after / kPanelRows * blocks;
+      const PanelBlock* to = packed + std::max(next, after) / kPanelRows * blocks;
+      prefetch_range<_MM_HINT_T1>(reinterpret_cast<const uint8_t*>(from), reinterpret_cast<const uint8_t*>(to));
     } else {
       prefetch_range<_MM_HINT_T0>(w + after * row_bytes, w + std::max(next, after) * row_bytes);
     }
