@@ -336,6 +336,7 @@ PYBIND11_MODULE(_kernels, m) {
     }
     return ringserve::kernels::quant_panel_bytes(static_cast<ringserve::kernels::QuantType>(type), n, k);
   }, py::arg("type"), py::arg("n"), py::arg("k"), "Bytes of pack_quant_panels' output for n rows [n, k] of `type`.");
+  m.attr("quant_panel_rows") = ringserve::kernels::kQuantPanelRows;
   m.def("pack_quant_panels", &pack_quant_panels, py::arg("type"), py::arg("w"), py::arg("w_bytes"), py::arg("out"),
         py::arg("out_bytes"), py::arg("n"), py::arg("k"), py::arg("threads") = 1,
         "Lays out n rows of quantized weight blocks (w) once as the 8-row panels that linear_quant reads for products "

@@ -20,7 +20,6 @@ using quant::ActBlock;
 using quant::EpilogueOf;
 using quant::is_signed;
 using quant::kPanelMinInputs;
-using quant::kPanelRows;
 
 constexpr std::size_t kChunkRows = 16;  // weight rows per item handed to a thread
 // A matrix-vector product (one input row) uses every weight byte once, and the hardware prefetchers alone left a core
@@ -357,7 +356,7 @@ template <class T>
 void products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
                    const uint8_t* panels, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
   if (s.m >= kPanelMinInputs) {
-    const std::size_t panels_end = j0 + (j1 - j0) / kPanelRows * kPanelRows;
+    const std::size_t panels_end = j0 + (j1 - j0) / kQuantPanelRows * kQuantPanelRows;
     quant::panel_products_avx2<T>(type, s, block_bytes, act, w, panels, epi, y, j0, panels_end);
     j0 = panels_end;
   }

@@ -64,6 +64,7 @@ void linear_quant_bf16(LinearShape shape, QuantType type, std::span<const bf16_b
 // on SmolLM2). quant_panel_bytes is their size for n rows of k / 32 blocks of `type` (the first n / 8 * 8 rows; the
 // rest never take panels); pack_quant_panels writes them into out (exactly that size), over `threads` threads. Both
 // throw std::invalid_argument on a size mismatch, pack_quant_panels also where the AVX2 path does not run.
+constexpr std::size_t kQuantPanelRows = 8;  // weight rows per panel
 std::size_t quant_panel_bytes(QuantType type, std::size_t n, std::size_t k);
 void pack_quant_panels(QuantType type, std::size_t n, std::size_t k, std::span<const uint8_t> w,
                        std::span<uint8_t> out, int threads = 1);

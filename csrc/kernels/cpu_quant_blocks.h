@@ -61,15 +61,14 @@ __attribute__((target("f16c"))) inline Q8Header read_q8_header_f16c(const uint8_
   }
 }
 
-constexpr std::size_t kPanelRows = 8;  // weight rows per panel
 // From this many input rows every format takes panels. The 4-bit ones beat the tiles from 8 rows on SmolLM2's shapes
 // (1.7-2x), but they sum in another order, and the embedded model's greedy tokens with int8 inputs sit at the edge
 // of their accuracy bar (tests/workers/test_quant_ops.py): decode batches of fewer rows keep the tiles they had.
 constexpr std::size_t kPanelMinInputs = 32;
 
-// Weight rows [j0, j1) of `type` (j0 and j1 - j0 multiples of kPanelRows) against every input row of s.m, in panels
-// of 8 rows (kernels/cpu_quant_panels.cpp): read from `panels` (pack_quant_panels' layout of all of w) when it is not
-// null, else laid out here. act: s.m rows of s.k / 32 blocks; y: s.m * s.n.
+// Weight rows [j0, j1) of `type` (j0 and j1 - j0 multiples of kQuantPanelRows) against every input row of s.m, in
+// panels of 8 rows (kernels/cpu_quant_panels.cpp): read from `panels` (pack_quant_panels' layout of all of w) when it
+// is not null, else laid out here. act: s.m rows of s.k / 32 blocks; y: s.m * s.n.
 template <class T>
 void panel_products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act,
                          const uint8_t* w, const uint8_t* panels, const EpilogueOf<T>& epi, T* y, std::size_t j0,

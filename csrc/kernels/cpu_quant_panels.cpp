@@ -28,15 +28,15 @@ namespace {
 
 struct PanelBlock {
   uint8_t q[8][32];
-  float d[kPanelRows];  // 8-bit formats: the scale of values 0-15
-  float m[kPanelRows];  // 8-bit formats: the scale of values 16-31
+  float d[kQuantPanelRows];  // 8-bit formats: the scale of values 0-15
+  float m[kQuantPanelRows];  // 8-bit formats: the scale of values 16-31
 };
 
 // The 8 rows' half-precision field at byte `field` of each row's block at `at`, as 8 float32 lanes.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 halves8(const uint8_t* at, std::size_t row_bytes,
                                                               std::size_t field) {
-  uint16_t h[kPanelRows];
-  for (std::size_t r = 0; r < kPanelRows; ++r) h[r] = read_block_u16(at + r * row_bytes + field);
+  uint16_t h[kQuantPanelRows];
+  for (std::size_t r = 0; r < kQuantPanelRows; ++r) h[r] = read_block_u16(at + r * row_bytes + field);
   return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(h[0]), static_cast<int16_t>(h[1]),
                                         static_cast<int16_t>(h[2]), static_cast<int16_t>(h[3]),
                                         static_cast<int16_t>(h[4]), static_cast<int16_t>(h[5]),
@@ -58,23 +58,23 @@ __attribute__((target("avx2,fma,f16c"))) void pack_8_bit_panel(const uint8_t* w,
       _mm256_storeu_ps(out.d, d);
       _mm256_storeu_ps(out.m, d);
     } else {
-      for (std::size_t r = 0; r < kPanelRows; ++r) {
+      for (std::size_t r = 0; r < kQuantPanelRows; ++r) {
         const Q8Header h = read_q8_header_f16c<kType>(at + r * row_bytes);
         out.d[r] = h.d0;
         out.m[r] = h.d1;
       }
     }
-    __m256i row[kPanelRows];
-    for (std::size_t r = 0; r < kPanelRows; ++r) {
+    __m256i row[kQuantPanelRows];
+    for (std::size_t r = 0; r < kQuantPanelRows; ++r) {
       row[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(read_q8_header_f16c<kType>(at + r * row_bytes).qs));
     }
     // t: rows 2i and 2i + 1 interleaved; u: 4 rows' int32 g (low lane) and g + 4 (high lane).
-    __m256i t[kPanelRows];
+    __m256i t[kQuantPanelRows];
     for (std::size_t i = 0; i < 4; ++i) {
       t[2 * i] = _mm256_unpacklo_epi32(row[2 * i], row[2 * i + 1]);
       t[2 * i + 1] = _mm256_unpackhi_epi32(row[2 * i], row[2 * i + 1]);
     }
-    const __m256i u[kPanelRows] = {
+    const __m256i u[kQuantPanelRows] = {
         _mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]), _mm256_unpacklo_epi64(t[1], t[3]),
         _mm256_unpackhi_epi64(t[1], t[3]), _mm256_unpacklo_epi64(t[4], t[6]), _mm256_unpackhi_epi64(t[4], t[6]),
         _mm256_unpacklo_epi64(t[5], t[7]), _mm256_unpackhi_epi64(t[5], t[7])};
@@ -97,7 +97,7 @@ __attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w,
     __m256i pair[4];  // rows r and r + 4: their 16 nibble bytes in the low and high 128-bit lanes
     const uint8_t* at = w + j0 * row_bytes + b * block_bytes;
     if constexpr (kType == QuantType::kQ4_1F) {
-      for (std::size_t r = 0; r < kPanelRows; ++r) {
+      for (std::size_t r = 0; r < kQuantPanelRows; ++r) {
         const Q4Header h = read_q4_header_f16c<kType>(at + r * row_bytes);
         out.d[r] = h.d;
         out.m[r] = h.m;
@@ -108,7 +108,7 @@ __attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w,
       _mm256_storeu_ps(out.m, kType == QuantType::kQ4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0F))
                                                         : halves8(at, row_bytes, 2));
     }
-    for (std::size_t r = 0; r < kPanelRows; ++r) {
+    for (std::size_t r = 0; r < kQuantPanelRows; ++r) {
       const Q4Header h = read_q4_header_f16c<kType>(at + r * row_bytes);
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.qs));
       pair[r % 4] = r < 4 ? _mm256_castsi128_si256(q) : _mm256_inserti128_si256(pair[r % 4], q, 1);
@@ -187,9 +187,9 @@ template <class T>
 __attribute__((target("avx2,fma,f16c"))) inline void store_panel_row(LinearShape s, __m256 acc,
                                                                      const EpilogueOf<T>& epi, T* y, std::size_t i,
                                                                      std::size_t j0) {
-  float out[kPanelRows];
+  float out[kQuantPanelRows];
   _mm256_storeu_ps(out, acc);
-  for (std::size_t r = 0; r < kPanelRows; ++r) {
+  for (std::size_t r = 0; r < kQuantPanelRows; ++r) {
     float v = out[r];
     if (epi.bias != nullptr) v += load_scalar(epi.bias[j0 + r]);
     if (epi.residual != nullptr) v += load_scalar(epi.residual[i * s.n + j0 + r]);
@@ -231,7 +231,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_tile(LinearShape s, const Pa
     }
   }
   for (std::size_t i = 0; i < kInputs; ++i) {
-    for (std::size_t p = 0; p < kPanels; ++p) store_panel_row(s, acc[i][p], epi, y, i0 + i, j0 + p * kPanelRows);
+    for (std::size_t p = 0; p < kPanels; ++p) store_panel_row(s, acc[i][p], epi, y, i0 + i, j0 + p * kQuantPanelRows);
   }
 }
 
@@ -277,7 +277,7 @@ void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, co
                  const PanelBlock* packed, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
   constexpr std::size_t kInputs = 4;
   constexpr std::size_t kPanels = is_signed(kType) ? 1 : 2;
-  constexpr std::size_t kTileRows = kPanels * kPanelRows;
+  constexpr std::size_t kTileRows = kPanels * kQuantPanelRows;
   const std::size_t blocks = s.k / kQuantBlock;
   const std::size_t row_bytes = blocks * block_bytes;
   PanelBlock* buffer = packed == nullptr ? panel_buffer(kPanels * blocks) : nullptr;
@@ -287,20 +287,20 @@ void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, co
   // into L1 (a layer's projections 1.05-1.1x faster), packed panels into L2 (the tile's own panels, read again for
   // every 4 input rows, keep L1).
   auto take = [&](std::size_t j, std::size_t count) {
-    const std::size_t end = packed != nullptr ? s.n / kPanelRows * kPanelRows : s.n;
-    const std::size_t next = std::min(end, j + count * kPanelRows + kTileRows);
+    const std::size_t end = packed != nullptr ? s.n / kQuantPanelRows * kQuantPanelRows : s.n;
+    const std::size_t next = std::min(end, j + count * kQuantPanelRows + kTileRows);
     for (std::size_t p = 0; p < count; ++p) {
       if (packed != nullptr) {
-        panels[p] = packed + (j / kPanelRows + p) * blocks;
+        panels[p] = packed + (j / kQuantPanelRows + p) * blocks;
       } else {
-        pack_panel<kType>(w, blocks, block_bytes, j + p * kPanelRows, buffer + p * blocks);
+        pack_panel<kType>(w, blocks, block_bytes, j + p * kQuantPanelRows, buffer + p * blocks);
         panels[p] = buffer + p * blocks;
       }
     }
-    const std::size_t after = j + count * kPanelRows;
+    const std::size_t after = j + count * kQuantPanelRows;
     if (packed != nullptr) {
-      const PanelBlock* from = packed + after / kPanelRows * blocks;
-      const PanelBlock* to = packed + std::max(next, after) / kPanelRows * blocks;
+      const PanelBlock* from = packed + after / kQuantPanelRows * blocks;
+      const PanelBlock* to = packed + std::max(next, after) / kQuantPanelRows * blocks;
       prefetch_range<_MM_HINT_T1>(reinterpret_cast<const uint8_t*>(from), reinterpret_cast<const uint8_t*>(to));
     } else {
       prefetch_range<_MM_HINT_T0>(w + after * row_bytes, w + std::max(next, after) * row_bytes);
@@ -312,7 +312,7 @@ void panels_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, co
     panel_rows<kType, kInputs, kPanels>(s, panels, act, epi, y, j);
   }
   if constexpr (kPanels > 1) {
-    for (; j < j1; j += kPanelRows) {  // the rows short of a whole tile, one panel at a time
+    for (; j < j1; j += kQuantPanelRows) {  // the rows short of a whole tile, one panel at a time
       take(j, 1);
       panel_rows<kType, kInputs, 1>(s, panels, act, epi, y, j);
     }
@@ -346,7 +346,7 @@ std::size_t quant_panel_bytes(QuantType type, std::size_t n, std::size_t k) {
   if (k % kQuantBlock != 0) {
     throw std::invalid_argument("quant_panel_bytes: k (" + std::to_string(k) + ") is not a multiple of 32");
   }
-  return n / quant::kPanelRows * (k / kQuantBlock) * sizeof(quant::PanelBlock);
+  return n / kQuantPanelRows * (k / kQuantBlock) * sizeof(quant::PanelBlock);
 }
 
 void pack_quant_panels(QuantType type, std::size_t n, std::size_t k, std::span<const uint8_t> w,
@@ -363,8 +363,8 @@ void pack_quant_panels(QuantType type, std::size_t n, std::size_t k, std::span<c
   auto* panels = reinterpret_cast<quant::PanelBlock*>(out.data());
   quant::with_block_type(type, [&](auto t) {
     constexpr QuantType kType = decltype(t)::value;
-    for_each_item(n / quant::kPanelRows, threads, bytes >= kParallelValues, [&](std::size_t p) {
-      quant::pack_panel<kType>(w.data(), blocks, block_bytes, p * quant::kPanelRows, panels + p * blocks);
+    for_each_item(n / kQuantPanelRows, threads, bytes >= kParallelValues, [&](std::size_t p) {
+      quant::pack_panel<kType>(w.data(), blocks, block_bytes, p * kQuantPanelRows, panels + p * blocks);
     });
   });
 }

@@ -30,7 +30,6 @@ from torch import nn
 # The kernel's block formats (kernels/cpu_quant.h QuantType) and the GGUF type each comes from.
 Q8_0, Q4_0, Q4_1, Q4_1F, Q8_2F = range(5)
 BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q4_1F: 24, Q8_2F: 40}
-PANEL_ROWS = 8  # weight rows per panel (kernels/cpu_quant_blocks.h kPanelRows)
 _FROM_GGUF = {GGMLQuantizationType.Q8_0: Q8_0, GGMLQuantizationType.Q4_0: Q4_0, GGMLQuantizationType.Q4_1: Q4_1,
               GGMLQuantizationType.Q4_K: Q4_1F, GGMLQuantizationType.Q6_K: Q8_2F}  # fmt: skip
 QUANTIZED_GGUF_TYPES = tuple(_FROM_GGUF)
@@ -60,12 +59,18 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 
+    @staticmethod
+    def panel_rows() -> int:
+        """Weight rows per panel (kernels/cpu_quant.h kQuantPanelRows; the native kernels must be built)."""
+        return int(cpu_ops._MODULE.quant_panel_rows)
+
     def with_panels(self) -> QuantizedWeight:
         """This weight with its panels laid out (where the AVX2 kernel runs; else as it is)."""
         if self.panels is not None or not available():
             return self
-        per_panel = cpu_ops._MODULE.quant_panel_bytes(self.kind, PANEL_ROWS, self.cols)
-        panels = torch.empty((self.rows // PANEL_ROWS, per_panel), dtype=torch.uint8)
+        rows = self.panel_rows()
+        per_panel = cpu_ops._MODULE.quant_panel_bytes(self.kind, rows, self.cols)
+        panels = torch.empty((self.rows // rows, per_panel), dtype=torch.uint8)
         data = self.data.contiguous()
         cpu_ops._MODULE.pack_quant_panels(self.kind, data.data_ptr(), data.numel(), panels.data_ptr(), panels.numel(),
                                           self.rows, self.cols, threads=torch.get_num_threads())  # fmt: skip
@@ -76,9 +81,10 @@ class QuantizedWeight:
         part = QuantizedWeight(self.kind, self.data[index].contiguous(), self.cols)
         if self.panels is None:
             return part
-        if step == 1 and start % PANEL_ROWS == 0 and (stop % PANEL_ROWS == 0 or stop == self.rows):
+        rows = self.panel_rows()
+        if step == 1 and start % rows == 0 and (stop % rows == 0 or stop == self.rows):
             # Whole panels (and the unpanelled rows past the last one): a view of these panels.
-            return dataclasses.replace(part, panels=self.panels[start // PANEL_ROWS : stop // PANEL_ROWS])
+            return dataclasses.replace(part, panels=self.panels[start // rows : stop // rows])
         return part.with_panels()
 
     @staticmethod
@@ -88,7 +94,7 @@ class QuantizedWeight:
         whole = QuantizedWeight(parts[0].kind, torch.cat([p.data for p in parts]).contiguous(), parts[0].cols)
         if all(p.panels is None for p in parts):
             return whole
-        if all(p.panels is not None for p in parts) and all(p.rows % PANEL_ROWS == 0 for p in parts[:-1]):
+        if all(p.panels is not None for p in parts) and all(p.rows % whole.panel_rows() == 0 for p in parts[:-1]):
             return dataclasses.replace(whole, panels=torch.cat([p.panels for p in parts]))  # type: ignore[misc]
         return whole.with_panels()
 
