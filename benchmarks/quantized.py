@@ -15,7 +15,9 @@ Last line: one JSON object.
 - routes (`--routes` alone: only this): for each block format (`--formats`), on the model's projection shapes (random
   blocks) and input rows (`--rows`, default 32-1,024), `int8_ms` (quant_ops.linear) against `dequant_gemm_ms`,
   alternating rounds, best of the repeats; `int8_speedup` = dequant_gemm_ms / int8_ms; per format, `layer_m*` sums
-  one layer's four projections.
+  one layer's four projections. Where the CPU has AVX-512 VNNI (which products of 32 or more rows take with the
+  weight's packed panels, as loaded models have them), also `vnni_ms` (quant_ops.linear with panels) against
+  `avx2_panels_ms` (the same with avx2_only) and `vnni_speedup` = avx2_panels_ms / vnni_ms.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def random_weight(kind: int, rows: int, cols: int, rng: np.random.Generator) -> 
 
 def route_profile(model: Any, rows: tuple[int, ...], repeats: int, formats: list[str], rounds: int) -> dict[str, Any]:
     """Both routes of every block format on the shapes of `model`'s (fast-path) layer 0 (see the module docstring)."""
-    from ringserve.workers.model import quant_ops
+    from ringserve.workers.model import cpu_ops, quant_ops
 
     layer = model.model.layers[0]
     shapes = {"qkv": layer.self_attn.qkv_weight.shape, "o": layer.self_attn.o_proj.weight.shape,
@@ -120,13 +122,15 @@ def route_profile(model: Any, rows: tuple[int, ...], repeats: int, formats: list
     names = {quant_ops.Q8_0: "Q8_0", quant_ops.Q8_2F: "Q6_K", quant_ops.Q4_0: "Q4_0", quant_ops.Q4_1: "Q4_1",
              quant_ops.Q4_1F: "Q4_K"}  # fmt: skip
     rng = np.random.default_rng(0)
-    out: dict[str, Any] = {}
+    vnni = bool(cpu_ops._MODULE.has_avx512_vnni_quant())
+    out: dict[str, Any] = {"avx512_vnni": vnni}
     for kind, label in names.items():
         if label not in formats:
             continue
         totals = {m: [0.0, 0.0] for m in rows}
         for shape_name, (n, k) in shapes.items():
             weight = random_weight(kind, n, k, rng)
+            packed = weight.with_panels() if vnni else weight
             for m in rows:
                 x = torch.randn(m, k)
                 values = torch.empty(n, k)
@@ -142,6 +146,16 @@ def route_profile(model: Any, rows: tuple[int, ...], repeats: int, formats: list
                 out[f"{label}_{shape_name}_m{m}"] = {"int8_ms": round(int8_ms, 3),
                                                       "dequant_gemm_ms": round(dequant_ms, 3),
                                                       "int8_speedup": round(dequant_ms / int8_ms, 2)}  # fmt: skip
+                if vnni and m >= 32:
+                    fast = lambda x=x, w=packed: quant_ops.linear(x, w)  # noqa: E731
+                    avx2 = lambda x=x, w=packed: quant_ops.linear(x, w, avx2_only=True)  # noqa: E731
+                    ab: dict[str, list[float]] = {"vnni": [], "avx2": []}
+                    for _ in range(rounds):  # alternating
+                        ab["vnni"].append(best_ms(fast, repeats))
+                        ab["avx2"].append(best_ms(avx2, repeats))
+                    out[f"{label}_{shape_name}_m{m}"].update(
+                        vnni_ms=round(min(ab["vnni"]), 3), avx2_panels_ms=round(min(ab["avx2"]), 3),
+                        vnni_speedup=round(min(ab["avx2"]) / min(ab["vnni"]), 2))  # fmt: skip
                 print(label, shape_name, m, out[f"{label}_{shape_name}_m{m}"], file=sys.stderr, flush=True)
         for m, (int8_ms, dequant_ms) in totals.items():
             out[f"{label}_layer_m{m}"] = {"int8_ms": round(int8_ms, 3), "dequant_gemm_ms": round(dequant_ms, 3),

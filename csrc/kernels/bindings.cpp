@@ -259,13 +259,15 @@ void bind_decoder(py::module_& m, const char* name, const char* doc) {
 // The weight blocks' byte count is checked against m, n, k and the type by the kernel.
 void linear_quant(bool bf16, int type, std::uintptr_t x, std::uintptr_t w, std::size_t w_bytes, std::uintptr_t bias,
                   std::uintptr_t y, std::size_t m, std::size_t n, std::size_t k, bool force_portable, int threads,
-                  std::uintptr_t residual, std::uintptr_t panels, std::size_t panel_bytes) {
+                  std::uintptr_t residual, std::uintptr_t panels, std::size_t panel_bytes, bool avx2_only) {
   namespace k_ = ringserve::kernels;
   const auto qtype = static_cast<k_::QuantType>(type);
   if (type < 0 || type > static_cast<int>(k_::QuantType::kQ8_2F)) throw py::value_error("unknown weight block type");
   const auto ws = view<const uint8_t>(w, w_bytes);
   const auto ps = panels == 0 ? std::span<const uint8_t>{} : view<const uint8_t>(panels, panel_bytes);
-  const k_::QuantPath path = force_portable ? k_::QuantPath::kPortable : k_::QuantPath::kFastest;
+  const k_::QuantPath path = force_portable ? k_::QuantPath::kPortable
+                             : avx2_only    ? k_::QuantPath::kAvx2
+                                            : k_::QuantPath::kFastest;
   const auto run = [&](auto tag, auto fn) {
     using T = decltype(tag);
     const auto bs = bias == 0 ? std::span<const T>{} : view<const T>(bias, n);
@@ -319,17 +321,20 @@ PYBIND11_MODULE(_kernels, m) {
         "/ avx512f_only pick a path for tests.");
   m.def("has_avx2_quant", &ringserve::kernels::has_avx2_quant,
         "True when linear_quant has its AVX2 path here (AVX2, FMA, F16C).");
+  m.def("has_avx512_vnni_quant", &ringserve::kernels::has_avx512_vnni_quant,
+        "True when linear_quant's products of many input rows with packed panels take AVX-512 VNNI here.");
   m.def("quant_block_bytes", [](int type) {
     return ringserve::kernels::quant_block_bytes(static_cast<ringserve::kernels::QuantType>(type));
   }, py::arg("type"), "Bytes per 32-value weight block of a QuantType value.");
   m.def("linear_quant", &linear_quant, py::arg("bf16"), py::arg("type"), py::arg("x"), py::arg("w"),
         py::arg("w_bytes"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("force_portable") = false, py::arg("threads") = 1, py::arg("residual") = 0, py::arg("panels") = 0,
-        py::arg("panel_bytes") = 0,
+        py::arg("panel_bytes") = 0, py::arg("avx2_only") = false,
         "y[m, n] = x[m, k] @ W^T (+ bias) (+ residual), W being n rows of quantized weight blocks (kernels/cpu_quant.h; "
         "type: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_1F, 4 Q8_2F), on contiguous float32 or bfloat16 memory given by address; "
         "the input rows are quantized per 32 values to int8. panels: W's panels (pack_quant_panels), 0 for none. "
-        "force_portable picks the portable loops for tests.");
+        "force_portable picks the portable loops, avx2_only the AVX2 path where AVX-512 VNNI runs (tests, "
+        "benchmarks).");
   m.def("quant_panel_bytes", [](int type, std::size_t n, std::size_t k) {
     if (type < 0 || type > static_cast<int>(ringserve::kernels::QuantType::kQ8_2F)) {
       throw py::value_error("unknown weight block type");

@@ -350,14 +350,20 @@ void rows_avx2(LinearShape s, std::size_t block_bytes, const ActBlock* act, cons
   for (; j < j1; ++j) column_avx2<kType, 1>(s, block_bytes, act, w, epi, y, j);
 }
 
-// Weight rows [j0, j1) against every input row: from kPanelMinInputs input rows in 8-row panels
-// (kernels/cpu_quant_panels.cpp) as far as they go, the rest in rows_avx2's tiles.
+// Weight rows [j0, j1) against every input row: from kPanelMinInputs input rows in 8-row panels as far as they go
+// (packed panels with AVX-512 VNNI where `vnni`, kernels/cpu_quant_panels_vnni.cpp; else kernels/cpu_quant_panels.cpp),
+// the rest in rows_avx2's tiles.
 template <class T>
 void products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
-                   const uint8_t* panels, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
+                   const uint8_t* panels, bool vnni, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1) {
   if (s.m >= kPanelMinInputs) {
     const std::size_t panels_end = j0 + (j1 - j0) / kQuantPanelRows * kQuantPanelRows;
-    quant::panel_products_avx2<T>(type, s, block_bytes, act, w, panels, epi, y, j0, panels_end);
+    if (vnni && panels != nullptr) {
+      quant::panel_products_avx512_vnni<T>(type, s, act, reinterpret_cast<const quant::PanelBlock*>(panels), epi, y,
+                                           j0, panels_end);
+    } else {
+      quant::panel_products_avx2<T>(type, s, block_bytes, act, w, panels, epi, y, j0, panels_end);
+    }
     j0 = panels_end;
   }
   if (j0 == j1) return;
@@ -386,7 +392,8 @@ void linear_quant(const char* op, LinearShape s, QuantType type, std::span<const
   if (!residual.empty()) require_size(op, "residual", residual.size(), s.m * s.n);
   if (!panels.empty()) require_size(op, "panels", panels.size(), quant_panel_bytes(type, s.n, s.k));
   if (s.m == 0 || s.n == 0) return;
-  const bool avx2 = path == QuantPath::kFastest && has_avx2_quant();
+  const bool avx2 = path != QuantPath::kPortable && has_avx2_quant();
+  const bool vnni = path == QuantPath::kFastest && has_avx512_vnni_quant();
   ActBlock* act = activation_buffer(s.m * blocks);
   const T* xs = x.data();
   for_each_item(s.m, threads, s.m * s.k >= kParallelValues, [&](std::size_t i) {
@@ -405,8 +412,8 @@ void linear_quant(const char* op, LinearShape s, QuantType type, std::span<const
     const std::size_t j0 = c * kChunkRows;
     const std::size_t j1 = std::min(s.n, j0 + kChunkRows);
     if (avx2) {
-      products_avx2<T>(type, s, block_bytes, act, w.data(), panels.empty() ? nullptr : panels.data(), epi, y.data(),
-                       j0, j1);
+      products_avx2<T>(type, s, block_bytes, act, w.data(), panels.empty() ? nullptr : panels.data(), vnni, epi,
+                       y.data(), j0, j1);
     } else {
       rows_portable<T>(s, type, block_bytes, act, w.data(), epi, y.data(), j0, j1);
     }
@@ -444,6 +451,13 @@ std::size_t quant_block_bytes(QuantType type) {
 bool has_avx2_quant() {
   static const bool supported =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return supported;
+}
+
+bool has_avx512_vnni_quant() {
+  static const bool supported = has_avx2_quant() && __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512vnni");
   return supported;
 }
 

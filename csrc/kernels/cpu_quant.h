@@ -43,8 +43,13 @@ std::size_t quant_block_bytes(QuantType type);
 
 // True when this CPU runs the AVX2 path (AVX2, FMA and F16C).
 bool has_avx2_quant();
+// True when products of many input rows with packed panels also take AVX-512 VNNI (AVX-512 F, BW, VL and VNNI):
+// one vpdpbusd per 64 multiply-adds, the same bits as the AVX2 panels.
+bool has_avx512_vnni_quant();
 
-enum class QuantPath { kFastest, kPortable };
+// kFastest: the fastest path this CPU has; kAvx2: the AVX2 path even where AVX-512 VNNI runs (to compare them);
+// kPortable: the portable loops.
+enum class QuantPath { kFastest, kAvx2, kPortable };
 
 // x: m*k, w: n rows of k/32 blocks, y: m*n, bias: n or empty, residual: m*n or empty (may be y itself). K must be a
 // multiple of 32. Throws std::invalid_argument on a size mismatch. Weight rows are split in chunks over `threads`

@@ -26,12 +26,6 @@ namespace ringserve::kernels::quant {
 
 namespace {
 
-struct PanelBlock {
-  uint8_t q[8][32];
-  float d[kQuantPanelRows];  // 8-bit formats: the scale of values 0-15
-  float m[kQuantPanelRows];  // 8-bit formats: the scale of values 16-31
-};
-
 // The 8 rows' half-precision field at byte `field` of each row's block at `at`, as 8 float32 lanes.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 halves8(const uint8_t* at, std::size_t row_bytes,
                                                               std::size_t field) {
@@ -127,12 +121,13 @@ __attribute__((target("avx2,fma,f16c"))) void pack_4_bit_panel(const uint8_t* w,
   }
 }
 
-// How one input block's sums against a panel block are formed and scaled: the panel tile below is written once over
-// this policy. Each gives weights(wq) (what a panel register becomes before it meets inputs), add(g, w, x4) (register
-// g against 4 broadcast input values) and scaled(d, m, a) (the block's 8 products in float32).
+// How one input block's sums against a panel block are formed: the panel tile below is written once over this
+// policy. Each gives weights(wq) (what a panel register becomes before it meets inputs), add(g, w, x4) (register g
+// against 4 broadcast input values) and add_to(acc, w, a) (the block's exact int32 sums through add_panel_block).
 
 // The 4-bit formats: nibbles (0-15) against int8 inputs; the 8 registers' int16 sums stay within int16
 // (8 x 2 x 15 x 127 < 32768), so a block costs 8 maddubs, 8 int16 adds and one madd for 8 rows.
+template <QuantType kType>
 struct NibbleSums {
   __m256i sums{};
 
@@ -143,11 +138,8 @@ struct NibbleSums {
     // results to the stack (1.2x slower).
     asm("" : "+x"(sums));
   }
-  // The block's scaled dot product and its offset term (often of opposite signs and larger than their sum) meet
-  // before the running sum, which then rounds only what the block adds.
-  __attribute__((target("avx2,fma,f16c"))) __m256 scaled(__m256 d, __m256 m, const ActBlock& a) const {
-    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
-    return _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_mul_ps(m, _mm256_set1_ps(a.s)));
+  __attribute__((target("avx2,fma,f16c"))) __m256 add_to(__m256 acc, const PanelBlock& w, const ActBlock& a) const {
+    return add_panel_block<kType>(acc, _mm256_madd_epi16(sums, _mm256_set1_epi16(1)), __m256i{}, w, a);
   }
 };
 
@@ -167,35 +159,17 @@ struct SignedSums {
     const __m256i pairs = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x4, w.sign));
     sums[g / 4] = _mm256_add_epi32(sums[g / 4], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
-  __attribute__((target("avx2,fma,f16c"))) __m256 scaled(__m256 d0, __m256 d1, const ActBlock& a) const {
-    const __m256 dx = _mm256_set1_ps(a.d);
+  __attribute__((target("avx2,fma,f16c"))) __m256 add_to(__m256 acc, const PanelBlock& w, const ActBlock& a) const {
     if constexpr (kType == QuantType::kQ8_0) {
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1])), _mm256_mul_ps(d0, dx));
+      return add_panel_block<kType>(acc, _mm256_add_epi32(sums[0], sums[1]), __m256i{}, w, a);
     } else {
-      const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0]), d0,
-                                          _mm256_mul_ps(_mm256_cvtepi32_ps(sums[1]), d1));
-      return _mm256_mul_ps(both, dx);
+      return add_panel_block<kType>(acc, sums[0], sums[1], w, a);
     }
   }
 };
 
 template <QuantType kType>
-using PanelSums = std::conditional_t<is_signed(kType), SignedSums<kType>, NibbleSums>;
-
-// Row i's 8 outputs from lane r of acc, with bias and residual, rounded once to T.
-template <class T>
-__attribute__((target("avx2,fma,f16c"))) inline void store_panel_row(LinearShape s, __m256 acc,
-                                                                     const EpilogueOf<T>& epi, T* y, std::size_t i,
-                                                                     std::size_t j0) {
-  float out[kQuantPanelRows];
-  _mm256_storeu_ps(out, acc);
-  for (std::size_t r = 0; r < kQuantPanelRows; ++r) {
-    float v = out[r];
-    if (epi.bias != nullptr) v += load_scalar(epi.bias[j0 + r]);
-    if (epi.residual != nullptr) v += load_scalar(epi.residual[i * s.n + j0 + r]);
-    store_scalar(&y[i * s.n + j0 + r], v);
-  }
-}
+using PanelSums = std::conditional_t<is_signed(kType), SignedSums<kType>, NibbleSums<kType>>;
 
 // kInputs input rows from i0 against kPanels panels (weight rows [j0, j0 + 8 kPanels)): each broadcast input group
 // meets every panel's register before the next is loaded.
@@ -225,9 +199,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_tile(LinearShape s, const Pa
       }
     }
     for (std::size_t p = 0; p < kPanels; ++p) {
-      const __m256 d = _mm256_loadu_ps(panels[p][b].d);
-      const __m256 m = _mm256_loadu_ps(panels[p][b].m);
-      for (std::size_t i = 0; i < kInputs; ++i) acc[i][p] = _mm256_add_ps(acc[i][p], sums[i][p].scaled(d, m, *a[i]));
+      for (std::size_t i = 0; i < kInputs; ++i) acc[i][p] = sums[i][p].add_to(acc[i][p], panels[p][b], *a[i]);
     }
   }
   for (std::size_t i = 0; i < kInputs; ++i) {

@@ -182,9 +182,11 @@ def linear(
     residual: torch.Tensor | None = None,
     *,
     force_portable: bool = False,
+    avx2_only: bool = False,
 ) -> torch.Tensor:
     """cpu_ops.linear for a float weight; for a QuantizedWeight, x @ W^T (+ bias) (+ residual) by the native int8
-    kernel (x float32 or bfloat16 on the CPU; the output has x's dtype)."""
+    kernel (x float32 or bfloat16 on the CPU; the output has x's dtype). force_portable / avx2_only pick the portable
+    loops / the AVX2 path where AVX-512 VNNI runs (tests and benchmarks)."""
     if not isinstance(weight, QuantizedWeight):
         return cpu_ops.linear(x, weight, bias, residual)
     if cpu_ops._MODULE is None:
@@ -208,7 +210,7 @@ def linear(
         cpu_ops._MODULE.linear_quant(
             x.dtype is torch.bfloat16, weight.kind, x2.data_ptr(), weight.data.data_ptr(), weight.data.numel(),
             extras["bias"].data_ptr() if "bias" in extras else 0, out.data_ptr(), rows, n, k,
-            force_portable=force_portable, threads=torch.get_num_threads(),
+            force_portable=force_portable, avx2_only=avx2_only, threads=torch.get_num_threads(),
             residual=extras["residual"].data_ptr() if "residual" in extras else 0,
             panels=0 if panels is None else panels.data_ptr(), panel_bytes=0 if panels is None else panels.numel(),
         )  # fmt: skip
