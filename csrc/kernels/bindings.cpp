@@ -322,7 +322,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("has_avx2_quant", &ringserve::kernels::has_avx2_quant,
         "True when linear_quant has its AVX2 path here (AVX2, FMA, F16C).");
   m.def("has_avx512_vnni_quant", &ringserve::kernels::has_avx512_vnni_quant,
-        "True when linear_quant's products of many input rows with packed panels take AVX-512 VNNI here.");
+        "True when linear_quant's AVX2 path takes AVX-512 VNNI here (its tiles, and its panels with packed ones).");
   m.def("quant_block_bytes", [](int type) {
     return ringserve::kernels::quant_block_bytes(static_cast<ringserve::kernels::QuantType>(type));
   }, py::arg("type"), "Bytes per 32-value weight block of a QuantType value.");

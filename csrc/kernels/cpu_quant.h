@@ -4,8 +4,9 @@
 // The input rows are first quantized per block of 32 values to int8 (scale = the block's largest magnitude / 127,
 // rounded to nearest even), keeping each block's scale and, for weight formats with an offset, its scaled sum; each
 // weight block then meets each input block in one integer dot product (int8 x int8, or uint8 nibbles x int8),
-// scaled once in float32. On AVX2 CPUs these are _mm256_maddubs_epi16 / _mm256_madd_epi16; elsewhere portable loops
-// compute the same sums (the reference the tests hold the AVX2 path to). The activations' quantization is the same
+// scaled once in float32. On AVX2 CPUs these are _mm256_maddubs_epi16 / _mm256_madd_epi16 (vpdpbusd where AVX-512
+// VNNI runs, the same integer sums); elsewhere portable loops compute the same sums (the reference the tests hold the
+// AVX2 path to). The activations' quantization is the same
 // code's result on both paths, bit for bit.
 //
 // Decode rows (a few inputs) read each weight block once for every input row; for a single input row the 4-bit
@@ -43,8 +44,8 @@ std::size_t quant_block_bytes(QuantType type);
 
 // True when this CPU runs the AVX2 path (AVX2, FMA and F16C).
 bool has_avx2_quant();
-// True when products of many input rows with packed panels also take AVX-512 VNNI (AVX-512 F, BW, VL and VNNI):
-// one vpdpbusd per 64 multiply-adds, the same bits as the AVX2 panels.
+// True when the AVX2 path's integer sums take AVX-512 VNNI here (AVX-512 F, BW, VL and VNNI): vpdpbusd in the tiles,
+// and in the panels where packed ones are given (kernels/cpu_quant_vnni.cpp); the same bits as AVX2.
 bool has_avx512_vnni_quant();
 
 // kFastest: the fastest path this CPU has; kAvx2: the AVX2 path even where AVX-512 VNNI runs (to compare them);

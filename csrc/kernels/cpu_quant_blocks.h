@@ -1,7 +1,7 @@
-// Internal to the quantized products (kernels/cpu_quant.cpp, kernels/cpu_quant_panels.cpp,
-// kernels/cpu_quant_panels_vnni.cpp; the public interface is kernels/cpu_quant.h): the quantized input blocks they
-// read, the epilogue they apply, the AVX2 readers of the 8-bit weight blocks' headers, the 8-row weight panels'
-// layout and per-block scaling, and the panels' two entry points.
+// Internal to the quantized products (kernels/cpu_quant.cpp, kernels/cpu_quant_tiles.h, kernels/cpu_quant_panels.cpp,
+// kernels/cpu_quant_vnni.cpp; the public interface is kernels/cpu_quant.h): the quantized input blocks they read, the
+// epilogue they apply, the AVX2 readers of the 8-bit weight blocks' headers, the 8-row weight panels' layout and
+// per-block scaling, and the entry points of the tiles and the panels on each instruction set.
 #pragma once
 
 #include <cstddef>
@@ -129,7 +129,7 @@ extern template void panel_products_avx2<bf16_bits>(QuantType, LinearShape, std:
                                                     const uint8_t*, const uint8_t*, const EpilogueOf<bf16_bits>&,
                                                     bf16_bits*, std::size_t, std::size_t);
 
-// The same products with AVX-512 VNNI (kernels/cpu_quant_panels_vnni.cpp), from the panels alone (`panels`: all of
+// The same products with AVX-512 VNNI (kernels/cpu_quant_vnni.cpp), from the panels alone (`panels`: all of
 // w's, as pack_quant_panels lays them out; j1 at most n / 8 * 8), bit for bit panel_products_avx2's outputs. Only
 // where has_avx512_vnni_quant().
 template <class T>
@@ -141,5 +141,14 @@ extern template void panel_products_avx512_vnni<float>(QuantType, LinearShape, c
 extern template void panel_products_avx512_vnni<bf16_bits>(QuantType, LinearShape, const ActBlock*,
                                                            const PanelBlock*, const EpilogueOf<bf16_bits>&,
                                                            bf16_bits*, std::size_t, std::size_t);
+
+// Weight rows [j0, j1) against every input row in tiles that read the weight blocks themselves
+// (kernels/cpu_quant_tiles.h): AVX2, and AVX-512 VNNI (only where has_avx512_vnni_quant()), the same bits.
+template <class T>
+void tile_products_avx2(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act, const uint8_t* w,
+                        const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1);
+template <class T>
+void tile_products_avx512_vnni(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act,
+                               const uint8_t* w, const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1);
 
 }  // namespace ringserve::kernels::quant

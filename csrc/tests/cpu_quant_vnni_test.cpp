@@ -1,6 +1,7 @@
-// The AVX-512 VNNI panels against the AVX2 panels, bit for bit, for every block type, input-row tile and tail, lone
-// last panel, chunking and output type: on SIMDe's portable AVX-512 (cpu_quant_vnni_emulated.cpp) on every AVX2 CPU,
-// and natively (also through linear_quant's public path choice) where the CPU has AVX-512 VNNI.
+// The AVX-512 VNNI products against the AVX2 ones, bit for bit: the panels for every block type, input-row tile and
+// tail, lone last panel, chunking and output type, and the tiles (1 to 31 input rows, every weight-row tail) for
+// every block type; on SIMDe's portable AVX-512 (cpu_quant_vnni_emulated.cpp) on every AVX2 CPU, and natively (also
+// through linear_quant's public path choice) where the CPU has AVX-512 VNNI.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +22,10 @@ namespace ringserve::kernels::quant {
 template <class T>
 void panel_products_avx512_vnni_emulated(QuantType type, LinearShape s, const ActBlock* act, const PanelBlock* panels,
                                          const EpilogueOf<T>& epi, T* y, std::size_t j0, std::size_t j1);
+template <class T>
+void tile_products_avx512_vnni_emulated(QuantType type, LinearShape s, std::size_t block_bytes, const ActBlock* act,
+                                        const uint8_t* w, const EpilogueOf<T>& epi, T* y, std::size_t j0,
+                                        std::size_t j1);
 }  // namespace ringserve::kernels::quant
 
 namespace {
@@ -48,6 +53,35 @@ std::vector<ActBlock> random_inputs(std::size_t m, std::size_t k, std::mt19937& 
   return act;
 }
 
+// Random weights of `type` (n rows of k / 32 blocks; the 8-bit formats with some -128s, valid in a file though the
+// quantizer never writes one), m rows of input blocks, a bias and a residual.
+template <class T>
+struct Case {
+  std::vector<uint8_t> w;
+  std::vector<ActBlock> act;
+  std::vector<T> bias;
+  std::vector<T> residual;
+};
+
+template <class T>
+Case<T> random_case(QuantType type, std::size_t m, std::size_t n, std::size_t k, unsigned seed) {
+  std::mt19937 gen(seed);
+  Case<T> c;
+  std::vector<double> values;
+  for (std::size_t b = 0; b < n * k / kQuantBlock; ++b) random_block(type, gen, c.w, values);
+  const std::size_t block_bytes = quant_block_bytes(type);
+  if (type == QuantType::kQ8_0 || type == QuantType::kQ8_2F) {
+    for (std::size_t b = 0; b < n * k / kQuantBlock; b += 3) c.w[(b + 1) * block_bytes - 1] = 0x80;
+  }
+  c.act = random_inputs(m, k, gen);
+  std::normal_distribution<float> normal;
+  c.bias.resize(n);
+  c.residual.resize(m * n);
+  for (auto& v : c.bias) v = from_float<T>(normal(gen));
+  for (auto& v : c.residual) v = from_float<T>(normal(gen));
+  return c;
+}
+
 using VnniEntry = void (*)(QuantType, LinearShape, const ActBlock*, const PanelBlock*, const EpilogueOf<float>&,
                            float*, std::size_t, std::size_t);
 using VnniEntryBf16 = void (*)(QuantType, LinearShape, const ActBlock*, const PanelBlock*,
@@ -57,31 +91,21 @@ using VnniEntryBf16 = void (*)(QuantType, LinearShape, const ActBlock*, const Pa
 // in chunks of 16 rows as linear_quant hands them to threads; the outputs must be the same bits.
 template <class T, class Entry>
 void compare(Entry vnni, QuantType type, std::size_t m, std::size_t n, std::size_t k, bool epilogue) {
-  std::mt19937 gen(static_cast<unsigned>(static_cast<int>(type) * 131 + m * 17 + n * 3 + k));
-  std::vector<uint8_t> w;
-  std::vector<double> values;
-  for (std::size_t b = 0; b < n * k / kQuantBlock; ++b) random_block(type, gen, w, values);
+  const auto seed = static_cast<unsigned>(static_cast<int>(type) * 131 + m * 17 + n * 3 + k);
+  const Case<T> c = random_case<T>(type, m, n, k, seed);
   const std::size_t block_bytes = quant_block_bytes(type);
-  if (type == QuantType::kQ8_0 || type == QuantType::kQ8_2F) {
-    // -128 is a valid int8 weight in a file even where the quantizer never writes it.
-    for (std::size_t b = 0; b < n * k / kQuantBlock; b += 3) w[(b + 1) * block_bytes - 1] = 0x80;
-  }
   std::vector<uint8_t> panels(quant_panel_bytes(type, n, k));
-  pack_quant_panels(type, n, k, w, panels);
+  pack_quant_panels(type, n, k, c.w, panels);
   const auto* packed = reinterpret_cast<const PanelBlock*>(panels.data());
-  const std::vector<ActBlock> act = random_inputs(m, k, gen);
-  std::normal_distribution<float> normal;
-  std::vector<T> bias(n), residual(m * n);
-  for (auto& v : bias) v = from_float<T>(normal(gen));
-  for (auto& v : residual) v = from_float<T>(normal(gen));
-  const EpilogueOf<T> epi{epilogue ? bias.data() : nullptr, epilogue ? residual.data() : nullptr};
+  const EpilogueOf<T> epi{epilogue ? c.bias.data() : nullptr, epilogue ? c.residual.data() : nullptr};
   const LinearShape s{m, n, k};
   const std::size_t rows = n / kQuantPanelRows * kQuantPanelRows;
   std::vector<T> want(m * n), whole(m * n), chunked(m * n);
-  quant::panel_products_avx2<T>(type, s, block_bytes, act.data(), w.data(), panels.data(), epi, want.data(), 0, rows);
-  vnni(type, s, act.data(), packed, epi, whole.data(), 0, rows);
+  quant::panel_products_avx2<T>(type, s, block_bytes, c.act.data(), c.w.data(), panels.data(), epi, want.data(), 0,
+                                rows);
+  vnni(type, s, c.act.data(), packed, epi, whole.data(), 0, rows);
   for (std::size_t j = 0; j < rows; j += 16) {
-    vnni(type, s, act.data(), packed, epi, chunked.data(), j, std::min(rows, j + 16));
+    vnni(type, s, c.act.data(), packed, epi, chunked.data(), j, std::min(rows, j + 16));
   }
   const bool same_whole = std::memcmp(want.data(), whole.data(), want.size() * sizeof(T)) == 0;
   const bool same_chunked = std::memcmp(want.data(), chunked.data(), want.size() * sizeof(T)) == 0;
@@ -109,6 +133,56 @@ void compare_all(Entry vnni, EntryBf16 vnni_bf16) {
   }
 }
 
+using TileEntry = void (*)(QuantType, LinearShape, std::size_t, const ActBlock*, const uint8_t*,
+                           const EpilogueOf<float>&, float*, std::size_t, std::size_t);
+using TileEntryBf16 = void (*)(QuantType, LinearShape, std::size_t, const ActBlock*, const uint8_t*,
+                               const EpilogueOf<bf16_bits>&, bf16_bits*, std::size_t, std::size_t);
+
+// Every weight row against m input rows through the tiles of `vnni` and of AVX2 (whole, and in chunks of 16 rows);
+// n = 45 ends in a lone row after the pairs, 46 in a pair.
+template <class T, class Entry, class Avx2Entry>
+void compare_tiles(Entry vnni, Avx2Entry avx2, QuantType type, std::size_t m, std::size_t n, std::size_t k) {
+  const auto seed = static_cast<unsigned>(static_cast<int>(type) * 977 + m * 31 + n * 7 + k);
+  const Case<T> c = random_case<T>(type, m, n, k, seed);
+  const std::size_t block_bytes = quant_block_bytes(type);
+  const EpilogueOf<T> epi{c.bias.data(), m % 2 == 0 ? c.residual.data() : nullptr};
+  const LinearShape s{m, n, k};
+  std::vector<T> want(m * n), whole(m * n), chunked(m * n);
+  avx2(type, s, block_bytes, c.act.data(), c.w.data(), epi, want.data(), 0, n);
+  vnni(type, s, block_bytes, c.act.data(), c.w.data(), epi, whole.data(), 0, n);
+  for (std::size_t j = 0; j < n; j += 16) {
+    vnni(type, s, block_bytes, c.act.data(), c.w.data(), epi, chunked.data(), j, std::min(n, j + 16));
+  }
+  const bool same = std::memcmp(want.data(), whole.data(), want.size() * sizeof(T)) == 0 &&
+                    std::memcmp(want.data(), chunked.data(), want.size() * sizeof(T)) == 0;
+  if (!same) {
+    std::fprintf(stderr, "  tiles: type %d, m %zu, n %zu, k %zu differ\n", static_cast<int>(type), m, n, k);
+  }
+  CHECK(same);
+}
+
+template <class Entry, class EntryBf16>
+void compare_all_tiles(Entry vnni, EntryBf16 vnni_bf16) {
+  for (const QuantType type : kTypes) {
+    for (const std::size_t n : {45, 46}) {
+      for (const std::size_t m : {1, 2, 3, 4, 5, 7, 9, 31}) {
+        compare_tiles<float>(vnni, static_cast<TileEntry>(&quant::tile_products_avx2<float>), type, m, n, 96);
+      }
+      compare_tiles<bf16_bits>(vnni_bf16, static_cast<TileEntryBf16>(&quant::tile_products_avx2<bf16_bits>), type, 6,
+                               n, 160);
+    }
+  }
+}
+
+TEST(emulated_vnni_tiles_give_the_avx2_tiles_bits) {
+  if (!has_avx2_quant()) {
+    std::fprintf(stderr, "  skipped: the emulated build runs on AVX2 and the AVX2 tiles are the reference\n");
+    return;
+  }
+  compare_all_tiles(static_cast<TileEntry>(&quant::tile_products_avx512_vnni_emulated<float>),
+                    static_cast<TileEntryBf16>(&quant::tile_products_avx512_vnni_emulated<bf16_bits>));
+}
+
 TEST(emulated_vnni_panels_give_the_avx2_panels_bits) {
   if (!has_avx2_quant()) {
     std::fprintf(stderr, "  skipped: the emulated build runs on AVX2 and the AVX2 panels are the reference\n");
@@ -125,21 +199,25 @@ TEST(native_vnni_panels_give_the_avx2_panels_bits) {
   }
   compare_all(static_cast<VnniEntry>(&quant::panel_products_avx512_vnni<float>),
               static_cast<VnniEntryBf16>(&quant::panel_products_avx512_vnni<bf16_bits>));
-  // Through the public entry: the fastest path (VNNI with packed panels) against the AVX2 one, 2 threads.
+  compare_all_tiles(static_cast<TileEntry>(&quant::tile_products_avx512_vnni<float>),
+                    static_cast<TileEntryBf16>(&quant::tile_products_avx512_vnni<bf16_bits>));
+  // Through the public entry: the fastest path (VNNI; panels from 32 rows) against the AVX2 one, 2 threads.
   for (const QuantType type : kTypes) {
-    const std::size_t m = 37, n = 45, k = 96;
-    std::mt19937 gen(static_cast<unsigned>(type));
-    std::vector<uint8_t> w;
-    std::vector<double> values;
-    for (std::size_t b = 0; b < n * k / kQuantBlock; ++b) random_block(type, gen, w, values);
-    std::vector<uint8_t> panels(quant_panel_bytes(type, n, k));
-    pack_quant_panels(type, n, k, w, panels);
-    std::normal_distribution<float> normal;
-    std::vector<float> x(m * k), fastest(m * n), avx2(m * n);
-    for (auto& v : x) v = normal(gen);
-    linear_quant_f32({m, n, k}, type, x, w, {}, fastest, QuantPath::kFastest, 2, {}, panels);
-    linear_quant_f32({m, n, k}, type, x, w, {}, avx2, QuantPath::kAvx2, 2, {}, panels);
-    CHECK(std::memcmp(fastest.data(), avx2.data(), avx2.size() * sizeof(float)) == 0);
+    for (const std::size_t m : {1, 5, 37}) {
+      const std::size_t n = 45, k = 96;
+      std::mt19937 gen(static_cast<unsigned>(type));
+      std::vector<uint8_t> w;
+      std::vector<double> values;
+      for (std::size_t b = 0; b < n * k / kQuantBlock; ++b) random_block(type, gen, w, values);
+      std::vector<uint8_t> panels(quant_panel_bytes(type, n, k));
+      pack_quant_panels(type, n, k, w, panels);
+      std::normal_distribution<float> normal;
+      std::vector<float> x(m * k), fastest(m * n), avx2(m * n);
+      for (auto& v : x) v = normal(gen);
+      linear_quant_f32({m, n, k}, type, x, w, {}, fastest, QuantPath::kFastest, 2, {}, panels);
+      linear_quant_f32({m, n, k}, type, x, w, {}, avx2, QuantPath::kAvx2, 2, {}, panels);
+      CHECK(std::memcmp(fastest.data(), avx2.data(), avx2.size() * sizeof(float)) == 0);
+    }
   }
 }
 

@@ -1,17 +1,18 @@
-// Many input rows against quantized weights' packed panels (kernels/cpu_quant_blocks.h PanelBlock) with AVX-512 VNNI.
+// The quantized products with AVX-512 VNNI (F, BW, VL and VNNI): the panels of 32 or more input rows below, and the
+// tiles of fewer rows (kernels/cpu_quant_tiles.h, included here with vpdpbusd as their lane-sum step).
 //
-// vpdpbusd multiplies 64 unsigned bytes by 64 signed bytes and adds each run of 4 products into an int32 lane, so a
-// panel register (4 values of each of 8 rows) against 4 broadcast input values is one instruction, with no int16
-// stage and no separate widening. A zmm register holds register g of two panels (16 weight rows); each input row's
-// int32 sums for a block stay in one zmm. The 4-bit formats' nibbles are the unsigned side. The 8-bit formats'
-// weights are signed, so the inputs become the unsigned side, offset by 128 (x ^ 0x80 is x + 128), and 128 times the
-// weights' sums (one vpdpbusd per register, shared by every input row of the tile) comes off again. These int32 sums
-// are exactly those of the AVX2 panels (kernels/cpu_quant_panels.cpp) and go through the same add_panel_block, so
-// both paths give the same bits.
+// Panels (kernels/cpu_quant_blocks.h PanelBlock, packed ones only). vpdpbusd multiplies 64 unsigned bytes by 64
+// signed bytes and adds each run of 4 products into an int32 lane, so a panel register (4 values of each of 8 rows)
+// against 4 broadcast input values is one instruction, with no int16 stage and no separate widening. A zmm register
+// holds register g of two panels (16 weight rows); each input row's int32 sums for a block stay in one zmm. The
+// 4-bit formats' nibbles are the unsigned side. The 8-bit formats' weights are signed, so the inputs become the
+// unsigned side, offset by 128 (x ^ 0x80 is x + 128), and 128 times the weights' sums (one vpdpbusd per register,
+// shared by every input row of the tile) comes off again. These int32 sums are exactly those of the AVX2 panels
+// (kernels/cpu_quant_panels.cpp) and go through the same add_panel_block, so both paths give the same bits.
 //
 // The tests build this file a second time with RINGSERVE_EMULATE_AVX512 (csrc/tests/cpu_quant_vnni_emulated.cpp):
-// SIMDe's portable AVX-512 on top of AVX2 stands in for the instructions, so the path is checked bit for bit against
-// the AVX2 panels on CPUs without AVX-512 as well (csrc/tests/cpu_quant_vnni_test.cpp).
+// SIMDe's portable AVX-512 on top of AVX2 stands in for the instructions, so both parts are checked bit for bit
+// against the AVX2 ones on CPUs without AVX-512 as well (csrc/tests/cpu_quant_vnni_test.cpp).
 #include "kernels/cpu_quant_blocks.h"
 
 #include <immintrin.h>
@@ -25,16 +26,21 @@
 #include <simde/x86/avx512.h>
 #define RINGSERVE_VNNI_TARGET "avx2,fma,f16c"
 #define RINGSERVE_VNNI_ENTRY panel_products_avx512_vnni_emulated
+#define RINGSERVE_TILE_ENTRY tile_products_avx512_vnni_emulated
 #else
 #define RINGSERVE_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 #define RINGSERVE_VNNI_ENTRY panel_products_avx512_vnni
+#define RINGSERVE_TILE_ENTRY tile_products_avx512_vnni
 #endif
+#define RINGSERVE_TILE_TARGET RINGSERVE_VNNI_TARGET
+#define RINGSERVE_TILE_VNNI 1
+#include "kernels/cpu_quant_tiles.h"
 
 namespace ringserve::kernels::quant {
 
 namespace {
 
-constexpr std::size_t kInputs = 8;  // input rows per tile
+constexpr std::size_t kTileInputs = 8;  // input rows per tile
 
 // int32 sums kept per input row and block: kQ8_2F keeps values 0-15 and 16-31 apart (each half has its own scale).
 template <QuantType kType>
@@ -100,15 +106,17 @@ __attribute__((target(RINGSERVE_VNNI_TARGET))) void vnni_tile(LinearShape s, con
   }
 }
 
-// Every input row against panels p0 and p1, kInputs rows at a time, then the rest in one tile.
+// Every input row against panels p0 and p1, kTileInputs rows at a time, then the rest in one tile.
 template <QuantType kType, class T>
 void vnni_rows(LinearShape s, const PanelBlock* p0, const PanelBlock* p1, bool second, const ActBlock* act,
                const EpilogueOf<T>& epi, T* y, std::size_t j0) {
   std::size_t i0 = 0;
-  for (; i0 + kInputs <= s.m; i0 += kInputs) vnni_tile<kType, kInputs>(s, p0, p1, second, act, epi, y, i0, j0);
+  for (; i0 + kTileInputs <= s.m; i0 += kTileInputs) {
+    vnni_tile<kType, kTileInputs>(s, p0, p1, second, act, epi, y, i0, j0);
+  }
   [&]<std::size_t... kRest>(std::index_sequence<kRest...>) {
     ((s.m - i0 == kRest + 1 ? vnni_tile<kType, kRest + 1>(s, p0, p1, second, act, epi, y, i0, j0) : void()), ...);
-  }(std::make_index_sequence<kInputs - 1>{});
+  }(std::make_index_sequence<kTileInputs - 1>{});
 }
 
 }  // namespace
