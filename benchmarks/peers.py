@@ -20,7 +20,8 @@ and llama.cpp's n_threads.
 Each engine runs at its best setting for this machine, listed under `settings` in the output: the dtype the CPU
 computes fastest (bfloat16 where it has AVX512-BF16 or AMX, else float32) for RingServe and vLLM, unless --dtype /
 --vllm-dtype say otherwise; llama.cpp on the same GGUF file RingServe serves (the embedded one is Q4_1), flash
-attention on. A peer whose environment is missing, or that fails to start, gets null figures and a reason under
+attention on; RingServe's `int8_kernels` says which instruction set its quantized products take here (AVX-512 VNNI,
+AVX2 or portable). A peer whose environment is missing, or that fails to start, gets null figures and a reason under
 `unavailable`. Per thread count the output has every figure (`by_threads`); the top-level keys are those of the
 first --threads value. Memory: each process's resident set (RingServe frontend, engine and worker; vLLM's
 processes; llama.cpp) after the rounds, and the KV cache each engine chose (blocks, tokens, bytes).
@@ -67,6 +68,17 @@ def best_dtype() -> str:
     """bfloat16 where the CPU has native bf16 dot products (AVX512-BF16, AMX), else float32."""
     flags = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
     return "bfloat16" if " avx512_bf16" in flags or " amx_bf16" in flags else "float32"
+
+
+def int8_kernels() -> str:
+    """The instruction set of the quantized-weight kernels a RingServe worker takes on this CPU (stated in the
+    output): avx512_vnni, avx2 or portable."""
+    from ringserve.workers.model import cpu_ops
+
+    module = cpu_ops._MODULE
+    if module is None or not module.has_avx2_quant():
+        return "portable"
+    return "avx512_vnni" if module.has_avx512_vnni_quant() else "avx2"
 
 
 # -- the workload ----------------------------------------------------------------------------------------------------
@@ -265,7 +277,8 @@ async def run_threads(threads: int, args: argparse.Namespace, model: Path, workl
     serve_args = argparse.Namespace(target="", model=str(model), dtype=dtype, max_num_seqs=max(args.num_prompts, 8),
                                     concurrency=args.num_prompts, num_kv_blocks=0, api=["ringserve"],
                                     server_arg=server_args, server_start_timeout=600.0)  # fmt: skip
-    settings: dict[str, Any] = {"ringserve": {"model": str(model), "dtype": dtype, "server_args": server_args}}
+    settings: dict[str, Any] = {"ringserve": {"model": str(model), "dtype": dtype, "server_args": server_args,
+                                              "int8_kernels": int8_kernels()}}  # fmt: skip
     peers: dict[str, PeerProcess] = {}
     try:
         for name in PEERS:
