@@ -25,6 +25,12 @@ Sections (each is timed and guarded: a failure is recorded under "errors" and th
   out) and the fraction reached.
 - attention: one layer's decode (and prefill) time of the Triton paged kernels against gather + SDPA, 8B
   attention shapes, a few batch x context sizes, with the largest output difference between the two.
+- host_cpu_int8: the lent machine's own CPU (a server CPU, often with AVX-512 VNNI, which the 2-core development
+  machines hide), one thread: the quantized-weight products on SmolLM2-135M's projection and LM-head shapes (random
+  Q4_1 and Q8_0 blocks with packed panels) at 1, 8 and 64 input rows, the fastest path (`avx512_vnni` where the
+  CPU has it) against the AVX2 one in alternating rounds, `vnni_speedup` per shape and row count and for the
+  shapes summed as one SmolLM2 decode step weighs them, and whether both gave the same bits (they must). Skipped
+  without the built native kernels (carry ringserve/_kernels*.so).
 """
 
 from __future__ import annotations
@@ -545,6 +551,52 @@ def bench_attention(
     return rows
 
 
+def host_cpu_int8(repeats: int) -> dict[str, Any]:
+    """The host_cpu_int8 section (see the module docstring)."""
+    from ringserve.workers.model import cpu_ops, quant_ops
+
+    module = cpu_ops._MODULE
+    if module is None or not module.has_avx2_quant():
+        return {"skipped": "the native kernels are not built here, or this CPU has no AVX2"}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quantized import best_ms, random_weight  # benchmarks/quantized.py
+
+    info = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    out: dict[str, Any] = {"cpu": cpu, "avx512_vnni": bool(module.has_avx512_vnni_quant()), "shapes": {}}
+    # SmolLM2-135M: fused qkv, o, gate_up, down per layer (30 layers), the tied LM head once per step.
+    shapes = {"qkv": (quant_ops.Q4_1, 960, 576, 30), "o": (quant_ops.Q4_1, 576, 576, 30),
+              "gate_up": (quant_ops.Q4_1, 3072, 576, 30), "down": (quant_ops.Q4_1, 576, 1536, 30),
+              "lm_head": (quant_ops.Q8_0, 49152, 576, 1)}  # fmt: skip
+    rng = np.random.default_rng(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step = {m: [0.0, 0.0] for m in (1, 8, 64)}
+        same = True
+        for name, (kind, rows, cols, count) in shapes.items():
+            weight = random_weight(kind, rows, cols, rng).with_panels()
+            for m in step:
+                x = torch.randn(m, cols)
+                same = same and torch.equal(quant_ops.linear(x, weight), quant_ops.linear(x, weight, avx2_only=True))
+                times: dict[str, list[float]] = {"fastest": [], "avx2": []}
+                for _ in range(3):  # alternating rounds
+                    times["fastest"].append(best_ms(lambda x=x, w=weight: quant_ops.linear(x, w), repeats))
+                    times["avx2"].append(best_ms(lambda x=x, w=weight: quant_ops.linear(x, w, avx2_only=True), repeats))
+                fastest, avx2 = min(times["fastest"]), min(times["avx2"])
+                step[m][0] += count * fastest
+                step[m][1] += count * avx2
+                out["shapes"][f"{name}_m{m}"] = {"fastest_ms": round(fastest, 4), "avx2_ms": round(avx2, 4),
+                                                 "vnni_speedup": round(avx2 / fastest, 2)}  # fmt: skip
+        out["same_bits"] = same
+        out["step"] = {f"m{m}": {"fastest_ms": round(f, 2), "avx2_ms": round(a, 2), "vnni_speedup": round(a / f, 2)}
+                       for m, (f, a) in step.items()}  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    progress(f"host_cpu_int8: {out['step']}")
+    return out
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
     try:
@@ -614,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
             figures["models"][shape] = result
             for backend, error in result.get("errors", {}).items():
                 report.errors[f"model {shape} [{backend}]"] = error
+    figures["host_cpu_int8"] = report.section("host_cpu_int8", lambda: host_cpu_int8(1 if args.dry_run else 5))
+    if figures["host_cpu_int8"] is not None and figures["host_cpu_int8"].get("same_bits") is False:
+        report.errors["host_cpu_int8"] = "the AVX-512 VNNI and AVX2 products differ"
     kernel_shape = "toy" if args.dry_run else "llama-3.1-8b"
     figures["attention_shape"] = kernel_shape
     if args.dry_run and not has_triton:

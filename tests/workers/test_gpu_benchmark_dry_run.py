@@ -40,6 +40,14 @@ def test_dry_run_fills_every_section_and_ends_with_one_json_line(tmp_path):
     if importlib.util.find_spec("transformers") is not None:  # the outside baseline, on the same prompts
         assert toy["hf_offline_tok_s"] > 0 and toy["offline_speedup_vs_hf"] > 0
     assert toy["streamed_bytes_per_token"] == toy["weight_bytes"]  # tied embedding: streamed once, as the LM head
+    # The host CPU's quantized products: the fastest path and the AVX2 one give the same bits (the same path here,
+    # unless this CPU has AVX-512 VNNI), every shape and row count timed.
+    int8 = report["host_cpu_int8"]
+    if "skipped" not in int8:
+        assert int8["same_bits"] is True
+        assert len(int8["shapes"]) == 15
+        assert all(v["fastest_ms"] > 0 and v["avx2_ms"] > 0 for v in int8["shapes"].values())
+        assert set(int8["step"]) == {"m1", "m8", "m64"}
     for kind in ("attention_decode", "attention_prefill"):
         if importlib.util.find_spec("triton") is None:
             assert report[kind] is None
